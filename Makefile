@@ -1,0 +1,37 @@
+# lmlab: `make run` (set up + train the default model + sample), `make test` (set up + all checks).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+RUN ?= runs/minigpt-$(shell date +%Y%m%d-%H%M%S)
+
+.PHONY: setup run test lint typecheck unit clean
+
+setup: $(STAMP)
+
+# torch first, pinned to the CPU build (a plain `torch` would pull a multi-GB CUDA build), then the
+# project with a constraint file that keeps torch at that version whatever a dependency asks for.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/lmlab train --out $(RUN)
+	$(BIN)/lmlab generate $(RUN) --prompt "ROMEO:" --max-new-tokens 300 --seed 1
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+typecheck: setup
+	$(BIN)/mypy src/lmlab
+
+unit: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
+
+test: lint typecheck unit
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

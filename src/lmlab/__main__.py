@@ -1,0 +1,7 @@
+"""``python -m lmlab`` (also what ``torchrun -m lmlab`` starts)."""
+
+import sys
+
+from lmlab.cli import main
+
+sys.exit(main())

@@ -1,0 +1,288 @@
+"""The ``lmlab`` command line: each subcommand calls exactly one library function.
+
+Errors a user can cause are printed as one ``error: ...`` line on stderr with exit code 2; any
+other exception prints one line too (exit 1) unless ``--debug`` asks for the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from lmlab.errors import LmlabError
+
+DESCRIPTION = """\
+lmlab: build, train, probe and compare Transformer language models.
+
+  lmlab train                         train the default Mini-GPT on tinyshakespeare
+  lmlab generate runs/minigpt --prompt "ROMEO:"
+  lmlab eval runs/minigpt             loss, perplexity and bits per byte on the val split
+  lmlab list                          every component variant a config can name
+"""
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device",
+        default=None,
+        choices=["auto", "cpu", "cuda", "mps"],
+        help="where to run (default: the config's train.device, 'auto': cuda, mps, then cpu)",
+    )
+    p.add_argument("--debug", action="store_true", help="show Python tracebacks on errors")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lmlab", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    t = sub.add_parser(
+        "train",
+        help="train a model and write a run folder",
+        description="Train a language model. Writes RUN/config.yaml, tokenizer.json, "
+        "checkpoints/step-NNNNNN/ (+ latest), metrics.jsonl, tb/ (TensorBoard) and loss.png.",
+    )
+    t.add_argument(
+        "--config",
+        help="YAML config (sections model, data, train); default: the "
+        "built-in Mini-GPT (same as configs/minigpt.yaml)",
+    )
+    t.add_argument(
+        "--data",
+        help="train on this UTF-8 text file (last data.val_fraction is "
+        "validation) or folder with train.txt/valid.txt/test.txt; same as "
+        "--set data.corpus=PATH",
+    )
+    t.add_argument("--out", help="run folder (default: runs/<config name>)")
+    t.add_argument(
+        "--max-steps", type=int, help="optimizer steps to train to (extends a resumed run)"
+    )
+    t.add_argument(
+        "--time-budget",
+        type=float,
+        metavar="SECONDS",
+        help="stop (with a checkpoint) after this many seconds of training",
+    )
+    t.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set model.position.kind=rope "
+        "--set model.attention.n_heads=8 (repeatable; values are YAML)",
+    )
+    t.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a run from its latest "
+        "checkpoint; only --max-steps, --time-budget and --device may change",
+    )
+    t.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar (default: when stderr is a terminal)",
+    )
+    _add_common(t)
+
+    e = sub.add_parser(
+        "eval",
+        help="loss, perplexity and bits per byte of a trained run",
+        description="Score a run's latest checkpoint. Text longer than the context is scored in "
+        "non-overlapping windows unless --stride is given. Prints name: value lines "
+        "(loss in nats/token, perplexity = exp(loss), bits_per_byte).",
+    )
+    e.add_argument("run", metavar="RUN_DIR")
+    e.add_argument(
+        "--split",
+        default="val",
+        choices=["train", "val", "test"],
+        help="corpus split to score (default: val; test only where the corpus has one)",
+    )
+    e.add_argument("--data", help="score this UTF-8 text file instead of a split")
+    e.add_argument(
+        "--stride",
+        type=int,
+        help="sliding-window stride in tokens (each window "
+        "scores only its last STRIDE tokens); default: the context length",
+    )
+    e.add_argument("--max-tokens", type=int, help="score only the first N tokens")
+    e.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_common(e)
+
+    g = sub.add_parser(
+        "generate",
+        help="sample text from a trained run (streams to stdout)",
+        description="Continue a prompt with the run's latest checkpoint, using the KV cache. "
+        "Stops at max-new-tokens, the tokenizer's end-of-sequence token or a stop string.",
+    )
+    g.add_argument("run", metavar="RUN_DIR")
+    g.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    g.add_argument(
+        "--top-k", type=int, default=0, help="sample among the K most likely tokens (0 = off)"
+    )
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    g.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="> 1 discourages tokens already present (1 = off)",
+    )
+    g.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="STR",
+        help="stop when this string appears (repeatable; not printed)",
+    )
+    g.add_argument("--seed", type=int, help="random seed for reproducible samples")
+    g.add_argument("--no-prompt", action="store_true", help="print only the continuation")
+    _add_common(g)
+
+    ls = sub.add_parser("list", help="list the component variants a config can choose by kind")
+    ls.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def _version() -> str:
+    from lmlab import __version__
+
+    return f"lmlab {__version__}"
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from lmlab.config import load_config
+    from lmlab.training.trainer import train
+
+    overrides = list(args.set)
+    if args.data:
+        overrides.append(f"data.corpus={json.dumps(args.data)}")
+    cfg = None
+    if not args.resume:
+        cfg = load_config(args.config, overrides)
+    elif args.config or overrides:  # checked against the run's own config by train()
+        cfg = load_config(args.config or Path(args.resume) / "config.yaml", overrides)
+    res = train(
+        cfg,
+        out=args.out,
+        resume=args.resume,
+        max_steps=args.max_steps,
+        time_budget=args.time_budget,
+        device=args.device,
+        progress=args.progress,
+    )
+    mfu = f", MFU {100 * res.mfu:.1f}%" if res.mfu is not None else ""
+    val = f"{res.val_loss:.4f}" if res.val_loss is not None else "n/a"
+    note = " (stopped by --time-budget)" if res.stopped_early else ""
+    print(
+        f"trained {res.run_dir} to step {res.step}{note}: val_loss {val} nats/token, "
+        f"{res.tokens_per_s:,.0f} tokens/s{mfu}, {res.elapsed_s:.0f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from lmlab.evaluation.evaluate import evaluate
+
+    res = evaluate(
+        args.run,
+        split=args.split,
+        data=args.data,
+        stride=args.stride,
+        max_tokens=args.max_tokens,
+        device=args.device or "auto",
+        batch_size=args.batch_size,
+    )
+    if args.json:
+        print(json.dumps(res.as_dict()))
+    else:
+        for k, v in res.as_dict().items():
+            print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from lmlab.generation.generate import SamplingParams, generate_text
+    from lmlab.run import load_run
+
+    params = SamplingParams(
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        args.top_p,
+        args.repetition_penalty,
+        args.stop,
+        args.seed,
+    )
+    params.validate()
+    run = load_run(args.run, args.device or "auto")
+    out = sys.stdout
+    if not args.no_prompt:
+        out.write(args.prompt)
+    for piece in generate_text(
+        run.model, run.tokenizer, args.prompt, params, run.config.model.max_seq_len
+    ):
+        out.write(piece)
+        out.flush()
+    out.write("\n")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    import lmlab.data.tokenizer  # noqa: F401  (registers tokenizers)
+    import lmlab.models  # noqa: F401
+    import lmlab.nn  # noqa: F401
+    from lmlab.registry import families
+
+    for family, reg in families().items():
+        print(f"{family}:")
+        for name, doc in reg.describe().items():
+            print(f"  {name:<12} {doc}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "list": cmd_list}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    debug = getattr(args, "debug", False) or bool(os.environ.get("LMLAB_DEBUG"))
+    try:
+        return COMMANDS[args.command](args)
+    except LmlabError as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as e:  # a bug: one line unless --debug
+        if debug:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(
+            f"error: unexpected {type(e).__name__}: {first} (run with --debug for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

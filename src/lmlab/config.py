@@ -1,0 +1,410 @@
+"""Typed run configuration: ``model``, ``data`` and ``train`` sections, YAML in and out.
+
+Each component family is a sub-section chosen by its ``kind`` (``model.position.kind: rope``).
+:func:`config_from_dict` rejects an unknown field or a value of the wrong type with a message that
+names the dotted field and lists what is allowed; :meth:`RunConfig.validate` then checks the kinds
+against the component registries and the cross-field rules (``d_model % n_heads == 0`` ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar, Union
+
+import yaml
+
+from lmlab.errors import ConfigError
+
+# ----------------------------------------------------------------------------- model sections
+
+
+@dataclass
+class AttentionConfig:
+    """Self-attention. ``n_kv_heads`` < ``n_heads`` gives GQA, 1 gives MQA (Ainslie et al. 2023)."""
+
+    kind: str = "softmax"
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: equal to n_heads (multi-head attention)
+    head_dim: int | None = None  # None: d_model // n_heads
+    backend: str = "sdpa"  # sdpa (fused kernel) | math (explicit, can return weights)
+    bias: bool = False  # bias on the q/k/v/o projections
+    dropout: float = 0.0  # dropout on attention weights (training only)
+
+
+@dataclass
+class PositionConfig:
+    """Positional encoding: none, sinusoidal, learned or rope."""
+
+    kind: str = "rope"
+    rope_theta: float = 10000.0  # RoPE base (Su et al. 2021)
+
+
+@dataclass
+class NormConfig:
+    """Normalisation layer: layernorm or rmsnorm."""
+
+    kind: str = "layernorm"
+    eps: float = 1e-5
+    bias: bool = True  # LayerNorm only
+
+
+@dataclass
+class FFNConfig:
+    """Position-wise feed-forward network: mlp (up -> act -> down) or a gated linear unit."""
+
+    kind: str = "mlp"
+    d_ff: int | None = None  # None: 4 * d_model
+    activation: str = "gelu"
+    bias: bool = True
+
+
+@dataclass
+class BlockConfig:
+    """How a layer wires norm, attention and FFN: prenorm or postnorm."""
+
+    kind: str = "prenorm"
+
+
+@dataclass
+class ModelConfig:
+    """A Transformer language model. ``vocab_size`` None means: take it from the tokenizer."""
+
+    kind: str = "decoder"
+    vocab_size: int | None = None
+    d_model: int = 256
+    n_layers: int = 6
+    max_seq_len: int = 256  # context window, tokens
+    dropout: float = 0.0  # on embeddings and residual branches
+    tie_embeddings: bool = True  # lm_head shares the token-embedding matrix (Press & Wolf 2017)
+    final_norm: bool = True
+    init_std: float = 0.02  # GPT-2 init; residual output projections get std/sqrt(2*n_layers)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    position: PositionConfig = field(default_factory=PositionConfig)
+    norm: NormConfig = field(default_factory=NormConfig)
+    ffn: FFNConfig = field(default_factory=FFNConfig)
+    block: BlockConfig = field(default_factory=BlockConfig)
+
+    @property
+    def head_dim(self) -> int:
+        return self.attention.head_dim or self.d_model // self.attention.n_heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.attention.n_kv_heads or self.attention.n_heads
+
+    @property
+    def d_ff(self) -> int:
+        return self.ffn.d_ff or 4 * self.d_model
+
+
+# ----------------------------------------------------------------------------- data and train
+
+
+@dataclass
+class TokenizerConfig:
+    """char: one token per Unicode character of the training text. bpe: byte-level BPE."""
+
+    kind: str = "char"
+    vocab_size: int = 2048  # bpe only (includes the 256 byte tokens and <|endoftext|>)
+
+
+@dataclass
+class DataConfig:
+    """Where the text comes from and how it becomes tokens.
+
+    ``corpus``: a bundled corpus name (``tinyshakespeare``), a UTF-8 text file (its last
+    ``val_fraction`` is validation), or a folder with ``train.txt``, ``valid.txt`` and optionally
+    ``test.txt``.
+    """
+
+    corpus: str = "tinyshakespeare"
+    val_fraction: float = 0.1
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and bookkeeping. Steps are optimizer steps; times are wall-clock seconds."""
+
+    max_steps: int = 750
+    batch_size: int = 16  # sequences per micro-batch
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    seq_len: int | None = None  # None: model.max_seq_len
+    lr: float = 2e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    lr_decay_steps: int | None = None  # cosine decay length; None: max_steps at the run's start
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    eval_every: int = 250
+    eval_batches: int = 20
+    log_every: int = 10
+    checkpoint_every: int | None = None  # steps; None: by time only
+    checkpoint_interval_s: float = 60.0  # also checkpoint when this much time has passed
+    keep_checkpoints: int = 3
+    seed: int = 1337
+    precision: str = "bf16"  # bf16 (autocast) | fp32
+    compile: bool = False  # torch.compile the model
+    device: str = "auto"
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines a run. ``name`` names the default run folder ``runs/<name>``."""
+
+    name: str = "minigpt"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self) -> RunConfig:
+        """Check kinds and cross-field rules; return self. Raises :class:`ConfigError`."""
+        validate_run_config(self)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- dict <-> dataclass
+
+C = TypeVar("C")
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a section (mapping), got {value!r}")
+        return _from_dict(tp, value, where)  # type: ignore[arg-type]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        try:  # YAML 1.1 reads "3e-4" (no dot) as a string
+            return float(value) if isinstance(value, str) else _fail(tp, value, where)
+        except ValueError:
+            pass
+    elif tp is str and isinstance(value, str):
+        return value
+    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _fail(tp: Any, value: Any, where: str) -> Any:
+    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _from_dict(cls: type[C], data: dict[str, Any], prefix: str) -> C:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        where = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            hint = difflib.get_close_matches(str(key), names, n=1)
+            extra = f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise ConfigError(f"unknown config field {where!r}{extra}; allowed: {', '.join(names)}")
+        kwargs[key] = _coerce(value, hints[key], where)
+    return cls(**kwargs)
+
+
+def config_from_dict(data: dict[str, Any] | None) -> RunConfig:
+    """Build a :class:`RunConfig` from nested dicts; missing fields keep their defaults."""
+    return _from_dict(RunConfig, data or {}, "")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML config (or the defaults when ``path`` is None), apply ``--set`` overrides.
+
+    Each override is ``dotted.key=value``; the value is parsed as YAML (``8``, ``true``, ``null``).
+    Raises :class:`ConfigError` naming the file or field at fault.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping with model/data/train sections")
+        data = loaded or {}
+        data.setdefault("name", p.stem)
+    for item in overrides or []:
+        apply_override(data, item)
+    return config_from_dict(data).validate()
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Apply one ``dotted.key=value`` override to a nested dict in place."""
+    if "=" not in item:
+        raise ConfigError(f"--set expects dotted.key=value, got {item!r}")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else raw
+    except yaml.YAMLError:
+        value = raw
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def config_to_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(config_to_yaml(cfg), encoding="utf-8")
+
+
+def diff_configs(a: RunConfig, b: RunConfig) -> list[str]:
+    """Dotted names of the fields whose values differ between two configs."""
+    out: list[str] = []
+
+    def walk(x: Any, y: Any, prefix: str) -> None:
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in x.keys() | y.keys():
+                walk(x.get(k), y.get(k), f"{prefix}.{k}" if prefix else k)
+        elif x != y:
+            out.append(prefix)
+
+    walk(a.to_dict(), b.to_dict(), "")
+    return sorted(out)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _positive(value: int | float | None, where: str, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{where} must be {bound}, got {value}")
+
+
+def _choice(value: str, allowed: list[str], where: str) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{where}: {value!r} is not allowed; allowed: {', '.join(allowed)}")
+
+
+def validate_run_config(cfg: RunConfig) -> None:
+    """Cross-field checks; every message names the dotted field and the allowed values."""
+    from lmlab import nn as lnn  # registers every component
+    from lmlab.models.build import MODELS
+
+    m = cfg.model
+    MODELS.get(m.kind, "model.kind")
+    lnn.ATTENTION.get(m.attention.kind, "model.attention.kind")
+    lnn.POSITION.get(m.position.kind, "model.position.kind")
+    lnn.NORM.get(m.norm.kind, "model.norm.kind")
+    lnn.FFN.get(m.ffn.kind, "model.ffn.kind")
+    lnn.BLOCK.get(m.block.kind, "model.block.kind")
+    _choice(m.ffn.activation, sorted(lnn.ACTIVATIONS), "model.ffn.activation")
+    _choice(m.attention.backend, list(lnn.ATTENTION_BACKENDS), "model.attention.backend")
+    for name in ("d_model", "n_layers", "max_seq_len", "vocab_size"):
+        _positive(getattr(m, name), f"model.{name}")
+    _positive(m.attention.n_heads, "model.attention.n_heads")
+    _positive(m.attention.n_kv_heads, "model.attention.n_kv_heads")
+    _positive(m.attention.head_dim, "model.attention.head_dim")
+    _positive(m.ffn.d_ff, "model.ffn.d_ff")
+    _positive(m.init_std, "model.init_std")
+    for name, value in (
+        ("model.dropout", m.dropout),
+        ("model.attention.dropout", m.attention.dropout),
+    ):
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{name} must be in [0, 1), got {value}")
+    if m.attention.head_dim is None and m.d_model % m.attention.n_heads:
+        raise ConfigError(
+            f"model.d_model ({m.d_model}) must be divisible by model.attention.n_heads "
+            f"({m.attention.n_heads}), or set model.attention.head_dim"
+        )
+    if m.attention.n_heads % m.n_kv_heads:
+        raise ConfigError(
+            f"model.attention.n_heads ({m.attention.n_heads}) must be a multiple of "
+            f"model.attention.n_kv_heads ({m.n_kv_heads})"
+        )
+    if m.position.kind == "rope" and m.head_dim % 2:
+        raise ConfigError(f"model.position.kind=rope needs an even head_dim, got {m.head_dim}")
+    _positive(m.position.rope_theta, "model.position.rope_theta")
+
+    d = cfg.data
+    from lmlab.data.tokenizer import TOKENIZERS
+
+    TOKENIZERS.get(d.tokenizer.kind, "data.tokenizer.kind")
+    if d.tokenizer.kind == "bpe" and d.tokenizer.vocab_size < 258:
+        raise ConfigError(
+            f"data.tokenizer.vocab_size must be >= 258 for bpe (256 bytes + <|endoftext|> + 1 "
+            f"merge), got {d.tokenizer.vocab_size}"
+        )
+    if not 0.0 < d.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction must be in (0, 1), got {d.val_fraction}")
+    if not d.corpus:
+        raise ConfigError("data.corpus must name a bundled corpus, a text file or a folder")
+
+    t = cfg.train
+    for name in ("max_steps", "batch_size", "grad_accum_steps", "eval_every", "eval_batches"):
+        _positive(getattr(t, name), f"train.{name}")
+    for name in ("log_every", "keep_checkpoints", "checkpoint_every", "lr_decay_steps"):
+        _positive(getattr(t, name), f"train.{name}")
+    _positive(t.seq_len, "train.seq_len")
+    _positive(t.lr, "train.lr")
+    _positive(t.min_lr, "train.min_lr", allow_zero=True)
+    _positive(t.warmup_steps, "train.warmup_steps", allow_zero=True)
+    _positive(t.weight_decay, "train.weight_decay", allow_zero=True)
+    _positive(t.grad_clip, "train.grad_clip", allow_zero=True)
+    _positive(t.checkpoint_interval_s, "train.checkpoint_interval_s")
+    if t.min_lr > t.lr:
+        raise ConfigError(f"train.min_lr ({t.min_lr}) must not exceed train.lr ({t.lr})")
+    for name, beta in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
+        if not 0.0 <= beta < 1.0:
+            raise ConfigError(f"{name} must be in [0, 1), got {beta}")
+    if t.seq_len is not None and t.seq_len > m.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len ({t.seq_len}) must not exceed model.max_seq_len ({m.max_seq_len})"
+        )
+    _choice(t.precision, ["bf16", "fp32"], "train.precision")
+    _choice(t.device, ["auto", "cpu", "cuda", "mps"], "train.device")

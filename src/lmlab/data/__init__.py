@@ -1,0 +1,1 @@
+"""Corpora, tokenizers, token caches and batching."""

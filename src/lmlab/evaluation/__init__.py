@@ -1,0 +1,1 @@
+"""Scoring text with a trained model: loss, perplexity, bits per byte."""

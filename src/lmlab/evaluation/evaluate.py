@@ -1,0 +1,149 @@
+"""Perplexity evaluation over a whole text, in windows of the model's context.
+
+Every token but the first is predicted exactly once. With the default stride (= the context
+length) the text is cut into non-overlapping windows, so early tokens of each window see little
+context; a smaller ``stride`` slides the window and scores only each window's last ``stride``
+tokens, giving every token up to ``max_seq_len - stride`` tokens of extra context (the
+Hugging Face perplexity recipe).
+
+loss = mean cross-entropy in nats/token; perplexity = exp(loss);
+bits_per_byte = total nats / ln 2 / UTF-8 bytes of the scored tokens (tokenizer-independent).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmlab.data.corpus import load_corpus, read_text
+from lmlab.data.tokenizer import Tokenizer
+from lmlab.errors import DataError, LmlabError
+from lmlab.run import load_run
+from lmlab.training.hardware import autocast
+
+
+@dataclass
+class EvalResult:
+    """Scores of one text. loss in nats/token; bits_per_byte in bits per UTF-8 byte."""
+
+    loss: float
+    perplexity: float
+    bits_per_byte: float
+    tokens: int
+    bytes: int
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "loss": self.loss,
+            "perplexity": self.perplexity,
+            "bits_per_byte": self.bits_per_byte,
+            "tokens": self.tokens,
+            "bytes": self.bytes,
+        }
+
+
+@torch.no_grad()
+def score_tokens(
+    model: nn.Module,
+    ids: np.ndarray,
+    token_bytes: np.ndarray,
+    max_seq_len: int,
+    stride: int | None = None,
+    batch_size: int = 8,
+    precision: str = "fp32",
+) -> EvalResult:
+    """Score ``ids`` (N,) int. token_bytes (V,) int: UTF-8 length of each vocabulary entry.
+
+    Raises DataError if fewer than 2 tokens are given or ``stride`` is not in 1..max_seq_len.
+    """
+    n = len(ids)
+    if n < 2:
+        raise DataError(f"need at least 2 tokens to score, got {n}")
+    stride = stride or max_seq_len
+    if not 1 <= stride <= max_seq_len:
+        raise DataError(f"--stride must be between 1 and the context length {max_seq_len}")
+    device = next(model.parameters()).device
+    # (begin, end, first scored target index) of each window; targets are ids[begin+1 : end+1].
+    windows: list[tuple[int, int, int]] = []
+    begin, next_target = 0, 1
+    while next_target < n:
+        end = min(begin + max_seq_len, n - 1)
+        windows.append((begin, end, next_target))
+        next_target = end + 1
+        begin += stride
+    total_nats, total_tokens, total_bytes = 0.0, 0, 0
+    all_ids = torch.from_numpy(np.asarray(ids, dtype=np.int64))
+    for i in range(0, len(windows), batch_size):
+        chunk = windows[i : i + batch_size]
+        width = max(e - b for b, e, _ in chunk)
+        x = torch.zeros(len(chunk), width, dtype=torch.long)
+        y = torch.full((len(chunk), width), -100, dtype=torch.long)
+        for row, (b, e, first) in enumerate(chunk):
+            x[row, : e - b] = all_ids[b:e]
+            tgt = all_ids[b + 1 : e + 1].clone()
+            tgt[: first - (b + 1)] = -100  # already scored by an earlier window
+            y[row, : e - b] = tgt
+        with autocast(device, precision):
+            logits = model(x.to(device)).logits
+        nll = F.cross_entropy(
+            logits.float().transpose(1, 2), y.to(device), ignore_index=-100, reduction="sum"
+        )
+        total_nats += float(nll)
+        mask = y >= 0
+        total_tokens += int(mask.sum())
+        total_bytes += int(token_bytes[y[mask].numpy()].sum())
+    loss = total_nats / total_tokens
+    return EvalResult(
+        loss,
+        math.exp(min(loss, 700.0)),
+        total_nats / math.log(2) / max(1, total_bytes),
+        total_tokens,
+        total_bytes,
+    )
+
+
+def token_byte_lengths(tokenizer: Tokenizer) -> np.ndarray:
+    """(V,) int64: UTF-8 bytes each token stands for."""
+    return np.array(
+        [len(tokenizer.token_bytes(i)) for i in range(tokenizer.vocab_size)], dtype=np.int64
+    )
+
+
+def evaluate(
+    run_dir: str,
+    split: str = "val",
+    data: str | None = None,
+    stride: int | None = None,
+    max_tokens: int | None = None,
+    device: str = "auto",
+    batch_size: int = 8,
+) -> EvalResult:
+    """Score a run's latest checkpoint on its corpus split (``val`` or ``test``) or on ``data``
+    (a UTF-8 text file scored whole). ``max_tokens`` keeps the first N tokens.
+
+    Raises LmlabError for a run without checkpoint, a split the corpus lacks, or bad text.
+    """
+    run = load_run(run_dir, device)
+    if data is not None:
+        text = read_text(data)
+    else:
+        if split not in ("train", "val", "test"):
+            raise LmlabError(f"--split must be train, val or test, got {split!r}")
+        corpus = load_corpus(run.config.data.corpus, run.config.data.val_fraction)
+        text = corpus.split(split)
+    ids = np.asarray(run.tokenizer.encode(text), dtype=np.int64)
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    return score_tokens(
+        run.model,
+        ids,
+        token_byte_lengths(run.tokenizer),
+        run.config.model.max_seq_len,
+        stride,
+        batch_size,
+    )

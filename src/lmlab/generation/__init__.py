@@ -1,0 +1,1 @@
+"""Sampling and the KV-cached decode loop."""

@@ -1,0 +1,7 @@
+"""Model families wired from :mod:`lmlab.nn` components."""
+
+from lmlab.models.build import MODELS, build_model
+from lmlab.models.decoder import DecoderLM
+from lmlab.models.output import ModelOutput
+
+__all__ = ["MODELS", "DecoderLM", "ModelOutput", "build_model"]

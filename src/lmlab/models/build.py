@@ -1,0 +1,17 @@
+"""build_model(cfg): the one place that turns a model config into a module."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lmlab.config import ModelConfig
+from lmlab.models.decoder import DecoderLM
+from lmlab.registry import Registry
+
+MODELS: Registry[type[nn.Module]] = Registry("model")
+MODELS.register("decoder", "Decoder-only causal language model (GPT).")(DecoderLM)
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """Build the model family named by ``cfg.kind`` with freshly initialised weights."""
+    return MODELS.get(cfg.kind, "model.kind")(cfg)

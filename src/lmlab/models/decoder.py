@@ -1,0 +1,111 @@
+"""Decoder-only language model (GPT): embed -> N blocks -> final norm -> LM head.
+
+Legend: B batch, T tokens, D d_model, V vocab_size. Every component comes from its registry
+(position, block -> attention/norm/ffn), so this file only wires them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmlab.config import ModelConfig
+from lmlab.errors import LmlabError
+from lmlab.models.output import ModelOutput
+from lmlab.nn.block import BLOCK
+from lmlab.nn.kv_cache import KVCache
+from lmlab.nn.norm import build_norm
+from lmlab.nn.position import POSITION
+
+
+class DecoderLM(nn.Module):
+    """A causal Transformer language model (Radford et al. 2018/2019, GPT)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.vocab_size is None:
+            raise LmlabError("model.vocab_size is not set (it normally comes from the tokenizer)")
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.position = POSITION.get(cfg.position.kind, "model.position.kind")(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+        block_cls = BLOCK.get(cfg.block.kind, "model.block.kind")
+        self.layers = nn.ModuleList(block_cls(cfg, i) for i in range(cfg.n_layers))
+        self.final_norm = build_norm(cfg) if cfg.final_norm else nn.Identity()
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, init_std) weights, zero biases, residual output projections
+        (attention o_proj, FFN down_proj) scaled by 1/sqrt(2 * n_layers) (Radford et al. 2019)."""
+        std = self.cfg.init_std
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                scale = 1 / math.sqrt(2 * self.cfg.n_layers)
+                s = std * scale if getattr(module, "is_residual_proj", False) else std
+                nn.init.normal_(module.weight, mean=0.0, std=s)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        need_weights: bool = False,
+        output_hidden_states: bool = False,
+        last_only: bool = False,
+    ) -> ModelOutput:
+        """input_ids (B, T) int64 -> ModelOutput with logits (B, T, V) (or (B, 1, V) if
+        ``last_only``).
+
+        targets (B, T) int64: next-token ids; -100 is ignored. The loss is the mean cross-entropy
+        in nats/token, computed in float32. ``cache``: a :class:`KVCache` from
+        :meth:`new_cache`; the new tokens sit at positions cache.seq_len .. cache.seq_len + T - 1.
+        """
+        b, t = input_ids.shape
+        past = cache.seq_len if cache is not None else 0
+        positions = torch.arange(past, past + t, device=input_ids.device)
+        x = self.position.embed(self.embed(input_ids), positions)  # (B, T, D)
+        x = self.drop(x)
+        hidden: list[torch.Tensor] = []
+        attns: list[torch.Tensor | None] = []
+        for i, layer in enumerate(self.layers):
+            if output_hidden_states:
+                hidden.append(x)
+            layer_cache = cache.layers[i] if cache is not None else None
+            x, w = layer(x, self.position, positions, True, layer_cache, need_weights)
+            if need_weights:
+                attns.append(w)
+        x = self.final_norm(x)
+        if output_hidden_states:
+            hidden.append(x)
+        if last_only:
+            x = x[:, -1:, :]
+        logits = self.lm_head(x)  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100
+            )
+        return ModelOutput(logits, loss, cache, hidden, attns)
+
+    def new_cache(self) -> KVCache:
+        """An empty KV cache with one slot per layer."""
+        return KVCache(len(self.layers))
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Distinct parameters (tied weights counted once); ``non_embedding`` leaves out the
+        token embedding (and a tied LM head, which is the same matrix)."""
+        seen = {id(p): p for p in self.parameters()}
+        n = sum(p.numel() for p in seen.values())
+        if non_embedding:
+            n -= self.embed.weight.numel()
+        return n

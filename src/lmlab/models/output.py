@@ -1,0 +1,23 @@
+"""What a model's forward pass returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lmlab.nn.kv_cache import KVCache
+
+
+@dataclass
+class ModelOutput:
+    """logits (B, T, V) float (float32 when computed under autocast for the loss); loss: mean
+    cross-entropy in nats/token (scalar) when targets were given; cache: the updated KV cache;
+    hidden_states: the residual stream entering each layer plus the final output, each (B, T, D);
+    attentions: per layer (B, H, T, S) weights when requested."""
+
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+    cache: KVCache | None = None
+    hidden_states: list[torch.Tensor] = field(default_factory=list)
+    attentions: list[torch.Tensor | None] = field(default_factory=list)

@@ -1,0 +1,25 @@
+"""Transformer components: one family per module, each family a :class:`Registry`."""
+
+from lmlab.nn.attention import ATTENTION, ATTENTION_BACKENDS, attention_math, attention_sdpa
+from lmlab.nn.block import BLOCK
+from lmlab.nn.ffn import ACTIVATIONS, FFN
+from lmlab.nn.kv_cache import KVCache, LayerKVCache
+from lmlab.nn.masks import causal_mask
+from lmlab.nn.norm import NORM
+from lmlab.nn.position import POSITION, PositionEncoding
+
+__all__ = [
+    "ACTIVATIONS",
+    "ATTENTION",
+    "ATTENTION_BACKENDS",
+    "BLOCK",
+    "FFN",
+    "NORM",
+    "POSITION",
+    "KVCache",
+    "LayerKVCache",
+    "PositionEncoding",
+    "attention_math",
+    "attention_sdpa",
+    "causal_mask",
+]

@@ -1,0 +1,69 @@
+"""Transformer layers: how norm, attention and FFN are wired around the residual stream.
+
+Legend: B batch, T tokens, D d_model. A block maps (B, T, D) -> (B, T, D).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from lmlab.nn.attention import ATTENTION
+from lmlab.nn.ffn import build_ffn
+from lmlab.nn.kv_cache import LayerKVCache
+from lmlab.nn.norm import build_norm
+from lmlab.registry import Registry
+
+if TYPE_CHECKING:
+    from lmlab.config import ModelConfig
+    from lmlab.nn.position import PositionEncoding
+
+BLOCK: Registry[type[Block]] = Registry("block")
+
+
+class Block(nn.Module):
+    """Holds attn_norm, attn, ffn_norm, ffn and residual dropout; subclasses define the wiring."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.attn_norm = build_norm(cfg)
+        self.attn = ATTENTION.get(cfg.attention.kind, "model.attention.kind")(cfg, layer_idx)
+        self.ffn_norm = build_norm(cfg)
+        self.ffn = build_ffn(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        position: PositionEncoding,
+        positions: torch.Tensor,
+        causal: bool = True,
+        cache: LayerKVCache | None = None,
+        need_weights: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x (B, T, D) -> (x (B, T, D), attention weights (B, H, T, S) or None)."""
+        raise NotImplementedError
+
+
+@BLOCK.register("prenorm")
+class PreNormBlock(Block):
+    """x + attn(norm(x)), then x + ffn(norm(x)): trains deep stacks stably (Xiong et al. 2020)."""
+
+    def forward(self, x, position, positions, causal=True, cache=None, need_weights=False):
+        a = self.attn(self.attn_norm(x), position, positions, causal, cache, need_weights)
+        x = x + self.drop(a.out)
+        x = x + self.drop(self.ffn(self.ffn_norm(x)))
+        return x, a.weights
+
+
+@BLOCK.register("postnorm")
+class PostNormBlock(Block):
+    """norm(x + attn(x)), then norm(x + ffn(x)): the original Transformer (Vaswani et al. 2017)."""
+
+    def forward(self, x, position, positions, causal=True, cache=None, need_weights=False):
+        a = self.attn(x, position, positions, causal, cache, need_weights)
+        x = self.attn_norm(x + self.drop(a.out))
+        x = self.ffn_norm(x + self.drop(self.ffn(x)))
+        return x, a.weights

@@ -1,0 +1,62 @@
+"""Position-wise feed-forward networks. Legend: D d_model, F d_ff; (B, T, D) -> (B, T, D)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmlab.registry import Registry
+
+if TYPE_CHECKING:
+    from lmlab.config import ModelConfig
+
+FFN: Registry[type[nn.Module]] = Registry("ffn")
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,  # exact erf form (Hendrycks & Gimpel 2016)
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's approximation
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+@FFN.register("mlp")
+class MLP(nn.Module):
+    """down(act(up(x))) with d_ff hidden units (Vaswani et al. 2017)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        f = cfg.ffn
+        self.act = ACTIVATIONS[f.activation]
+        self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=f.bias)
+        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=f.bias)
+        self.down_proj.is_residual_proj = True  # type: ignore[assignment]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+@FFN.register("glu")
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU with activation silu, GeGLU with gelu (Shazeer 2020)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        f = cfg.ffn
+        self.act = ACTIVATIONS[f.activation]
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=f.bias)
+        self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=f.bias)
+        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=f.bias)
+        self.down_proj.is_residual_proj = True  # type: ignore[assignment]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def build_ffn(cfg: ModelConfig) -> nn.Module:
+    """The FFN named by ``cfg.ffn.kind``."""
+    return FFN.get(cfg.ffn.kind, "model.ffn.kind")(cfg)

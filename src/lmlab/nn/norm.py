@@ -1,0 +1,43 @@
+"""Normalisation layers. Legend: D d_model; (..., D) in, the same shape and dtype out."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from lmlab.registry import Registry
+
+if TYPE_CHECKING:
+    from lmlab.config import ModelConfig
+
+NORM: Registry[type[nn.Module]] = Registry("norm")
+
+
+@NORM.register("layernorm")
+class LayerNorm(nn.LayerNorm):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last dim (Ba et al. 2016)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg.d_model, eps=cfg.norm.eps, bias=cfg.norm.bias)
+
+
+@NORM.register("rmsnorm")
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, computed in float32 (Zhang & Sennrich 2019)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.eps = cfg.norm.eps
+        self.weight = nn.Parameter(torch.ones(cfg.d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+def build_norm(cfg: ModelConfig) -> nn.Module:
+    """The norm named by ``cfg.norm.kind``."""
+    return NORM.get(cfg.norm.kind, "model.norm.kind")(cfg)

@@ -1,0 +1,66 @@
+"""A run folder: its layout, and loading a trained model back from it.
+
+``RUN/config.yaml`` (the resolved config), ``RUN/tokenizer.json``, ``RUN/data/`` (token cache),
+``RUN/checkpoints/step-NNNNNN/`` + ``latest``, ``RUN/metrics.jsonl``, ``RUN/tb/``, ``RUN/loss.png``.
+A run folder never holds ``config.json`` (that marks a Hugging Face model folder).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lmlab.config import RunConfig, load_config
+from lmlab.data.tokenizer import Tokenizer, load_tokenizer
+from lmlab.errors import LmlabError
+from lmlab.models.build import build_model
+from lmlab.training.checkpoint import latest_checkpoint, load_model_weights, read_trainer_state
+from lmlab.training.hardware import resolve_device
+
+CONFIG_FILE = "config.yaml"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+@dataclass
+class LoadedRun:
+    """A trained model ready to use: eval mode, on ``device``."""
+
+    path: Path
+    config: RunConfig
+    tokenizer: Tokenizer
+    model: nn.Module
+    step: int
+    checkpoint: Path
+    device: torch.device
+
+
+def read_run_config(run_dir: str | Path) -> RunConfig:
+    """The resolved config of a run folder. Raises LmlabError if the folder is not a run."""
+    p = Path(run_dir)
+    if not p.is_dir():
+        raise LmlabError(f"run folder not found: {p}")
+    if not (p / CONFIG_FILE).is_file():
+        hint = " (it looks like a Hugging Face folder)" if (p / "config.json").is_file() else ""
+        raise LmlabError(f"{p} is not an lmlab run folder: it has no {CONFIG_FILE}{hint}")
+    return load_config(p / CONFIG_FILE)
+
+
+def load_run(run_dir: str | Path, device: str = "auto") -> LoadedRun:
+    """Load the latest checkpoint of a run folder.
+
+    Raises LmlabError (or its CheckpointError subclass) when the folder is missing, is not a run,
+    has no checkpoint yet, or holds a corrupt one.
+    """
+    p = Path(run_dir)
+    cfg = read_run_config(p)
+    ckpt = latest_checkpoint(p)
+    state = read_trainer_state(ckpt)
+    tokenizer = load_tokenizer(p / TOKENIZER_FILE)
+    dev = resolve_device(device)
+    model = build_model(cfg.model)
+    load_model_weights(ckpt, model)
+    model.to(dev).eval()
+    return LoadedRun(p, cfg, tokenizer, model, int(state["step"]), ckpt, dev)

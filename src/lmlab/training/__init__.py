@@ -1,0 +1,1 @@
+"""Optimisation, checkpoints, metrics and the training loop."""

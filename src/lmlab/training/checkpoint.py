@@ -1,0 +1,186 @@
+"""Atomic checkpoints: ``RUN/checkpoints/step-NNNNNN/`` folders and a ``latest`` pointer.
+
+A checkpoint folder holds ``model.safetensors``, ``optimizer.safetensors`` and
+``trainer_state.json``. It is written under a temporary name, every file fsynced, then renamed into
+place; ``checkpoints/latest`` (a one-line text file naming the folder) is replaced last. A run
+killed at any moment therefore always finds a complete checkpoint through ``latest``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, load_model, save_file, save_model
+from torch import nn
+
+from lmlab.errors import CheckpointError
+
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+STATE_FILE = "trainer_state.json"
+LATEST = "latest"
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def optimizer_tensors(
+    optimizer: torch.optim.Optimizer, model: nn.Module
+) -> dict[str, torch.Tensor]:
+    """The optimizer state as flat tensors keyed ``<param name>::<state key>``."""
+    names = _optimizer_param_names(optimizer, model)
+    out: dict[str, torch.Tensor] = {}
+    for idx, state in optimizer.state_dict()["state"].items():
+        for key, value in state.items():
+            t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+            out[f"{names[idx]}::{key}"] = t.detach().cpu().contiguous()
+    return out
+
+
+def load_optimizer_tensors(
+    optimizer: torch.optim.Optimizer, model: nn.Module, tensors: dict[str, torch.Tensor]
+) -> None:
+    """Inverse of :func:`optimizer_tensors`. Raises CheckpointError on a parameter mismatch."""
+    names = _optimizer_param_names(optimizer, model)
+    index = {n: i for i, n in enumerate(names)}
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        pname, _, skey = key.partition("::")
+        if pname not in index:
+            raise CheckpointError(f"optimizer state names unknown parameter {pname!r}")
+        state.setdefault(index[pname], {})[skey] = value
+    sd = optimizer.state_dict()
+    sd["state"] = state
+    optimizer.load_state_dict(sd)
+
+
+def _optimizer_param_names(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[str]:
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    return [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    state: dict[str, Any],
+    keep: int = 3,
+) -> Path:
+    """Write checkpoint ``step`` atomically, point ``latest`` at it, keep the newest ``keep``.
+
+    Returns the checkpoint folder. Tied weights are stored once (safetensors ``save_model``).
+    """
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / checkpoint_name(step)
+    tmp = root / f".tmp-{checkpoint_name(step)}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_model(model, str(tmp / MODEL_FILE))
+    if optimizer is not None:
+        save_file(optimizer_tensors(optimizer, model), str(tmp / OPTIMIZER_FILE))
+    (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+    for f in tmp.iterdir():
+        _fsync(f)
+    _fsync(tmp)
+    if final.exists():  # re-saving the same step (e.g. a resumed run that was already complete)
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync(root)
+    pointer = root / f".{LATEST}.tmp"
+    pointer.write_text(final.name + "\n")
+    _fsync(pointer)
+    os.replace(pointer, root / LATEST)
+    _fsync(root)
+    _prune(root, keep, final.name)
+    return final
+
+
+def _prune(root: Path, keep: int, current: str) -> None:
+    steps = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
+    for old in steps[: max(0, len(steps) - keep)]:
+        if old.name != current:
+            shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(".tmp-*"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path:
+    """The folder ``latest`` points at. Raises CheckpointError if the run has no checkpoint."""
+    root = Path(run_dir) / "checkpoints"
+    pointer = root / LATEST
+    if pointer.is_file():
+        ckpt = root / pointer.read_text().strip()
+        if not ckpt.is_dir():
+            raise CheckpointError(f"{pointer} names {ckpt.name}, which does not exist")
+        return ckpt
+    complete = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file())
+    if complete:
+        return complete[-1]
+    raise CheckpointError(
+        f"{run_dir} has no checkpoint yet (no {root}/{LATEST}); train it first with lmlab train"
+    )
+
+
+def read_trainer_state(ckpt: Path) -> dict[str, Any]:
+    """The JSON trainer state of a checkpoint folder. Raises CheckpointError if unreadable."""
+    try:
+        state = json.loads((ckpt / STATE_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(
+            f"checkpoint {ckpt} is corrupt: cannot read {STATE_FILE} ({e})"
+        ) from None
+    if not isinstance(state, dict) or "step" not in state:
+        raise CheckpointError(f"checkpoint {ckpt} is corrupt: {STATE_FILE} has no step")
+    return state
+
+
+def load_model_weights(ckpt: Path, model: nn.Module) -> None:
+    """Load ``model.safetensors`` into ``model`` (strict). Raises CheckpointError if the file is
+    missing, truncated or corrupt, or its tensors do not fit the model."""
+    path = ckpt / MODEL_FILE
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {ckpt} is incomplete: {MODEL_FILE} is missing")
+    try:
+        missing, unexpected = load_model(model, str(path), strict=False)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint file {path} is corrupt: {_short(e)}") from None
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this model (missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]})"
+        )
+
+
+def load_optimizer(ckpt: Path, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """Load ``optimizer.safetensors`` into ``optimizer``. Raises CheckpointError when corrupt."""
+    path = ckpt / OPTIMIZER_FILE
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {ckpt} is incomplete: {OPTIMIZER_FILE} is missing")
+    try:
+        tensors = load_file(str(path))
+        load_optimizer_tensors(optimizer, model, tensors)
+    except (SafetensorError, OSError, ValueError, RuntimeError, KeyError) as e:
+        raise CheckpointError(f"checkpoint file {path} is corrupt: {_short(e)}") from None
+
+
+def _short(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__

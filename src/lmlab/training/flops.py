@@ -1,0 +1,26 @@
+"""FLOPs per token (the convention of Kaplan et al. 2020 and PaLM, Chowdhery et al. 2022).
+
+forward  = 2 N + 4 L T d_attn      (N: parameters taking part in matmuls, i.e. all but the
+                                     token-embedding lookup, the LM head counted even when tied;
+                                     T: the training sequence length; d_attn = n_heads * head_dim;
+                                     the QK^T and AV products over the full T, causal mask ignored)
+training = 3 x forward              (backward costs twice the forward)
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lmlab.config import ModelConfig
+
+
+def matmul_params(model: nn.Module) -> int:
+    """Parameters of every nn.Linear (LM head included, counted even when tied)."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def flops_per_token(model: nn.Module, cfg: ModelConfig, seq_len: int, train: bool = True) -> float:
+    """FLOPs per token of one forward (``train=False``) or forward + backward pass."""
+    d_attn = cfg.attention.n_heads * cfg.head_dim
+    fwd = 2 * matmul_params(model) + 4 * cfg.n_layers * seq_len * d_attn
+    return 3.0 * fwd if train else float(fwd)

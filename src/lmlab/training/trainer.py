@@ -1,0 +1,343 @@
+"""The training loop: ``train()`` turns a config into a run folder, or continues one.
+
+One optimizer step = ``grad_accum_steps`` micro-batches of ``batch_size`` windows of ``seq_len``
+tokens. Batches and dropout are pure functions of (seed, step, micro-batch, rank), so a run resumed
+from any checkpoint retraces the uninterrupted run exactly on the same machine and settings. The
+loop keeps ``rank``/``world_size`` explicit and writes files only where ``is_main``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from lmlab.config import RunConfig, diff_configs, save_config
+from lmlab.data.corpus import load_corpus
+from lmlab.data.dataset import batch_rng, build_token_cache, check_split_length, sample_batch
+from lmlab.data.tokenizer import fit_tokenizer, load_tokenizer
+from lmlab.errors import LmlabError
+from lmlab.models.build import build_model
+from lmlab.run import CONFIG_FILE, TOKENIZER_FILE, read_run_config
+from lmlab.training import checkpoint as ckpt_io
+from lmlab.training.flops import flops_per_token
+from lmlab.training.hardware import autocast, measure_matmul_peak, resolve_device, synchronize
+from lmlab.training.metrics import MetricsLogger, plot_losses, truncate_metrics
+from lmlab.training.optim import build_optimizer, lr_at
+
+# Settings that may differ when a run is resumed (they do not change what is computed).
+RESUMABLE_CHANGES = {"train.max_steps", "train.device"}
+
+
+@dataclass
+class TrainResult:
+    """What a finished (or stopped) ``train()`` call reports. Losses in nats/token."""
+
+    run_dir: Path
+    step: int
+    tokens: int
+    train_loss: float | None
+    val_loss: float | None
+    tokens_per_s: float
+    mfu: float | None
+    elapsed_s: float
+    stopped_early: bool = False
+
+
+def prepare_run(
+    cfg: RunConfig | None, out: Path | None, resume: Path | None, max_steps: int | None
+) -> tuple[RunConfig, Path, bool]:
+    """Resolve the config and run folder. Returns (config, run_dir, resuming)."""
+    if resume is not None:
+        saved = read_run_config(resume)
+        if cfg is not None:
+            # Fields a new run fills in (from the tokenizer, max_steps) compare as filled in.
+            t, m = cfg.train, cfg.model
+            probe = replace(
+                cfg,
+                train=replace(
+                    t,
+                    lr_decay_steps=t.lr_decay_steps or saved.train.lr_decay_steps,
+                    seq_len=t.seq_len or saved.train.seq_len,
+                ),
+            )
+            probe = replace(
+                probe, model=replace(m, vocab_size=m.vocab_size or saved.model.vocab_size)
+            )
+            changed = [
+                f for f in diff_configs(saved, probe) if f not in RESUMABLE_CHANGES | {"name"}
+            ]
+            if changed:
+                raise LmlabError(
+                    f"--resume continues {resume} with its own config; these settings differ from "
+                    f"it: {', '.join(changed)}. Only --max-steps (and --device, --time-budget) may "
+                    "change on resume; start a new run for anything else"
+                )
+        if max_steps is not None:
+            saved.train.max_steps = max_steps
+        return saved, Path(resume), True
+    assert cfg is not None
+    run_dir = Path(out) if out is not None else Path("runs") / cfg.name
+    if (run_dir / "checkpoints").exists() or (run_dir / CONFIG_FILE).exists():
+        raise LmlabError(
+            f"{run_dir} already holds a run; continue it with --resume {run_dir} or choose "
+            "another --out"
+        )
+    if max_steps is not None:
+        cfg.train.max_steps = max_steps
+    return cfg, run_dir, False
+
+
+def _window_loss(
+    model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor, dev: torch.device, precision: str
+) -> torch.Tensor:
+    with autocast(dev, precision):
+        return model(x.to(dev), targets=y.to(dev)).loss
+
+
+@torch.no_grad()
+def estimate_loss(
+    model: nn.Module, tokens: np.ndarray, cfg: RunConfig, dev: torch.device, seq_len: int
+) -> float:
+    """Mean loss (nats/token) over ``train.eval_batches`` random windows; the same windows at
+    every call (a fixed generator), so successive values compare."""
+    was_training = model.training
+    model.eval()
+    losses = []
+    for i in range(cfg.train.eval_batches):
+        x, y = sample_batch(
+            tokens, cfg.train.batch_size, seq_len, batch_rng(cfg.train.seed, 0, i, stream=1)
+        )
+        losses.append(float(_window_loss(model, x, y, dev, cfg.train.precision)))
+    model.train(was_training)
+    return float(np.mean(losses))
+
+
+def train(
+    cfg: RunConfig | None = None,
+    out: str | Path | None = None,
+    resume: str | Path | None = None,
+    max_steps: int | None = None,
+    time_budget: float | None = None,
+    device: str | None = None,
+    progress: bool | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+) -> TrainResult:
+    """Train a model and write its run folder (see :mod:`lmlab.run` for the layout).
+
+    cfg: the run config (ignored fields on resume must match the saved one). out: the run folder
+    (default ``runs/<cfg.name>``). resume: a run folder to continue from its latest checkpoint.
+    max_steps: overrides ``train.max_steps`` (extends a resumed run). time_budget: stop after
+    this many seconds of training (checkpoint written). device: overrides ``train.device``.
+    progress: show a progress bar (default: when stderr is a terminal).
+
+    Raises LmlabError for bad input: missing/empty/non-UTF-8 corpus, an occupied run folder,
+    a changed config on resume, a corrupt checkpoint.
+    """
+    cfg, run_dir, resuming = prepare_run(
+        cfg, Path(out) if out else None, Path(resume) if resume else None, max_steps
+    )
+    if device is not None:
+        cfg.train.device = device
+    dev = resolve_device(cfg.train.device)
+    is_main = rank == 0
+    if cfg.train.precision == "bf16" and dev.type == "mps":
+        raise LmlabError("train.precision=bf16 autocast is not supported on mps; use fp32")
+
+    # ---- data and tokenizer
+    corpus = load_corpus(cfg.data.corpus, cfg.data.val_fraction)
+    if resuming:
+        tokenizer = load_tokenizer(run_dir / TOKENIZER_FILE)
+    else:
+        tokenizer = fit_tokenizer(corpus.splits, cfg.data.tokenizer)
+        cfg.model.vocab_size = tokenizer.vocab_size
+        cfg.train.lr_decay_steps = cfg.train.lr_decay_steps or cfg.train.max_steps
+        cfg.train.seq_len = cfg.train.seq_len or cfg.model.max_seq_len
+        cfg.validate()
+        if is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            tokenizer.save(run_dir / TOKENIZER_FILE)
+            save_config(cfg, run_dir / CONFIG_FILE)
+    tc = cfg.train
+    seq_len = tc.seq_len or cfg.model.max_seq_len
+    splits = build_token_cache(corpus, tokenizer, run_dir / "data")
+    check_split_length(splits["train"], seq_len, "train")
+    check_split_length(splits["val"], seq_len, "val")
+
+    # ---- model and optimizer
+    torch.manual_seed(tc.seed)
+    model = build_model(cfg.model).to(dev)
+    optimizer = build_optimizer(model, tc)
+    start_step, tokens_seen, elapsed_before = 0, 0, 0.0
+    if resuming:
+        ckpt = ckpt_io.latest_checkpoint(run_dir)
+        state = ckpt_io.read_trainer_state(ckpt)
+        ckpt_io.load_model_weights(ckpt, model)
+        ckpt_io.load_optimizer(ckpt, optimizer, model)
+        start_step, tokens_seen = int(state["step"]), int(state["tokens"])
+        elapsed_before = float(state.get("elapsed_s", 0.0))
+        if is_main:
+            truncate_metrics(run_dir, start_step)
+            save_config(cfg, run_dir / CONFIG_FILE)  # records an extended max_steps
+    fwd = torch.compile(model) if tc.compile else model
+    tokens_per_step = tc.batch_size * tc.grad_accum_steps * seq_len * world_size
+    flops_tok = flops_per_token(model, cfg.model, seq_len, train=True)
+    peak = measure_matmul_peak(dev, tc.precision) if is_main else float("nan")
+    logger = MetricsLogger(run_dir) if is_main else None
+    bar = _progress_bar(tc.max_steps, start_step, progress) if is_main else None
+
+    # ---- loop
+    model.train()
+    t_start = time.perf_counter()
+    last_ckpt_t = t_start
+    window_t, window_tokens = t_start, 0
+    paused = 0.0  # seconds spent in eval/checkpoint inside the current tokens/s window
+    step = start_step
+    train_loss: float | None = None
+    val_loss: float | None = None
+    tok_s, mfu = 0.0, None
+    stopped_early = False
+    last_saved = start_step if resuming else -1
+
+    def elapsed() -> float:
+        return elapsed_before + time.perf_counter() - t_start
+
+    def checkpoint() -> None:
+        nonlocal last_ckpt_t, last_saved, paused
+        t0 = time.perf_counter()
+        if is_main and last_saved != step:
+            state = {
+                "step": step,
+                "tokens": tokens_seen,
+                "elapsed_s": elapsed(),
+                "train_loss": train_loss,
+                "val_loss": val_loss,
+            }
+            ckpt_io.save_checkpoint(run_dir, step, model, optimizer, state, tc.keep_checkpoints)
+        last_ckpt_t, last_saved = time.perf_counter(), step
+        paused += last_ckpt_t - t0
+
+    def evaluate() -> None:
+        nonlocal val_loss, paused
+        t0 = time.perf_counter()
+        val_loss = estimate_loss(model, splits["val"], cfg, dev, seq_len)
+        if logger is not None:
+            logger.log(
+                {
+                    "step": step,
+                    "tokens": tokens_seen,
+                    "elapsed_s": round(elapsed(), 3),
+                    "lr": lr_at(max(step - 1, 0), tc),
+                    "val_loss": val_loss,
+                }
+            )
+            plot_losses(run_dir)
+        if bar is None and is_main and progress is not False:
+            print(
+                f"step {step}/{tc.max_steps}  val_loss {val_loss:.4f}  {tok_s:,.0f} tokens/s",
+                file=sys.stderr,
+                flush=True,
+            )
+        paused += time.perf_counter() - t0
+
+    try:
+        if step == 0 and is_main:
+            evaluate()
+        while step < tc.max_steps:
+            if time_budget is not None and time.perf_counter() - t_start >= time_budget:
+                stopped_early = True
+                break
+            lr = lr_at(step, tc)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum = 0.0
+            for micro in range(tc.grad_accum_steps):
+                x, y = sample_batch(
+                    splits["train"], tc.batch_size, seq_len, batch_rng(tc.seed, step, micro, rank)
+                )
+                torch.manual_seed(tc.seed * 1_000_003 + step * 1009 + micro * 31 + rank)
+                loss = _window_loss(fwd, x, y, dev, tc.precision)
+                (loss / tc.grad_accum_steps).backward()
+                loss_sum += float(loss.detach())
+            max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            tokens_seen += tokens_per_step
+            window_tokens += tokens_per_step
+            train_loss = loss_sum / tc.grad_accum_steps
+            if not math.isfinite(train_loss):
+                checkpoint_msg = f"; the last checkpoint is in {run_dir / 'checkpoints'}"
+                raise LmlabError(
+                    f"training diverged: loss is {train_loss} at step {step}" + checkpoint_msg
+                )
+            if step % tc.log_every == 0 or step == tc.max_steps:
+                synchronize(dev)
+                now = time.perf_counter()
+                tok_s = window_tokens / max(now - window_t - paused, 1e-9)
+                window_t, window_tokens, paused = now, 0, 0.0
+                mfu = flops_tok * tok_s / peak if peak == peak else None
+                if logger is not None:
+                    logger.log(
+                        {
+                            "step": step,
+                            "tokens": tokens_seen,
+                            "elapsed_s": round(elapsed(), 3),
+                            "lr": lr,
+                            "tokens_per_s": round(tok_s, 1),
+                            "mfu": mfu,
+                            "grad_norm": grad_norm,
+                            "clipped": bool(tc.grad_clip > 0 and grad_norm > tc.grad_clip),
+                            "train_loss": train_loss,
+                        }
+                    )
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tok_s:,.0f}", refresh=False)
+            if step % tc.eval_every == 0 and step < tc.max_steps:
+                evaluate()
+            due = tc.checkpoint_every is not None and step % tc.checkpoint_every == 0
+            if due or time.perf_counter() - last_ckpt_t >= tc.checkpoint_interval_s:
+                checkpoint()
+    except KeyboardInterrupt:
+        checkpoint()
+        if bar is not None:
+            bar.close()
+        if logger is not None:
+            logger.close()
+        raise LmlabError(
+            f"interrupted at step {step}; checkpoint saved. Continue with: "
+            f"lmlab train --resume {run_dir}"
+        ) from None
+    if step > start_step or not resuming:
+        evaluate()
+    elif resuming:
+        val_loss = state.get("val_loss")
+        train_loss = state.get("train_loss")
+    checkpoint()
+    if bar is not None:
+        bar.close()
+    if logger is not None:
+        logger.close()
+    return TrainResult(
+        run_dir, step, tokens_seen, train_loss, val_loss, tok_s, mfu, elapsed(), stopped_early
+    )
+
+
+def _progress_bar(total: int, initial: int, progress: bool | None) -> Any:
+    show = sys.stderr.isatty() if progress is None else progress
+    if not show:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)

@@ -1,0 +1,65 @@
+"""Shared fixtures: tiny configs and one tiny trained run reused by the end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+from lmlab.config import RunConfig, config_from_dict  # noqa: E402
+
+TINY = {
+    "name": "tiny",
+    "model": {"d_model": 32, "n_layers": 2, "max_seq_len": 32, "attention": {"n_heads": 4}},
+    "train": {
+        "batch_size": 4,
+        "eval_every": 10,
+        "eval_batches": 2,
+        "warmup_steps": 3,
+        "log_every": 1,
+        "checkpoint_interval_s": 3600.0,
+        "lr": 3e-3,
+        "precision": "fp32",
+        "device": "cpu",
+    },
+}
+
+
+def tiny_config(**sections: dict) -> RunConfig:
+    """The tiny test config, with nested sections merged over it."""
+    import copy
+
+    data = copy.deepcopy(TINY)
+    for key, value in sections.items():
+        if isinstance(value, dict):
+            data.setdefault(key, {}).update(value)
+        else:
+            data[key] = value
+    return config_from_dict(data).validate()
+
+
+def tiny_model_config(vocab_size: int = 50, **model: object):
+    """A validated tiny ModelConfig with ``vocab_size`` set; keyword fields override."""
+    cfg = tiny_config(model=dict(TINY["model"], **model)).model
+    cfg.vocab_size = vocab_size
+    return cfg
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run trained for 30 steps on tinyshakespeare (shared; do not modify it)."""
+    from lmlab.training.trainer import train
+
+    out = tmp_path_factory.mktemp("runs") / "tiny"
+    train(tiny_config(train={"max_steps": 30}), out=out, progress=False)
+    return out

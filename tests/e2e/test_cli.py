@@ -1,0 +1,295 @@
+"""End-to-end: every subcommand in-process through lmlab.cli.main, on a tiny preset."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lmlab.cli import main
+from lmlab.training.metrics import read_metrics
+
+TINY_SET = [
+    "--set",
+    "model.d_model=32",
+    "--set",
+    "model.n_layers=2",
+    "--set",
+    "model.max_seq_len=32",
+    "--set",
+    "model.attention.n_heads=4",
+    "--set",
+    "train.batch_size=4",
+    "--set",
+    "train.eval_every=10",
+    "--set",
+    "train.eval_batches=2",
+    "--set",
+    "train.log_every=1",
+    "--set",
+    "train.warmup_steps=3",
+    "--set",
+    "train.lr=3e-3",
+    "--set",
+    "train.precision=fp32",
+]
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_trained_run_folder_has_everything(tiny_run: Path):
+    assert (tiny_run / "config.yaml").is_file() and not (tiny_run / "config.json").exists()
+    assert (tiny_run / "tokenizer.json").is_file()
+    ckpt = tiny_run / "checkpoints" / "step-000030"
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "model.safetensors",
+        "optimizer.safetensors",
+        "trainer_state.json",
+    ]
+    assert (tiny_run / "checkpoints" / "latest").read_text().strip() == "step-000030"
+    assert list((tiny_run / "tb").glob("events.out.tfevents.*"))
+    assert (tiny_run / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    cfg = yaml.safe_load((tiny_run / "config.yaml").read_text())
+    assert cfg["model"]["vocab_size"] == 65 and cfg["train"]["lr_decay_steps"] == 30
+    records = read_metrics(tiny_run)
+    train = [r for r in records if "train_loss" in r]
+    for key in (
+        "step",
+        "tokens",
+        "elapsed_s",
+        "lr",
+        "tokens_per_s",
+        "grad_norm",
+        "clipped",
+        "train_loss",
+        "mfu",
+    ):
+        assert key in train[-1], key
+    assert train[-1]["tokens"] == 30 * 4 * 32
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    assert val[0] > 4.0 and val[-1] < val[0] - 0.8  # starts near ln(65) = 4.17, then learns
+    assert sum(r["train_loss"] for r in train[-5:]) < sum(r["train_loss"] for r in train[:5])
+
+
+def test_resume_continues_the_same_trajectory(tmp_path: Path, capsys):
+    common = [*TINY_SET, "--set", "train.lr_decay_steps=12", "--set", "train.checkpoint_every=6"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run_cli(capsys, "train", "--out", str(full), "--max-steps", "12", *common)[0] == 0
+    assert run_cli(capsys, "train", "--out", str(part), "--max-steps", "6", *common)[0] == 0
+    code, _, err = run_cli(capsys, "train", "--resume", str(part), "--max-steps", "12")
+    assert code == 0, err
+    a = {r["step"]: r["train_loss"] for r in read_metrics(full) if "train_loss" in r}
+    b = {r["step"]: r["train_loss"] for r in read_metrics(part) if "train_loss" in r}
+    assert sorted(b) == list(range(1, 13))
+    for step in range(7, 13):
+        assert b[step] == pytest.approx(a[step], abs=1e-6), step
+    # Resuming a finished run does nothing and says so through the same summary.
+    assert run_cli(capsys, "train", "--resume", str(part))[0] == 0
+
+
+def test_resume_refuses_changed_settings(tiny_run: Path, tmp_path: Path, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_run, copy)
+    code, _, err = run_cli(capsys, "train", "--resume", str(copy), "--set", "model.n_layers=4")
+    assert code == 2
+    assert "these settings differ from it: model.n_layers" in err
+    assert "Traceback" not in err
+
+
+def test_existing_run_folder_is_not_overwritten(tiny_run: Path, capsys):
+    code, _, err = run_cli(capsys, "train", "--out", str(tiny_run), *TINY_SET)
+    assert code == 2 and "already holds a run; continue it with --resume" in err
+
+
+def test_generate_streams_text(tiny_run: Path, capsys):
+    code, out, err = run_cli(
+        capsys,
+        "generate",
+        str(tiny_run),
+        "--prompt",
+        "ROMEO:",
+        "--max-new-tokens",
+        "40",
+        "--seed",
+        "1",
+        "--top-k",
+        "10",
+    )
+    assert code == 0, err
+    assert out.startswith("ROMEO:") and len(out) == len("ROMEO:") + 40 + 1
+    again = run_cli(
+        capsys,
+        "generate",
+        str(tiny_run),
+        "--prompt",
+        "ROMEO:",
+        "--max-new-tokens",
+        "40",
+        "--seed",
+        "1",
+        "--top-k",
+        "10",
+    )[1]
+    assert again == out  # same seed, same sample
+    greedy = run_cli(
+        capsys,
+        "generate",
+        str(tiny_run),
+        "--prompt",
+        "A",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "20",
+        "--stop",
+        "e",
+        "--no-prompt",
+    )[1]
+    assert "e" not in greedy
+
+
+def test_generate_bad_inputs(tiny_run: Path, tmp_path: Path, capsys):
+    code, _, err = run_cli(capsys, "generate", str(tiny_run), "--prompt", "Ωmega")
+    assert code == 2 and "outside this character-level vocabulary" in err and "'Ω'" in err
+    code, out, err = run_cli(
+        capsys, "generate", str(tiny_run), "--prompt", "x" * 100, "--max-new-tokens", "3"
+    )
+    assert code == 0 and "keeping its last 32 tokens" in err
+    empty_run = tmp_path / "empty"
+    shutil.copytree(tiny_run, empty_run, ignore=shutil.ignore_patterns("checkpoints"))
+    code, _, err = run_cli(capsys, "generate", str(empty_run))
+    assert code == 2 and "has no checkpoint yet" in err
+    code, _, err = run_cli(capsys, "eval", str(tmp_path / "nowhere"))
+    assert code == 2 and "run folder not found" in err
+
+
+def test_corrupt_checkpoint_gives_one_line(tiny_run: Path, tmp_path: Path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_run, bad)
+    weights = bad / "checkpoints" / "step-000030" / "model.safetensors"
+    weights.write_bytes(b"\x00garbage" * 10)
+    code, _, err = run_cli(capsys, "generate", str(bad))
+    assert code == 2
+    assert err.startswith("error: checkpoint file") and "is corrupt" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_eval_prints_loss_perplexity_bits_per_byte(tiny_run: Path, capsys):
+    code, out, _ = run_cli(capsys, "eval", str(tiny_run), "--max-tokens", "2000")
+    assert code == 0
+    values = dict(line.split(": ") for line in out.strip().splitlines())
+    assert {"loss", "perplexity", "bits_per_byte"} <= values.keys()
+    code, out, _ = run_cli(
+        capsys, "eval", str(tiny_run), "--max-tokens", "2000", "--json", "--stride", "16"
+    )
+    res = json.loads(out)
+    assert res["perplexity"] == pytest.approx(2.718281828 ** res["loss"], rel=1e-6)
+    assert res["tokens"] == 1999
+    code, _, err = run_cli(capsys, "eval", str(tiny_run), "--split", "test")
+    assert code == 2 and "has no 'test' split; it has: train, val" in err
+
+
+def test_eval_test_split_and_data_file(tmp_path: Path, capsys):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    line = "the quick brown fox jumps over the lazy dog\n"
+    (corpus / "train.txt").write_text(line * 200)
+    (corpus / "valid.txt").write_text(line * 20)
+    (corpus / "test.txt").write_text(line * 20)
+    run = tmp_path / "run"
+    code, _, err = run_cli(
+        capsys, "train", "--data", str(corpus), "--out", str(run), "--max-steps", "5", *TINY_SET
+    )
+    assert code == 0, err
+    code, out, _ = run_cli(capsys, "eval", str(run), "--split", "test", "--json")
+    assert code == 0 and json.loads(out)["tokens"] == len(line) * 20 - 1
+    code, out, _ = run_cli(capsys, "eval", str(run), "--data", str(corpus / "valid.txt"))
+    assert code == 0 and "loss:" in out
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: d / "missing.txt", "corpus file not found: {p}"),
+        (lambda d: _write(d / "empty.txt", b""), "corpus file {p} is empty"),
+        (lambda d: _write(d / "latin.txt", "na\xefve".encode("latin-1")), "is not UTF-8 text"),
+    ],
+    ids=["missing", "empty", "not-utf8"],
+)
+def test_bad_corpus_is_one_clear_error(tmp_path: Path, capsys, make, message):
+    p = make(tmp_path)
+    code, _, err = run_cli(
+        capsys, "train", "--data", str(p), "--out", str(tmp_path / "r"), *TINY_SET
+    )
+    assert code == 2
+    assert message.format(p=p) in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+def test_bad_config_is_one_clear_error(tmp_path: Path, capsys):
+    code, _, err = run_cli(capsys, "train", "--set", "model.attention.n_head=8")
+    assert code == 2
+    assert "unknown config field 'model.attention.n_head' (did you mean 'n_heads'?)" in err
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model:\n  norm:\n    kind: batchnorm\n")
+    code, _, err = run_cli(capsys, "train", "--config", str(cfg))
+    assert code == 2 and "model.norm.kind: unknown norm kind 'batchnorm'" in err
+    assert "allowed: layernorm, rmsnorm" in err
+
+
+def test_help_documents_every_subcommand(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    top = capsys.readouterr().out
+    for cmd in ("train", "eval", "generate", "list"):
+        assert cmd in top
+    for cmd, flags in {
+        "train": [
+            "--config",
+            "--data",
+            "--out",
+            "--max-steps",
+            "--time-budget",
+            "--set",
+            "--resume",
+            "--device",
+        ],
+        "eval": ["--split", "--data", "--stride", "--json", "--device"],
+        "generate": [
+            "--prompt",
+            "--max-new-tokens",
+            "--temperature",
+            "--top-k",
+            "--top-p",
+            "--repetition-penalty",
+            "--stop",
+            "--seed",
+            "--device",
+        ],
+    }.items():
+        with pytest.raises(SystemExit):
+            main([cmd, "--help"])
+        text = capsys.readouterr().out
+        for flag in flags:
+            assert flag in text, (cmd, flag)
+
+
+def test_list_shows_registered_components(capsys):
+    code, out, _ = run_cli(capsys, "list")
+    assert code == 0
+    for name in ("position:", "rope", "sinusoidal", "norm:", "rmsnorm", "block:", "prenorm"):
+        assert name in out
+
+
+def _write(p: Path, data: bytes) -> Path:
+    p.write_bytes(data)
+    return p

@@ -1,0 +1,116 @@
+from pathlib import Path
+
+import pytest
+
+from lmlab.config import (
+    RunConfig,
+    config_from_dict,
+    config_to_yaml,
+    diff_configs,
+    load_config,
+)
+from lmlab.errors import ConfigError
+
+
+def test_defaults_are_the_minigpt_and_validate():
+    cfg = RunConfig().validate()
+    assert cfg.model.position.kind == "rope"
+    assert cfg.model.block.kind == "prenorm"
+    assert cfg.model.norm.kind == "layernorm"
+    assert cfg.model.ffn.kind == "mlp" and cfg.model.ffn.activation == "gelu"
+    assert cfg.model.d_ff == 4 * cfg.model.d_model
+
+
+def test_unknown_field_names_the_field_and_the_allowed_ones():
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"model": {"attention": {"n_head": 8}}})
+    msg = str(e.value)
+    assert "'model.attention.n_head'" in msg
+    assert "did you mean 'n_heads'" in msg
+    assert "n_kv_heads" in msg
+
+
+def test_wrong_type_names_the_field():
+    with pytest.raises(ConfigError, match=r"model\.d_model: expected int, got 'big'"):
+        config_from_dict({"model": {"d_model": "big"}})
+    with pytest.raises(ConfigError, match=r"train\.compile: expected bool"):
+        config_from_dict({"train": {"compile": 1}})
+
+
+def test_unknown_kind_lists_registered_variants():
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"model": {"position": {"kind": "ropee"}}}).validate()
+    msg = str(e.value)
+    assert "model.position.kind" in msg and "'ropee'" in msg
+    for name in ("none", "sinusoidal", "learned", "rope"):
+        assert name in msg
+
+
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ({"model": {"d_model": 100, "attention": {"n_heads": 3}}}, "divisible by"),
+        ({"model": {"d_model": 384, "attention": {"n_heads": 6, "n_kv_heads": 4}}}, "multiple of"),
+        ({"model": {"dropout": 1.5}}, r"model\.dropout must be in \[0, 1\)"),
+        (
+            {"train": {"precision": "fp16"}},
+            r"train\.precision: 'fp16' is not allowed; allowed: bf16",
+        ),
+        ({"train": {"max_steps": 0}}, r"train\.max_steps must be > 0"),
+        ({"train": {"lr": 1e-4, "min_lr": 1e-3}}, "must not exceed"),
+        ({"model": {"ffn": {"activation": "swish"}}}, r"model\.ffn\.activation.*allowed: gelu"),
+        (
+            {"data": {"tokenizer": {"kind": "wordpiece"}}},
+            r"data\.tokenizer\.kind.*allowed: char, bpe",
+        ),
+        (
+            {"model": {"max_seq_len": 64}, "train": {"seq_len": 128}},
+            "must not exceed model.max_seq_len",
+        ),
+    ],
+)
+def test_invalid_values_are_refused_with_the_field(section, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(section).validate()
+
+
+def test_overrides_are_typed_and_dotted(tmp_path: Path):
+    cfg = load_config(None, ["model.attention.n_heads=8", "train.compile=true", "train.lr=3e-4"])
+    assert cfg.model.attention.n_heads == 8
+    assert cfg.train.compile is True
+    assert cfg.train.lr == pytest.approx(3e-4)
+    with pytest.raises(ConfigError, match="expects dotted.key=value"):
+        load_config(None, ["model.d_model"])
+    with pytest.raises(ConfigError, match="unknown config field 'model.widht'"):
+        load_config(None, ["model.widht=3"])
+
+
+def test_yaml_round_trip_and_name_from_file(tmp_path: Path):
+    cfg = load_config(None, ["model.n_layers=3"])
+    p = tmp_path / "exp.yaml"
+    p.write_text(config_to_yaml(cfg).replace("name: minigpt", "name: exp"))
+    back = load_config(p)
+    assert back == cfg.__class__(**{**back.__dict__}) and back.model.n_layers == 3
+    assert diff_configs(cfg, back) == ["name"]
+
+
+def test_config_file_errors(tmp_path: Path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(scalar)
+
+
+def test_shipped_configs_load():
+    root = Path(__file__).resolve().parents[2] / "configs"
+    files = sorted(root.glob("*.yaml"))
+    assert files, "configs/ ships at least the default preset"
+    for f in files:
+        load_config(f)
+    assert load_config(root / "minigpt.yaml").model == load_config(None).model

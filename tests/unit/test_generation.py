@@ -1,0 +1,167 @@
+import math
+
+import pytest
+import torch
+
+from lmlab.config import TokenizerConfig
+from lmlab.data.tokenizer import train_tokenizer
+from lmlab.generation.generate import SamplingParams, generate_ids, generate_text
+from lmlab.generation.sampling import (
+    apply_repetition_penalty,
+    apply_top_k,
+    apply_top_p,
+    next_token,
+)
+from lmlab.generation.stream import StopStrings, Utf8Stream
+from lmlab.models import ModelOutput, build_model
+from lmlab.nn.kv_cache import KVCache
+from tests.conftest import tiny_model_config
+
+
+def test_top_k_keeps_exactly_k():
+    logits = torch.tensor([1.0, 5.0, 3.0, 4.0, 2.0])
+    out = apply_top_k(logits, 2)
+    assert torch.isfinite(out).tolist() == [False, True, False, True, False]
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    out = apply_top_p(probs.log(), 0.75)  # 0.5 + 0.3 >= 0.75: two tokens
+    assert torch.isfinite(out).tolist() == [True, True, False, False]
+    out = apply_top_p(probs.log(), 0.1)  # always at least one
+    assert torch.isfinite(out).tolist() == [True, False, False, False]
+
+
+def test_repetition_penalty_follows_ctrl():
+    logits = torch.tensor([2.0, -2.0, 1.0])
+    out = apply_repetition_penalty(logits, torch.tensor([0, 1, 1]), 2.0)
+    assert out.tolist() == [1.0, -4.0, 1.0]
+
+
+def test_temperature_zero_is_greedy_and_seeded_sampling_repeats():
+    logits = torch.tensor([0.1, 3.0, 0.2])
+    assert next_token(logits, torch.tensor([]), temperature=0.0) == 1
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    a = [next_token(logits, torch.tensor([]), 2.0, generator=g1) for _ in range(20)]
+    b = [next_token(logits, torch.tensor([]), 2.0, generator=g2) for _ in range(20)]
+    assert a == b and len(set(a)) > 1
+
+
+def test_utf8_stream_never_emits_half_a_character():
+    s = Utf8Stream()
+    data = "é世".encode()
+    pieces = [s.push(data[i : i + 1]) for i in range(len(data))]
+    assert pieces == ["", "é", "", "", "世"]
+    assert s.flush() == ""
+
+
+def test_stop_strings_hold_back_prefixes_and_cut_the_stop():
+    s = StopStrings(["\n\n", "END"])
+    assert s.push("Hello E") == ("Hello ", False)
+    assert s.push("N") == ("", False)
+    assert s.push("Dless") == ("", True)
+    s = StopStrings(["END"])
+    assert s.push("EN") == ("", False)
+    assert s.push("ough") == ("ENough", False)
+
+
+def _tiny_lm(vocab: int, max_seq_len: int = 16):
+    return build_model(tiny_model_config(vocab_size=vocab, max_seq_len=max_seq_len)).eval()
+
+
+def test_cached_greedy_generation_equals_recomputation():
+    model = _tiny_lm(40, max_seq_len=64)
+    prompt = [3, 1, 4, 1, 5]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0)
+    cached = list(generate_ids(model, prompt, params, 64))
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert cached == ids[len(prompt) :]
+
+
+def test_generation_runs_past_the_context_window():
+    model = _tiny_lm(40, max_seq_len=8)
+    out = list(generate_ids(model, [1, 2, 3], SamplingParams(max_new_tokens=30, seed=0), 8))
+    assert len(out) == 30
+
+
+class Scripted(torch.nn.Module):
+    """A stand-in LM that emits a fixed token script (logits one-hot on the next token)."""
+
+    def __init__(self, vocab: int, script: list[int]) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.vocab, self.script, self.calls = vocab, script, 0
+
+    def new_cache(self) -> KVCache:
+        return KVCache(0)
+
+    def forward(self, x, cache=None, last_only=False):
+        logits = torch.full((1, 1, self.vocab), -1e9)
+        logits[0, 0, self.script[min(self.calls, len(self.script) - 1)]] = 0.0
+        self.calls += 1
+        return ModelOutput(logits)
+
+
+def test_generate_text_streams_whole_characters_and_stops_at_eos():
+    tok = train_tokenizer(
+        "世界和平。Hello world!\n" * 30, TokenizerConfig(kind="bpe", vocab_size=270)
+    )
+    byte_id = {tok.token_bytes(i): i for i in range(tok.vocab_size)}
+    script = [byte_id[bytes([b])] for b in "世!".encode()] + [tok.eos_id, byte_id[b"x"]]
+    pieces = list(
+        generate_text(
+            Scripted(tok.vocab_size, script),
+            tok,
+            "Hi",
+            SamplingParams(max_new_tokens=20, temperature=0.0),
+            32,
+        )
+    )
+    assert pieces == ["世", "!"]  # three byte tokens make one character; nothing after EOS
+
+
+def test_generate_text_cuts_at_stop_string_and_truncates_long_prompts():
+    tok = train_tokenizer("abc\n" * 30, TokenizerConfig(kind="char"))
+    ids = tok.encode("ab\nc\nab")
+    out = "".join(
+        generate_text(
+            Scripted(tok.vocab_size, ids),
+            tok,
+            "a",
+            SamplingParams(max_new_tokens=20, temperature=0.0, stop=["c\n"]),
+            32,
+        )
+    )
+    assert out == "ab\n"
+    warnings: list[str] = []
+    list(
+        generate_text(
+            Scripted(tok.vocab_size, ids),
+            tok,
+            "abc" * 20,
+            SamplingParams(max_new_tokens=1),
+            32,
+            warn=warnings.append,
+        )
+    )
+    assert warnings == [
+        "the prompt has 60 tokens, more than the context of 32; keeping its last 32 tokens"
+    ]
+
+
+def test_sampling_params_are_validated():
+    from lmlab.errors import LmlabError
+
+    for bad, msg in [
+        ({"top_p": 0.0}, "--top-p"),
+        ({"temperature": -1.0}, "--temperature"),
+        ({"max_new_tokens": -1}, "--max-new-tokens"),
+        ({"top_k": -2}, "--top-k"),
+        ({"repetition_penalty": 0.0}, "--repetition-penalty"),
+    ]:
+        with pytest.raises(LmlabError, match=msg):
+            SamplingParams(**bad).validate()
+    assert math.isclose(SamplingParams().temperature, 0.8)

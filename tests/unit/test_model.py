@@ -1,0 +1,117 @@
+"""Contract tests over every registered variant of each component family."""
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_model, save_model
+
+from lmlab.models import build_model
+from lmlab.nn import BLOCK, FFN, NORM, POSITION
+from tests.conftest import tiny_model_config
+
+VARIANTS = (
+    [{"position": {"kind": k}} for k in POSITION.names()]
+    + [{"norm": {"kind": k}} for k in NORM.names()]
+    + [{"ffn": {"kind": k, "activation": "silu"}} for k in FFN.names()]
+    + [{"block": {"kind": k}} for k in BLOCK.names()]
+    + [
+        {"attention": {"n_heads": 4, "n_kv_heads": 2}},
+        {"attention": {"n_heads": 4, "n_kv_heads": 1}},
+        {"attention": {"n_heads": 4, "backend": "math"}},
+        {"tie_embeddings": False},
+    ]
+)
+IDS = [str(v) for v in VARIANTS]
+
+
+def make(variant: dict) -> torch.nn.Module:
+    return build_model(tiny_model_config(vocab_size=37, **variant)).eval()
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
+def test_causality_future_tokens_never_change_past_logits(variant):
+    model = make(variant)
+    x = torch.randint(0, 37, (2, 12))
+    y = x.clone()
+    y[:, 7:] = torch.randint(0, 37, (2, 5))
+    with torch.no_grad():
+        a, b = model(x).logits, model(y).logits
+    torch.testing.assert_close(a[:, :7], b[:, :7], atol=1e-6, rtol=0)
+    assert not torch.allclose(a[:, 7:], b[:, 7:])
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
+def test_cached_incremental_decoding_equals_full_forward(variant):
+    model = make(variant)
+    x = torch.randint(0, 37, (2, 14))
+    with torch.no_grad():
+        full = model(x).logits
+        cache = model.new_cache()
+        steps = [model(x[:, :5], cache=cache).logits]  # prefill 5, then one token at a time
+        for t in range(5, 14):
+            steps.append(model(x[:, t : t + 1], cache=cache).logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    assert cache.seq_len == 14
+    cfg = model.cfg
+    per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4  # K and V, float32
+    assert cache.nbytes() == 2 * 14 * per_token
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
+def test_state_dict_round_trip_and_finite_gradients(variant, tmp_path):
+    model = make(variant).train()
+    x = torch.randint(0, 37, (2, 10))
+    out = model(x, targets=x)
+    out.loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    save_model(model, str(tmp_path / "m.safetensors"))
+    other = make(variant)
+    load_model(other, str(tmp_path / "m.safetensors"))
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, other(x).logits)
+
+
+def test_initial_loss_is_near_uniform_and_init_scales_residual_projections():
+    cfg = tiny_model_config(vocab_size=200, d_model=64, n_layers=8)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    x, y = torch.randint(0, 200, (8, 32)), torch.randint(0, 200, (8, 32))
+    with torch.no_grad():
+        loss = float(model(x, targets=y).loss)
+    assert abs(loss - math.log(200)) < 0.1
+    model.requires_grad_(False)
+    o_std = torch.cat([layer.attn.o_proj.weight.flatten() for layer in model.layers]).std()
+    q_std = torch.cat([layer.attn.q_proj.weight.flatten() for layer in model.layers]).std()
+    assert float(q_std) == pytest.approx(0.02, rel=0.05)
+    assert float(o_std) == pytest.approx(0.02 / math.sqrt(2 * 8), rel=0.05)
+
+
+def test_weight_tying_shares_one_matrix_and_counts_it_once():
+    tied = build_model(tiny_model_config(vocab_size=50))
+    untied = build_model(tiny_model_config(vocab_size=50, tie_embeddings=False))
+    assert tied.lm_head.weight is tied.embed.weight
+    assert untied.num_params() - tied.num_params() == 50 * 32
+    assert tied.num_params(non_embedding=True) == tied.num_params() - 50 * 32
+
+
+def test_loss_is_mean_cross_entropy_in_nats_and_ignores_minus_100():
+    model = make({})
+    x = torch.randint(0, 37, (2, 6))
+    t = x.clone()
+    t[0, :3] = -100
+    out = model(x, targets=t)
+    logp = torch.log_softmax(out.logits.float(), -1)
+    keep = t >= 0
+    manual = -logp[keep].gather(-1, t[keep][:, None]).mean()
+    torch.testing.assert_close(out.loss, manual)
+
+
+def test_hidden_states_and_attention_weights_are_returned_on_request():
+    model = make({})
+    out = model(torch.randint(0, 37, (1, 5)), need_weights=True, output_hidden_states=True)
+    assert len(out.hidden_states) == model.cfg.n_layers + 1
+    assert len(out.attentions) == model.cfg.n_layers
+    assert out.attentions[0].shape == (1, 4, 5, 5)

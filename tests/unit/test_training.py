@@ -1,0 +1,142 @@
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lmlab.config import TrainConfig
+from lmlab.errors import CheckpointError
+from lmlab.evaluation.evaluate import score_tokens
+from lmlab.models import build_model
+from lmlab.training import checkpoint as ck
+from lmlab.training.flops import flops_per_token, matmul_params
+from lmlab.training.optim import build_optimizer, lr_at, param_groups
+from tests.conftest import tiny_model_config
+
+
+def test_lr_schedule_warms_up_linearly_then_follows_the_cosine():
+    cfg = TrainConfig(max_steps=110, warmup_steps=10, lr=1.0, min_lr=0.1)
+    assert lr_at(0, cfg) == pytest.approx(0.1)
+    assert lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(60, cfg) == pytest.approx(0.1 + 0.5 * 0.9)  # half way: cos(pi/2) = 0
+    assert lr_at(110, cfg) == pytest.approx(0.1)
+    assert lr_at(500, cfg) == pytest.approx(0.1)  # an extended run stays at min_lr
+    lrs = [lr_at(s, cfg) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
+
+
+def test_no_weight_decay_on_norms_biases_and_embeddings():
+    model = build_model(tiny_model_config(position={"kind": "learned"}))
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert "layers.0.attn.q_proj.weight" in decayed and "layers.0.ffn.up_proj.weight" in decayed
+    assert not any(
+        "norm" in n or n.endswith("bias") or "embed" in n or "position" in n for n in decayed
+    )
+    total = len(decay["params"]) + len(no_decay["params"])
+    assert total == len(list(model.parameters()))
+
+
+def _model_and_opt():
+    model = build_model(tiny_model_config())
+    opt = build_optimizer(model, TrainConfig())
+    x = torch.randint(0, 50, (2, 8))
+    model(x, targets=x).loss.backward()
+    opt.step()
+    return model, opt
+
+
+def test_checkpoint_round_trip_restores_weights_and_optimizer_exactly(tmp_path: Path):
+    model, opt = _model_and_opt()
+    ck.save_checkpoint(tmp_path, 5, model, opt, {"step": 5, "tokens": 80})
+    latest = ck.latest_checkpoint(tmp_path)
+    assert latest.name == "step-000005"
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-000005"
+    model2 = build_model(tiny_model_config())
+    opt2 = build_optimizer(model2, TrainConfig())
+    ck.load_model_weights(latest, model2)
+    ck.load_optimizer(latest, opt2, model2)
+    for (n, p), p2 in zip(model.named_parameters(), model2.parameters(), strict=True):
+        assert torch.equal(p, p2), n
+    s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert s1.keys() == s2.keys()
+    for k in s1:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(s1[k][key], s2[k][key])
+    assert ck.read_trainer_state(latest) == {"step": 5, "tokens": 80}
+
+
+def test_only_the_newest_checkpoints_are_kept_and_temp_folders_are_ignored(tmp_path: Path):
+    model, opt = _model_and_opt()
+    # A crash mid-write leaves a temporary folder; it is never taken for a checkpoint.
+    (tmp_path / "checkpoints" / ".tmp-step-000009-1").mkdir(parents=True)
+    for step in (1, 2, 3, 4):
+        ck.save_checkpoint(tmp_path, step, model, opt, {"step": step, "tokens": 0}, keep=2)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["latest", "step-000003", "step-000004"]
+
+
+def test_corrupt_or_missing_checkpoints_are_reported(tmp_path: Path):
+    with pytest.raises(CheckpointError, match="has no checkpoint yet"):
+        ck.latest_checkpoint(tmp_path)
+    model, opt = _model_and_opt()
+    ckpt = ck.save_checkpoint(tmp_path, 1, model, opt, {"step": 1, "tokens": 0})
+    data = (ckpt / ck.MODEL_FILE).read_bytes()
+    (ckpt / ck.MODEL_FILE).write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="is corrupt"):
+        ck.load_model_weights(ckpt, build_model(tiny_model_config()))
+    (ckpt / ck.STATE_FILE).write_text("{")
+    with pytest.raises(CheckpointError, match="is corrupt: cannot read trainer_state.json"):
+        ck.read_trainer_state(ckpt)
+    with pytest.raises(CheckpointError, match="does not fit this model"):
+        other = ck.save_checkpoint(tmp_path, 2, model, opt, {"step": 2, "tokens": 0})
+        ck.load_model_weights(other, build_model(tiny_model_config(n_layers=3)))
+
+
+def test_flops_per_token_matches_a_hand_count():
+    cfg = tiny_model_config(vocab_size=50)  # d=32, 2 layers, 4 heads, d_ff=128, tied head
+    model = build_model(cfg)
+    per_layer = 4 * 32 * 32 + 2 * 32 * 128
+    assert matmul_params(model) == 2 * per_layer + 50 * 32
+    fwd = 2 * (2 * per_layer + 50 * 32) + 4 * 2 * 16 * 32
+    assert flops_per_token(model, cfg, 16, train=False) == fwd
+    assert flops_per_token(model, cfg, 16) == 3 * fwd
+
+
+@pytest.mark.parametrize("stride", [None, 4, 7])
+def test_windowed_scoring_scores_every_token_once_and_matches_one_pass(stride):
+    cfg = tiny_model_config(vocab_size=20, max_seq_len=64, position={"kind": "none"})
+    model = build_model(cfg).eval()
+    ids = np.random.default_rng(0).integers(0, 20, size=40)
+    nbytes = np.ones(20, dtype=np.int64)
+    res = score_tokens(model, ids, nbytes, max_seq_len=64, stride=stride)
+    x = torch.from_numpy(ids).long()[None]
+    with torch.no_grad():
+        ref = float(model(x[:, :-1], targets=x[:, 1:]).loss)  # one pass: the whole text fits
+    assert res.tokens == 39 and res.bytes == 39
+    assert res.loss == pytest.approx(ref, abs=1e-5)
+    assert res.perplexity == pytest.approx(math.exp(ref), rel=1e-5)
+    assert res.bits_per_byte == pytest.approx(ref / math.log(2), rel=1e-5)
+    short = score_tokens(model, ids, nbytes, max_seq_len=8, stride=stride if stride != 7 else 3)
+    assert short.tokens == 39  # windows of 8: still every target exactly once
+
+
+def test_metrics_records_are_json_lines(tmp_path: Path):
+    from lmlab.training.metrics import MetricsLogger, plot_losses, read_metrics, truncate_metrics
+
+    log = MetricsLogger(tmp_path, tensorboard=False)
+    for s in (1, 2, 3):
+        log.log({"step": s, "tokens": s * 10, "train_loss": 3.0 - s * 0.1})
+    log.log({"step": 3, "tokens": 30, "val_loss": 2.5})
+    log.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "tok')  # a torn line from a crash
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 3]
+    truncate_metrics(tmp_path, 2)
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").open()] == [1, 2]
+    png = plot_losses(tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
