@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-RUN ?= runs/minigpt-$(shell date +%Y%m%d-%H%M%S)
+NOW := $(shell date +%Y%m%d-%H%M%S)
+RUN ?= runs/minigpt-$(NOW)
 
 .PHONY: setup run test lint typecheck unit clean
 

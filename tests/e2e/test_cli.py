@@ -109,34 +109,12 @@ def test_existing_run_folder_is_not_overwritten(tiny_run: Path, capsys):
 
 
 def test_generate_streams_text(tiny_run: Path, capsys):
-    code, out, err = run_cli(
-        capsys,
-        "generate",
-        str(tiny_run),
-        "--prompt",
-        "ROMEO:",
-        "--max-new-tokens",
-        "40",
-        "--seed",
-        "1",
-        "--top-k",
-        "10",
-    )
+    argv = ["generate", str(tiny_run), "--prompt", "ROMEO:", "--max-new-tokens", "40"]
+    argv += ["--seed", "1", "--top-k", "10"]
+    code, out, err = run_cli(capsys, *argv)
     assert code == 0, err
     assert out.startswith("ROMEO:") and len(out) == len("ROMEO:") + 40 + 1
-    again = run_cli(
-        capsys,
-        "generate",
-        str(tiny_run),
-        "--prompt",
-        "ROMEO:",
-        "--max-new-tokens",
-        "40",
-        "--seed",
-        "1",
-        "--top-k",
-        "10",
-    )[1]
+    again = run_cli(capsys, *argv)[1]
     assert again == out  # same seed, same sample
     greedy = run_cli(
         capsys,

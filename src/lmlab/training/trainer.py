@@ -163,15 +163,14 @@ def train(
         cfg.train.lr_decay_steps = cfg.train.lr_decay_steps or cfg.train.max_steps
         cfg.train.seq_len = cfg.train.seq_len or cfg.model.max_seq_len
         cfg.validate()
-        if is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            tokenizer.save(run_dir / TOKENIZER_FILE)
-            save_config(cfg, run_dir / CONFIG_FILE)
     tc = cfg.train
     seq_len = tc.seq_len or cfg.model.max_seq_len
     splits = build_token_cache(corpus, tokenizer, run_dir / "data")
     check_split_length(splits["train"], seq_len, "train")
     check_split_length(splits["val"], seq_len, "val")
+    if is_main and not resuming:  # only now is the folder a run (see prepare_run)
+        tokenizer.save(run_dir / TOKENIZER_FILE)
+        save_config(cfg, run_dir / CONFIG_FILE)
 
     # ---- model and optimizer
     torch.manual_seed(tc.seed)
@@ -309,26 +308,22 @@ def train(
             due = tc.checkpoint_every is not None and step % tc.checkpoint_every == 0
             if due or time.perf_counter() - last_ckpt_t >= tc.checkpoint_interval_s:
                 checkpoint()
+        if step > start_step or not resuming:
+            evaluate()
+        elif resuming:
+            val_loss, train_loss = state.get("val_loss"), state.get("train_loss")
+        checkpoint()
     except KeyboardInterrupt:
         checkpoint()
-        if bar is not None:
-            bar.close()
-        if logger is not None:
-            logger.close()
         raise LmlabError(
             f"interrupted at step {step}; checkpoint saved. Continue with: "
             f"lmlab train --resume {run_dir}"
         ) from None
-    if step > start_step or not resuming:
-        evaluate()
-    elif resuming:
-        val_loss = state.get("val_loss")
-        train_loss = state.get("train_loss")
-    checkpoint()
-    if bar is not None:
-        bar.close()
-    if logger is not None:
-        logger.close()
+    finally:
+        if bar is not None:
+            bar.close()
+        if logger is not None:
+            logger.close()
     return TrainResult(
         run_dir, step, tokens_seen, train_loss, val_loss, tok_s, mfu, elapsed(), stopped_early
     )
