@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lmlab.errors import LmlabError
+from lmlab.errors import Interrupted, LmlabError
 
 DESCRIPTION = """\
 lmlab: build, train, probe and compare Transformer language models.
@@ -226,12 +226,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     params.validate()
     run = load_run(args.run, args.device or "auto")
-    out = sys.stdout
+    pieces = generate_text(
+        run.model, run.tokenizer, args.prompt, params, run.config.model.max_seq_len
+    )
+    out = sys.stdout  # the prompt is written only once it has been accepted
     if not args.no_prompt:
         out.write(args.prompt)
-    for piece in generate_text(
-        run.model, run.tokenizer, args.prompt, params, run.config.model.max_seq_len
-    ):
+    for piece in pieces:
         out.write(piece)
         out.flush()
     out.write("\n")
@@ -263,6 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = getattr(args, "debug", False) or bool(os.environ.get("LMLAB_DEBUG"))
     try:
         return COMMANDS[args.command](args)
+    except Interrupted as e:
+        print(str(e), file=sys.stderr)
+        return 130
     except LmlabError as e:
         if debug:
             raise

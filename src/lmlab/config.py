@@ -335,6 +335,8 @@ def validate_run_config(cfg: RunConfig) -> None:
     from lmlab import nn as lnn  # registers every component
     from lmlab.models.build import MODELS
 
+    if not cfg.name or cfg.name in (".", "..") or any(c in cfg.name for c in "/\\\0"):
+        raise ConfigError(f"name: {cfg.name!r} must be a plain folder name (no slashes)")
     m = cfg.model
     MODELS.get(m.kind, "model.kind")
     lnn.ATTENTION.get(m.attention.kind, "model.attention.kind")

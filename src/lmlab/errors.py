@@ -23,3 +23,7 @@ class DataError(LmlabError):
 
 class CheckpointError(LmlabError):
     """A run folder has no checkpoint, or a checkpoint is incomplete or corrupt."""
+
+
+class Interrupted(LmlabError):
+    """The user stopped a command (Ctrl-C / SIGINT) after its state was saved."""

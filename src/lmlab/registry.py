@@ -34,8 +34,8 @@ class Registry(Generic[T]):
             if name in self._items:
                 raise ValueError(f"{self.family} kind {name!r} is registered twice")
             self._items[name] = obj
-            first = (doc or (getattr(obj, "__doc__", None) or "")).strip().splitlines()
-            self._docs[name] = first[0] if first else ""
+            text = (doc or getattr(obj, "__doc__", None) or "").strip().split("\n\n")[0]
+            self._docs[name] = " ".join(text.split())
             return obj
 
         return deco

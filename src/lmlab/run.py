@@ -17,7 +17,7 @@ from lmlab.config import RunConfig, load_config
 from lmlab.data.tokenizer import Tokenizer, load_tokenizer
 from lmlab.errors import LmlabError
 from lmlab.models.build import build_model
-from lmlab.training.checkpoint import latest_checkpoint, load_model_weights, read_trainer_state
+from lmlab.training.checkpoint import latest_checkpoint, load_checkpoint
 from lmlab.training.hardware import resolve_device
 
 CONFIG_FILE = "config.yaml"
@@ -57,10 +57,9 @@ def load_run(run_dir: str | Path, device: str = "auto") -> LoadedRun:
     p = Path(run_dir)
     cfg = read_run_config(p)
     ckpt = latest_checkpoint(p)
-    state = read_trainer_state(ckpt)
     tokenizer = load_tokenizer(p / TOKENIZER_FILE)
     dev = resolve_device(device)
     model = build_model(cfg.model)
-    load_model_weights(ckpt, model)
+    state = load_checkpoint(ckpt, model)
     model.to(dev).eval()
     return LoadedRun(p, cfg, tokenizer, model, int(state["step"]), ckpt, dev)

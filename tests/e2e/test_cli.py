@@ -271,3 +271,82 @@ def test_list_shows_registered_components(capsys):
 def _write(p: Path, data: bytes) -> Path:
     p.write_bytes(data)
     return p
+
+
+def test_a_start_that_failed_before_any_checkpoint_can_be_redone(tmp_path: Path, capsys):
+    short = _write(tmp_path / "short.txt", b"To be, or not to be: that is the question.\n" * 5)
+    out = tmp_path / "run"
+    code, _, err = run_cli(capsys, "train", "--data", str(short), "--out", str(out), *TINY_SET)
+    assert code == 2 and "the val split has" in err and "fewer than one training window" in err
+    longer = _write(tmp_path / "long.txt", b"To be, or not to be: that is the question.\n" * 60)
+    code, _, err = run_cli(
+        capsys, "train", "--data", str(longer), "--out", str(out), "--max-steps", "2", *TINY_SET
+    )
+    assert code == 0, err
+    code, _, err = run_cli(capsys, "train", "--resume", str(out), "--max-steps", "1")
+    assert code == 2 and "is already at step 2; --max-steps 1 would not extend it" in err
+
+
+def test_interrupt_saves_a_checkpoint_and_says_how_to_resume(tmp_path: Path, capsys, monkeypatch):
+    import lmlab.training.trainer as trainer
+
+    real, calls = trainer.sample_batch, []
+
+    def interrupt_on_fifth(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5 + trainer_eval_batches:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    trainer_eval_batches = 2  # the step-0 evaluation draws 2 batches first
+    monkeypatch.setattr(trainer, "sample_batch", interrupt_on_fifth)
+    out = tmp_path / "run"
+    code, _, err = run_cli(capsys, "train", "--out", str(out), "--max-steps", "20", *TINY_SET)
+    assert code == 130
+    assert "interrupted at step 4; checkpoint saved" in err and f"--resume {out}" in err
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-000004"
+    monkeypatch.setattr(trainer, "sample_batch", real)
+    assert run_cli(capsys, "train", "--resume", str(out), "--max-steps", "6")[0] == 0
+
+
+def test_non_finite_weights_are_a_corrupt_checkpoint(tiny_run: Path, tmp_path: Path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "nan"
+    shutil.copytree(tiny_run, bad)
+    path = bad / "checkpoints" / "step-000030" / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors["final_norm.weight"][0] = float("nan")
+    save_file(tensors, str(path))
+    code, out, err = run_cli(capsys, "eval", str(bad))
+    assert code == 2 and "is corrupt: non-finite values in final_norm.weight" in err
+    assert out == ""
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["eval", "{run}", "--batch-size", "0"], "--batch-size must be >= 1"),
+        (["eval", "{run}", "--max-tokens", "-5"], "--max-tokens must be >= 2"),
+        (["eval", "{run}", "--stride", "0"], "--stride must be between 1 and the context length"),
+        (["eval", "{run}", "--stride", "33"], "--stride must be between 1 and the context length"),
+        (["eval", "{run}", "--data", "{tmp}"], "is a folder, not a text file"),
+        (["generate", "{run}", "--temperature", "nan"], "--temperature must be a finite number"),
+        (["generate", "{run}", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        (["generate", "{run}", "--prompt", ""], "the prompt is empty"),
+        (["generate", "{run}", "--device", "cuda"], "torch sees no CUDA GPU"),
+        (["train", "--resume", "{run}", "--out", "{tmp}/x"], "--out cannot be combined"),
+        (["train", "--resume", "{run}", "--data", "{tmp}/x.txt"], "differ from it: data.corpus"),
+        (["train", "--resume", "{tmp}"], "is not an lmlab run folder"),
+        (["train", "--time-budget", "0"], "--time-budget must be a positive number"),
+        (["train", "--set", "name=../escape"], "must be a plain folder name"),
+        (["train", "--out", "{run}/config.yaml"], "is a file; give a folder"),
+    ],
+)
+def test_catalogue_of_bad_inputs(tiny_run: Path, tmp_path: Path, capsys, argv, message):
+    argv = [a.format(run=tiny_run, tmp=tmp_path) for a in argv]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2, err
+    assert message in err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
+    assert out == ""  # nothing half-printed (a generate prompt is echoed only once accepted)

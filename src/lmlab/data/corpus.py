@@ -27,7 +27,7 @@ def read_text(path: str | Path) -> str:
     if not p.exists():
         raise DataError(f"corpus file not found: {p}")
     if p.is_dir():
-        raise DataError(f"{p} is a folder; give a UTF-8 text file (or a folder with train.txt)")
+        raise DataError(f"{p} is a folder, not a text file")
     raw = p.read_bytes()
     try:
         text = raw.decode("utf-8")

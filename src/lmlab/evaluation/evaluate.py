@@ -64,7 +64,9 @@ def score_tokens(
     n = len(ids)
     if n < 2:
         raise DataError(f"need at least 2 tokens to score, got {n}")
-    stride = stride or max_seq_len
+    stride = max_seq_len if stride is None else stride
+    if batch_size < 1:
+        raise DataError(f"--batch-size must be >= 1, got {batch_size}")
     if not 1 <= stride <= max_seq_len:
         raise DataError(f"--stride must be between 1 and the context length {max_seq_len}")
     device = next(model.parameters()).device
@@ -128,6 +130,10 @@ def evaluate(
 
     Raises LmlabError for a run without checkpoint, a split the corpus lacks, or bad text.
     """
+    if max_tokens is not None and max_tokens < 2:
+        raise LmlabError(
+            f"--max-tokens must be >= 2 (one token predicts the next), got {max_tokens}"
+        )
     run = load_run(run_dir, device)
     if data is not None:
         text = read_text(data)

@@ -6,6 +6,7 @@ generation can run past the window without ever attending beyond it.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -32,6 +33,13 @@ class SamplingParams:
     seed: int | None = None
 
     def validate(self) -> None:
+        for name, value in (
+            ("--temperature", self.temperature),
+            ("--top-p", self.top_p),
+            ("--repetition-penalty", self.repetition_penalty),
+        ):
+            if not math.isfinite(value):
+                raise LmlabError(f"{name} must be a finite number, got {value}")
         if self.max_new_tokens < 0:
             raise LmlabError(f"--max-new-tokens must be >= 0, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -104,7 +112,7 @@ def generate_text(
     through ``warn``. Raises DataError for characters a char-level vocabulary lacks, LmlabError
     for an empty prompt.
     """
-    params.validate()
+    params.validate()  # checked here, before the first piece is asked for
     ids = tokenizer.encode(prompt)
     if not ids:
         if tokenizer.eos_id is None:
@@ -116,6 +124,12 @@ def generate_text(
             f"keeping its last {max_seq_len} tokens"
         )
         ids = ids[-max_seq_len:]
+    return _stream(model, tokenizer, ids, params, max_seq_len)
+
+
+def _stream(
+    model: nn.Module, tokenizer: Tokenizer, ids: list[int], params: SamplingParams, max_seq_len: int
+) -> Iterator[str]:
     utf8, stops = Utf8Stream(), StopStrings(params.stop)
     for tok in generate_ids(model, ids, params, max_seq_len, tokenizer.eos_id):
         text, stopped = stops.push(utf8.push(tokenizer.token_bytes(tok)))

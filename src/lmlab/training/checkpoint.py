@@ -98,6 +98,7 @@ def save_checkpoint(
         save_file(optimizer_tensors(optimizer, model), str(tmp / OPTIMIZER_FILE))
     (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
     for f in tmp.iterdir():
+        os.chmod(f, 0o644)  # safetensors creates 0600 files; a run folder is shareable
         _fsync(f)
     _fsync(tmp)
     if final.exists():  # re-saving the same step (e.g. a resumed run that was already complete)
@@ -123,12 +124,34 @@ def _prune(root: Path, keep: int, current: str) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
+def has_checkpoint(run_dir: str | Path) -> bool:
+    """Whether a folder holds at least one checkpoint (complete or pointed at)."""
+    root = Path(run_dir) / "checkpoints"
+    return (root / LATEST).exists() or any(root.glob("step-*"))
+
+
+def other_checkpoints(ckpt: Path) -> str:
+    """A hint naming the other checkpoints beside ``ckpt`` (for a corrupt latest one)."""
+    others = sorted(p.name for p in ckpt.parent.glob("step-*") if p != ckpt and p.is_dir())
+    if not others:
+        return ""
+    return (
+        f"; older checkpoints exist ({', '.join(others)}): to use one, write its name into "
+        f"{ckpt.parent / LATEST}"
+    )
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path:
     """The folder ``latest`` points at. Raises CheckpointError if the run has no checkpoint."""
     root = Path(run_dir) / "checkpoints"
     pointer = root / LATEST
     if pointer.is_file():
-        ckpt = root / pointer.read_text().strip()
+        name = pointer.read_text().strip()
+        if not name or "/" in name:
+            raise CheckpointError(
+                f"{pointer} is empty or damaged; write a step-NNNNNN name into it"
+            )
+        ckpt = root / name
         if not ckpt.is_dir():
             raise CheckpointError(f"{pointer} names {ckpt.name}, which does not exist")
         return ckpt
@@ -136,7 +159,8 @@ def latest_checkpoint(run_dir: str | Path) -> Path:
     if complete:
         return complete[-1]
     raise CheckpointError(
-        f"{run_dir} has no checkpoint yet (no {root}/{LATEST}); train it first with lmlab train"
+        f"{run_dir} has no checkpoint yet; train it first (lmlab train --out {run_dir} starts it "
+        "afresh)"
     )
 
 
@@ -168,6 +192,11 @@ def load_model_weights(ckpt: Path, model: nn.Module) -> None:
             f"checkpoint {path} does not fit this model (missing {sorted(missing)[:5]}, "
             f"unexpected {sorted(unexpected)[:5]})"
         )
+    bad = [
+        n for n, t in model.state_dict().items() if t.is_floating_point() and not t.isfinite().all()
+    ]
+    if bad:
+        raise CheckpointError(f"checkpoint file {path} is corrupt: non-finite values in {bad[0]}")
 
 
 def load_optimizer(ckpt: Path, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
@@ -184,3 +213,20 @@ def load_optimizer(ckpt: Path, optimizer: torch.optim.Optimizer, model: nn.Modul
 
 def _short(e: BaseException) -> str:
     return str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+
+
+def load_checkpoint(
+    ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, Any]:
+    """Load weights (and optimizer state) from a checkpoint folder; return its trainer state.
+
+    Raises CheckpointError naming the damaged file and any older checkpoints beside it.
+    """
+    try:
+        state = read_trainer_state(ckpt)
+        load_model_weights(ckpt, model)
+        if optimizer is not None:
+            load_optimizer(ckpt, optimizer, model)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}{other_checkpoints(ckpt)}") from None
+    return state

@@ -12,7 +12,10 @@ METRICS_FILE = "metrics.jsonl"
 class MetricsLogger:
     """Appends records to ``RUN/metrics.jsonl`` and mirrors scalars to TensorBoard (``RUN/tb``)."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
+    def __init__(
+        self, run_dir: str | Path, tensorboard: bool = True, purge_step: int | None = None
+    ) -> None:
+        """``purge_step``: on resume, TensorBoard drops events logged after this step."""
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / METRICS_FILE
         self._fh = self.path.open("a", encoding="utf-8")
@@ -21,7 +24,7 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(self.run_dir / "tb"))
+                self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=purge_step)
             except ImportError:  # tensorboard is a dependency; tolerate a broken install
                 self._tb = None
 

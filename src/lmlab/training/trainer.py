@@ -9,6 +9,7 @@ loop keeps ``rank``/``world_size`` explicit and writes files only where ``is_mai
 from __future__ import annotations
 
 import math
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -24,13 +25,14 @@ from lmlab.config import RunConfig, diff_configs, save_config
 from lmlab.data.corpus import load_corpus
 from lmlab.data.dataset import batch_rng, build_token_cache, check_split_length, sample_batch
 from lmlab.data.tokenizer import fit_tokenizer, load_tokenizer
-from lmlab.errors import LmlabError
+from lmlab.errors import Interrupted, LmlabError
 from lmlab.models.build import build_model
 from lmlab.run import CONFIG_FILE, TOKENIZER_FILE, read_run_config
 from lmlab.training import checkpoint as ckpt_io
+from lmlab.training.checkpoint import has_checkpoint
 from lmlab.training.flops import flops_per_token
 from lmlab.training.hardware import autocast, measure_matmul_peak, resolve_device, synchronize
-from lmlab.training.metrics import MetricsLogger, plot_losses, truncate_metrics
+from lmlab.training.metrics import METRICS_FILE, MetricsLogger, plot_losses, truncate_metrics
 from lmlab.training.optim import build_optimizer, lr_at
 
 # Settings that may differ when a run is resumed (they do not change what is computed).
@@ -55,8 +57,14 @@ class TrainResult:
 def prepare_run(
     cfg: RunConfig | None, out: Path | None, resume: Path | None, max_steps: int | None
 ) -> tuple[RunConfig, Path, bool]:
-    """Resolve the config and run folder. Returns (config, run_dir, resuming)."""
+    """Resolve the config and run folder. Returns (config, run_dir, resuming).
+
+    A folder counts as a run once it holds a checkpoint; a folder left by a run that failed or
+    was stopped before its first checkpoint is started afresh.
+    """
     if resume is not None:
+        if out is not None and Path(out).resolve() != Path(resume).resolve():
+            raise LmlabError("--out cannot be combined with --resume (a run stays in its folder)")
         saved = read_run_config(resume)
         if cfg is not None:
             # Fields a new run fills in (from the tokenizer, max_steps) compare as filled in.
@@ -86,11 +94,23 @@ def prepare_run(
         return saved, Path(resume), True
     assert cfg is not None
     run_dir = Path(out) if out is not None else Path("runs") / cfg.name
-    if (run_dir / "checkpoints").exists() or (run_dir / CONFIG_FILE).exists():
+    if run_dir.exists() and not run_dir.is_dir():
+        raise LmlabError(f"--out {run_dir} is a file; give a folder for the run")
+    if has_checkpoint(run_dir):
         raise LmlabError(
             f"{run_dir} already holds a run; continue it with --resume {run_dir} or choose "
             "another --out"
         )
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LmlabError(f"cannot create run folder {run_dir}: {e.strerror or e}") from None
+    for stale in (METRICS_FILE, "tb"):  # left by an attempt that never reached a checkpoint
+        path = run_dir / stale
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
     if max_steps is not None:
         cfg.train.max_steps = max_steps
     return cfg, run_dir, False
@@ -143,6 +163,8 @@ def train(
     Raises LmlabError for bad input: missing/empty/non-UTF-8 corpus, an occupied run folder,
     a changed config on resume, a corrupt checkpoint.
     """
+    if time_budget is not None and not time_budget > 0:
+        raise LmlabError(f"--time-budget must be a positive number of seconds, got {time_budget}")
     cfg, run_dir, resuming = prepare_run(
         cfg, Path(out) if out else None, Path(resume) if resume else None, max_steps
     )
@@ -179,11 +201,14 @@ def train(
     start_step, tokens_seen, elapsed_before = 0, 0, 0.0
     if resuming:
         ckpt = ckpt_io.latest_checkpoint(run_dir)
-        state = ckpt_io.read_trainer_state(ckpt)
-        ckpt_io.load_model_weights(ckpt, model)
-        ckpt_io.load_optimizer(ckpt, optimizer, model)
+        state = ckpt_io.load_checkpoint(ckpt, model, optimizer)
         start_step, tokens_seen = int(state["step"]), int(state["tokens"])
         elapsed_before = float(state.get("elapsed_s", 0.0))
+        if tc.max_steps < start_step:
+            raise LmlabError(
+                f"{run_dir} is already at step {start_step}; --max-steps {tc.max_steps} would not "
+                "extend it (give a larger number)"
+            )
         if is_main:
             truncate_metrics(run_dir, start_step)
             save_config(cfg, run_dir / CONFIG_FILE)  # records an extended max_steps
@@ -191,7 +216,9 @@ def train(
     tokens_per_step = tc.batch_size * tc.grad_accum_steps * seq_len * world_size
     flops_tok = flops_per_token(model, cfg.model, seq_len, train=True)
     peak = measure_matmul_peak(dev, tc.precision) if is_main else float("nan")
-    logger = MetricsLogger(run_dir) if is_main else None
+    logger = (
+        MetricsLogger(run_dir, purge_step=start_step if resuming else None) if is_main else None
+    )
     bar = _progress_bar(tc.max_steps, start_step, progress) if is_main else None
 
     # ---- loop
@@ -225,8 +252,13 @@ def train(
         last_ckpt_t, last_saved = time.perf_counter(), step
         paused += last_ckpt_t - t0
 
+    evaluated_at = -1
+
     def evaluate() -> None:
-        nonlocal val_loss, paused
+        nonlocal val_loss, paused, evaluated_at
+        if evaluated_at == step:
+            return
+        evaluated_at = step
         t0 = time.perf_counter()
         val_loss = estimate_loss(model, splits["val"], cfg, dev, seq_len)
         if logger is not None:
@@ -315,7 +347,7 @@ def train(
         checkpoint()
     except KeyboardInterrupt:
         checkpoint()
-        raise LmlabError(
+        raise Interrupted(
             f"interrupted at step {step}; checkpoint saved. Continue with: "
             f"lmlab train --resume {run_dir}"
         ) from None
