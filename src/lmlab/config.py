@@ -107,7 +107,7 @@ class ModelConfig:
 
 @dataclass
 class TokenizerConfig:
-    """char: one token per Unicode character of the training text. bpe: byte-level BPE."""
+    """char: one token per Unicode character of the corpus. bpe: byte-level BPE (train split)."""
 
     kind: str = "char"
     vocab_size: int = 2048  # bpe only (includes the 256 byte tokens and <|endoftext|>)

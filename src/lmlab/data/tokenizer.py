@@ -65,7 +65,7 @@ def _char_hf_tokenizer(chars: list[str]) -> HFTokenizer:
 
 @TOKENIZERS.register("char")
 class CharTokenizer(Tokenizer):
-    """One token per Unicode character seen in the training text, ids in sorted order."""
+    """One token per Unicode character of the corpus (all splits), ids in sorted order."""
 
     kind = "char"
     fit_on_all_splits = True  # a character missing from train must still encode in val/test

@@ -1,0 +1,1 @@
+"""Weights and configs of other libraries mapped onto lmlab's components, in one place."""

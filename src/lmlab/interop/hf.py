@@ -1,0 +1,155 @@
+"""Hugging Face ``transformers`` decoders -> lmlab: config maps and state-dict key maps.
+
+Works on a config object (attributes as in ``transformers``' ``LlamaConfig`` / ``GPT2Config``) and
+a plain state dict, so lmlab itself never imports ``transformers``. Each converter raises
+LmlabError for a setting lmlab has no component for, naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lmlab.config import (
+    AttentionConfig,
+    BlockConfig,
+    FFNConfig,
+    ModelConfig,
+    NormConfig,
+    PositionConfig,
+)
+from lmlab.errors import LmlabError
+
+
+def _rope_theta(hf: Any) -> float:
+    params = getattr(hf, "rope_parameters", None) or {}
+    kind = params.get("rope_type", "default")
+    if kind != "default":
+        raise LmlabError(f"RoPE scaling {kind!r} has no lmlab component yet")
+    return float(params.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+
+
+def llama_model_config(hf: Any) -> ModelConfig:
+    """A ``LlamaConfig`` -> ModelConfig (RMSNorm, SwiGLU, RoPE half-split, GQA, Pre-Norm)."""
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise LmlabError(f"Llama hidden_act {hf.hidden_act!r} is not supported (silu only)")
+    return ModelConfig(
+        vocab_size=hf.vocab_size,
+        d_model=hf.hidden_size,
+        n_layers=hf.num_hidden_layers,
+        max_seq_len=hf.max_position_embeddings,
+        tie_embeddings=bool(hf.tie_word_embeddings),
+        attention=AttentionConfig(
+            n_heads=hf.num_attention_heads,
+            n_kv_heads=hf.num_key_value_heads,
+            head_dim=getattr(hf, "head_dim", None),
+            bias=bool(getattr(hf, "attention_bias", False)),
+        ),
+        position=PositionConfig(kind="rope", rope_theta=_rope_theta(hf)),
+        norm=NormConfig(kind="rmsnorm", eps=hf.rms_norm_eps),
+        ffn=FFNConfig(
+            kind="glu",
+            d_ff=hf.intermediate_size,
+            activation="silu",
+            bias=bool(getattr(hf, "mlp_bias", False)),
+        ),
+        block=BlockConfig(kind="prenorm"),
+    )
+
+
+LLAMA_KEYS = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.norm.weight": "final_norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+LLAMA_LAYER_KEYS = {
+    "self_attn.q_proj": "attn.q_proj",
+    "self_attn.k_proj": "attn.k_proj",
+    "self_attn.v_proj": "attn.v_proj",
+    "self_attn.o_proj": "attn.o_proj",
+    "mlp.gate_proj": "ffn.gate_proj",
+    "mlp.up_proj": "ffn.up_proj",
+    "mlp.down_proj": "ffn.down_proj",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def llama_state_dict(sd: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+    """Rename a Llama state dict to lmlab's keys (same layout: both use half-split RoPE)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in sd.items():
+        if key in LLAMA_KEYS:
+            out[LLAMA_KEYS[key]] = value
+            continue
+        parts = key.split(".")  # model.layers.{i}.{module...}.{weight|bias}
+        if parts[:2] != ["model", "layers"]:
+            raise LmlabError(f"unexpected Llama weight {key!r}")
+        module = ".".join(parts[3:-1])
+        if module not in LLAMA_LAYER_KEYS:
+            raise LmlabError(f"unexpected Llama weight {key!r}")
+        out[f"layers.{parts[2]}.{LLAMA_LAYER_KEYS[module]}.{parts[-1]}"] = value
+    if tied:
+        out["lm_head.weight"] = out["embed.weight"]
+    return out
+
+
+def gpt2_model_config(hf: Any) -> ModelConfig:
+    """A ``GPT2Config`` -> ModelConfig (LayerNorm, learned positions, GELU-tanh MLP, biases)."""
+    if hf.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise LmlabError(f"GPT-2 activation {hf.activation_function!r} is not supported")
+    return ModelConfig(
+        vocab_size=hf.vocab_size,
+        d_model=hf.n_embd,
+        n_layers=hf.n_layer,
+        max_seq_len=hf.n_positions,
+        tie_embeddings=True,
+        attention=AttentionConfig(n_heads=hf.n_head, bias=True),
+        position=PositionConfig(kind="learned"),
+        norm=NormConfig(kind="layernorm", eps=hf.layer_norm_epsilon, bias=True),
+        ffn=FFNConfig(kind="mlp", d_ff=hf.n_inner or 4 * hf.n_embd, activation="gelu_tanh"),
+        block=BlockConfig(kind="prenorm"),
+    )
+
+
+def gpt2_state_dict(sd: dict[str, torch.Tensor], d_model: int) -> dict[str, torch.Tensor]:
+    """GPT-2 keys -> lmlab's. GPT-2's Conv1D stores (in, out) matrices: transpose them; split the
+    fused c_attn (D, 3D) into q, k and v."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in sd.items():
+        if key.endswith(".attn.bias") or key.endswith(".attn.masked_bias"):
+            continue  # causal-mask buffers in older versions
+        if key == "transformer.wte.weight":
+            out["embed.weight"] = value
+        elif key == "transformer.wpe.weight":
+            out["position.weight"] = value
+        elif key.startswith("transformer.ln_f."):
+            out["final_norm." + key.split(".")[-1]] = value
+        elif key == "lm_head.weight":
+            continue  # tied to wte
+        elif key.startswith("transformer.h."):
+            parts = key.split(".")
+            i, module, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
+            prefix = f"layers.{i}."
+            if module == "attn.c_attn":
+                chunks = value.split(d_model, dim=-1)  # weight (D, 3D), bias (3D,)
+                for name, chunk in zip(("q_proj", "k_proj", "v_proj"), chunks, strict=True):
+                    out[f"{prefix}attn.{name}.{kind}"] = chunk.t() if kind == "weight" else chunk
+            else:
+                names = {
+                    "attn.c_proj": "attn.o_proj",
+                    "mlp.c_fc": "ffn.up_proj",
+                    "mlp.c_proj": "ffn.down_proj",
+                    "ln_1": "attn_norm",
+                    "ln_2": "ffn_norm",
+                }
+                if module not in names:
+                    raise LmlabError(f"unexpected GPT-2 weight {key!r}")
+                conv1d = module.startswith(("attn.", "mlp.")) and kind == "weight"
+                out[f"{prefix}{names[module]}.{kind}"] = value.t() if conv1d else value
+        else:
+            raise LmlabError(f"unexpected GPT-2 weight {key!r}")
+    out = {k: v.contiguous() for k, v in out.items()}
+    out["lm_head.weight"] = out["embed.weight"]
+    return out
