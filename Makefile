@@ -5,6 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NOW := $(shell date +%Y%m%d-%H%M%S)
 RUN ?= runs/minigpt-$(NOW)
+# Optional: an index holding the CPU build of torch (e.g. https://download.pytorch.org/whl/cpu)
+# for machines without the local CPU wheel that this project's machines carry.
+TORCH_INDEX ?=
 
 .PHONY: setup run test lint typecheck unit clean
 
@@ -14,7 +17,7 @@ setup: $(STAMP)
 # project with a constraint file that keeps torch at that version whatever a dependency asks for.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
+os.environ["LMLAB_CACHE_DIR"] = tempfile.mkdtemp(prefix="lmlab-cache-")
 
 from lmlab.config import RunConfig, config_from_dict  # noqa: E402
 

@@ -125,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("run", metavar="RUN_DIR")
     g.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
-    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument(
+        "--max-new-tokens", type=int, default=200, help="at most this many new tokens (default 200)"
+    )
     g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     g.add_argument(
         "--top-k", type=int, default=0, help="sample among the K most likely tokens (0 = off)"
@@ -142,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="STR",
-        help="stop when this string appears (repeatable; not printed)",
+        help="stop when this string appears (repeatable; not printed; \\n and \\t are "
+        "newline and tab)",
     )
     g.add_argument("--seed", type=int, help="random seed for reproducible samples")
     g.add_argument("--no-prompt", action="store_true", help="print only the continuation")
@@ -180,12 +183,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         device=args.device,
         progress=args.progress,
     )
-    mfu = f", MFU {100 * res.mfu:.1f}%" if res.mfu is not None else ""
     val = f"{res.val_loss:.4f}" if res.val_loss is not None else "n/a"
+    if res.steps_run == 0:
+        print(
+            f"{res.run_dir} is already at step {res.step} (val_loss {val}); nothing to do. "
+            "Extend it with --max-steps N",
+            file=sys.stderr,
+        )
+        return 0
+    mfu = f", MFU {100 * res.mfu:.1f}%" if res.mfu is not None else ""
     note = " (stopped by --time-budget)" if res.stopped_early else ""
     print(
         f"trained {res.run_dir} to step {res.step}{note}: val_loss {val} nats/token, "
-        f"{res.tokens_per_s:,.0f} tokens/s{mfu}, {res.elapsed_s:.0f} s",
+        f"{res.tokens_per_s:,.0f} tokens/s on average{mfu}, {res.elapsed_s:.0f} s of training",
         file=sys.stderr,
     )
     return 0
@@ -213,6 +223,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from lmlab.generation.generate import SamplingParams, generate_text
+    from lmlab.generation.stream import unescape
     from lmlab.run import load_run
 
     params = SamplingParams(
@@ -221,7 +232,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.top_k,
         args.top_p,
         args.repetition_penalty,
-        args.stop,
+        [unescape(s) for s in args.stop],
         args.seed,
     )
     params.validate()

@@ -90,8 +90,13 @@ def test_resume_continues_the_same_trajectory(tmp_path: Path, capsys):
     assert sorted(b) == list(range(1, 13))
     for step in range(7, 13):
         assert b[step] == pytest.approx(a[step], abs=1e-6), step
-    # Resuming a finished run does nothing and says so through the same summary.
-    assert run_cli(capsys, "train", "--resume", str(part))[0] == 0
+    state = json.loads((part / "checkpoints" / "step-000012" / "trainer_state.json").read_text())
+    assert state["step"] == 12 and state["val_loss_step"] == 12
+    # Resuming a finished run does nothing, rewrites nothing, and says so.
+    before = sorted(p.name for p in part.rglob("*"))
+    code, _, err = run_cli(capsys, "train", "--resume", str(part))
+    assert code == 0 and "is already at step 12" in err and "nothing to do" in err
+    assert sorted(p.name for p in part.rglob("*")) == before
 
 
 def test_resume_refuses_changed_settings(tiny_run: Path, tmp_path: Path, capsys):

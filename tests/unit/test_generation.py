@@ -12,7 +12,7 @@ from lmlab.generation.sampling import (
     apply_top_p,
     next_token,
 )
-from lmlab.generation.stream import StopStrings, Utf8Stream
+from lmlab.generation.stream import StopStrings, Utf8Stream, unescape
 from lmlab.models import ModelOutput, build_model
 from lmlab.nn.kv_cache import KVCache
 from tests.conftest import tiny_model_config
@@ -165,3 +165,9 @@ def test_sampling_params_are_validated():
         with pytest.raises(LmlabError, match=msg):
             SamplingParams(**bad).validate()
     assert math.isclose(SamplingParams().temperature, 0.8)
+
+
+def test_stop_strings_typed_with_escapes_mean_control_characters():
+    assert unescape("\\n\\n") == "\n\n"
+    assert unescape("a\\tb\\\\n") == "a\tb\\n"
+    assert unescape("日本\\x") == "日本\\x"

@@ -140,3 +140,26 @@ def test_metrics_records_are_json_lines(tmp_path: Path):
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").open()] == [1, 2]
     png = plot_losses(tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_matmul_peak_keeps_the_best_measurement(tmp_path: Path, monkeypatch):
+    from lmlab.training import hardware
+
+    monkeypatch.setenv("LMLAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(hardware, "measure_matmul_peak", lambda device, precision: 5.0e10)
+    cpu = torch.device("cpu")
+    assert hardware.matmul_peak(cpu, "bf16") == 5.0e10
+    monkeypatch.setattr(hardware, "measure_matmul_peak", lambda device, precision: 2.0e10)
+    assert hardware.matmul_peak(cpu, "bf16") == 5.0e10  # a low reading (busy cores) is ignored
+    monkeypatch.setattr(hardware, "measure_matmul_peak", lambda device, precision: 9.0e10)
+    assert hardware.matmul_peak(cpu, "bf16") == 9.0e10
+    assert hardware.matmul_peak(cpu, "fp32") == 9.0e10  # keyed by precision: a fresh entry
+    (tmp_path / "matmul_peak.json").write_text("garbage")
+    assert hardware.matmul_peak(cpu, "bf16") == 9.0e10
+
+
+def test_measured_matmul_peak_is_a_plausible_rate():
+    from lmlab.training.hardware import measure_matmul_peak
+
+    rate = measure_matmul_peak(torch.device("cpu"), "fp32", seconds=0.05)
+    assert 1e9 < rate < 1e14  # FLOP/s: between 1 GFLOP/s and 100 TFLOP/s

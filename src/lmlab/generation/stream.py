@@ -51,3 +51,17 @@ class StopStrings:
     def flush(self) -> str:
         out, self.buf = self.buf, ""
         return out
+
+
+def unescape(text: str) -> str:
+    """Turn the escapes ``\\n``, ``\\t`` and ``\\\\`` typed on a command line into a newline,
+    a tab and a backslash (so ``--stop "\\n\\n"`` means a blank line); other text is unchanged."""
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in "nt\\":
+            out.append({"n": "\n", "t": "\t", "\\": "\\"}[text[i + 1]])
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)

@@ -31,7 +31,7 @@ from lmlab.run import CONFIG_FILE, TOKENIZER_FILE, read_run_config
 from lmlab.training import checkpoint as ckpt_io
 from lmlab.training.checkpoint import has_checkpoint
 from lmlab.training.flops import flops_per_token
-from lmlab.training.hardware import autocast, measure_matmul_peak, resolve_device, synchronize
+from lmlab.training.hardware import autocast, matmul_peak, resolve_device, synchronize
 from lmlab.training.metrics import METRICS_FILE, MetricsLogger, plot_losses, truncate_metrics
 from lmlab.training.optim import build_optimizer, lr_at
 
@@ -41,7 +41,8 @@ RESUMABLE_CHANGES = {"train.max_steps", "train.device"}
 
 @dataclass
 class TrainResult:
-    """What a finished (or stopped) ``train()`` call reports. Losses in nats/token."""
+    """What a finished (or stopped) ``train()`` call reports. Losses in nats/token;
+    tokens_per_s and mfu are averages over this call's training steps (eval time excluded)."""
 
     run_dir: Path
     step: int
@@ -50,8 +51,9 @@ class TrainResult:
     val_loss: float | None
     tokens_per_s: float
     mfu: float | None
-    elapsed_s: float
+    elapsed_s: float  # the whole run's training time so far, resumed sessions included
     stopped_early: bool = False
+    steps_run: int = 0  # optimizer steps taken by this call (tokens_per_s and mfu average them)
 
 
 def prepare_run(
@@ -209,13 +211,24 @@ def train(
                 f"{run_dir} is already at step {start_step}; --max-steps {tc.max_steps} would not "
                 "extend it (give a larger number)"
             )
+        if tc.max_steps == start_step:  # finished: nothing to do, nothing rewritten
+            return TrainResult(
+                run_dir,
+                start_step,
+                tokens_seen,
+                state.get("train_loss"),
+                state.get("val_loss"),
+                0.0,
+                None,
+                elapsed_before,
+            )
         if is_main:
             truncate_metrics(run_dir, start_step)
             save_config(cfg, run_dir / CONFIG_FILE)  # records an extended max_steps
     fwd = torch.compile(model) if tc.compile else model
     tokens_per_step = tc.batch_size * tc.grad_accum_steps * seq_len * world_size
     flops_tok = flops_per_token(model, cfg.model, seq_len, train=True)
-    peak = measure_matmul_peak(dev, tc.precision) if is_main else float("nan")
+    peak = matmul_peak(dev, tc.precision) if is_main else float("nan")
     logger = (
         MetricsLogger(run_dir, purge_step=start_step if resuming else None) if is_main else None
     )
@@ -231,8 +244,10 @@ def train(
     train_loss: float | None = None
     val_loss: float | None = None
     tok_s, mfu = 0.0, None
+    train_seconds = 0.0  # time in training steps this session (eval and checkpoints excluded)
     stopped_early = False
     last_saved = start_step if resuming else -1
+    evaluated_at = -1  # the step val_loss was last measured at
 
     def elapsed() -> float:
         return elapsed_before + time.perf_counter() - t_start
@@ -247,12 +262,11 @@ def train(
                 "elapsed_s": elapsed(),
                 "train_loss": train_loss,
                 "val_loss": val_loss,
+                "val_loss_step": evaluated_at if val_loss is not None else None,
             }
             ckpt_io.save_checkpoint(run_dir, step, model, optimizer, state, tc.keep_checkpoints)
         last_ckpt_t, last_saved = time.perf_counter(), step
         paused += last_ckpt_t - t0
-
-    evaluated_at = -1
 
     def evaluate() -> None:
         nonlocal val_loss, paused, evaluated_at
@@ -315,7 +329,9 @@ def train(
             if step % tc.log_every == 0 or step == tc.max_steps:
                 synchronize(dev)
                 now = time.perf_counter()
-                tok_s = window_tokens / max(now - window_t - paused, 1e-9)
+                window_s = max(now - window_t - paused, 1e-9)
+                train_seconds += window_s
+                tok_s = window_tokens / window_s
                 window_t, window_tokens, paused = now, 0, 0.0
                 mfu = flops_tok * tok_s / peak if peak == peak else None
                 if logger is not None:
@@ -338,12 +354,12 @@ def train(
             if step % tc.eval_every == 0 and step < tc.max_steps:
                 evaluate()
             due = tc.checkpoint_every is not None and step % tc.checkpoint_every == 0
-            if due or time.perf_counter() - last_ckpt_t >= tc.checkpoint_interval_s:
+            timed = time.perf_counter() - last_ckpt_t >= tc.checkpoint_interval_s
+            if (due or timed) and step < tc.max_steps:  # the last one follows the final eval
                 checkpoint()
-        if step > start_step or not resuming:
-            evaluate()
-        elif resuming:
-            val_loss, train_loss = state.get("val_loss"), state.get("train_loss")
+        if window_tokens:  # the last, partial tokens/s window
+            train_seconds += max(time.perf_counter() - window_t - paused, 1e-9)
+        evaluate()
         checkpoint()
     except KeyboardInterrupt:
         checkpoint()
@@ -356,8 +372,20 @@ def train(
             bar.close()
         if logger is not None:
             logger.close()
+    steps_run = step - start_step
+    avg_tok_s = steps_run * tokens_per_step / train_seconds if train_seconds > 0 else 0.0
+    avg_mfu = flops_tok * avg_tok_s / peak if avg_tok_s and peak == peak else None
     return TrainResult(
-        run_dir, step, tokens_seen, train_loss, val_loss, tok_s, mfu, elapsed(), stopped_early
+        run_dir,
+        step,
+        tokens_seen,
+        train_loss,
+        val_loss,
+        avg_tok_s,
+        avg_mfu,
+        elapsed(),
+        stopped_early,
+        steps_run,
     )
 
 
