@@ -55,19 +55,19 @@ class NormConfig:
 
 @dataclass
 class FFNConfig:
-    """Position-wise feed-forward network: mlp (up -> act -> down) or a gated linear unit."""
+    """Position-wise feed-forward network: mlp (up -> act -> down), swiglu or geglu."""
 
     kind: str = "mlp"
     d_ff: int | None = None  # None: 4 * d_model
-    activation: str = "gelu"
+    activation: str = "gelu"  # mlp only; swiglu and geglu fix their gate activation
     bias: bool = True
 
 
 @dataclass
 class BlockConfig:
-    """How a layer wires norm, attention and FFN: prenorm or postnorm."""
+    """Norm placement in a layer: pre (Pre-Norm) or post (Post-Norm)."""
 
-    kind: str = "prenorm"
+    kind: str = "pre"
 
 
 @dataclass

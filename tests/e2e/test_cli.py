@@ -269,7 +269,17 @@ def test_help_documents_every_subcommand(capsys):
 def test_list_shows_registered_components(capsys):
     code, out, _ = run_cli(capsys, "list")
     assert code == 0
-    for name in ("position:", "rope", "sinusoidal", "norm:", "rmsnorm", "block:", "prenorm"):
+    for name in (
+        "position:",
+        "rope",
+        "sinusoidal",
+        "norm:",
+        "rmsnorm",
+        "block:",
+        "pre",
+        "swiglu",
+        "geglu",
+    ):
         assert name in out
 
 

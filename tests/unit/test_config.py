@@ -15,7 +15,7 @@ from lmlab.errors import ConfigError
 def test_defaults_are_the_minigpt_and_validate():
     cfg = RunConfig().validate()
     assert cfg.model.position.kind == "rope"
-    assert cfg.model.block.kind == "prenorm"
+    assert cfg.model.block.kind == "pre"
     assert cfg.model.norm.kind == "layernorm"
     assert cfg.model.ffn.kind == "mlp" and cfg.model.ffn.activation == "gelu"
     assert cfg.model.d_ff == 4 * cfg.model.d_model

@@ -13,7 +13,7 @@ from tests.conftest import tiny_model_config
 VARIANTS = (
     [{"position": {"kind": k}} for k in POSITION.names()]
     + [{"norm": {"kind": k}} for k in NORM.names()]
-    + [{"ffn": {"kind": k, "activation": "silu"}} for k in FFN.names()]
+    + [{"ffn": {"kind": k}} for k in FFN.names()]
     + [{"block": {"kind": k}} for k in BLOCK.names()]
     + [
         {"attention": {"n_heads": 4, "n_kv_heads": 2}},

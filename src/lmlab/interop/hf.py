@@ -49,12 +49,11 @@ def llama_model_config(hf: Any) -> ModelConfig:
         position=PositionConfig(kind="rope", rope_theta=_rope_theta(hf)),
         norm=NormConfig(kind="rmsnorm", eps=hf.rms_norm_eps),
         ffn=FFNConfig(
-            kind="glu",
+            kind="swiglu",
             d_ff=hf.intermediate_size,
-            activation="silu",
             bias=bool(getattr(hf, "mlp_bias", False)),
         ),
-        block=BlockConfig(kind="prenorm"),
+        block=BlockConfig(kind="pre"),
     )
 
 
@@ -109,7 +108,7 @@ def gpt2_model_config(hf: Any) -> ModelConfig:
         position=PositionConfig(kind="learned"),
         norm=NormConfig(kind="layernorm", eps=hf.layer_norm_epsilon, bias=True),
         ffn=FFNConfig(kind="mlp", d_ff=hf.n_inner or 4 * hf.n_embd, activation="gelu_tanh"),
-        block=BlockConfig(kind="prenorm"),
+        block=BlockConfig(kind="pre"),
     )
 
 

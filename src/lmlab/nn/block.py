@@ -47,7 +47,7 @@ class Block(nn.Module):
         raise NotImplementedError
 
 
-@BLOCK.register("prenorm")
+@BLOCK.register("pre")
 class PreNormBlock(Block):
     """x + attn(norm(x)), then x + ffn(norm(x)): trains deep stacks stably (Xiong et al. 2020)."""
 
@@ -58,7 +58,7 @@ class PreNormBlock(Block):
         return x, a.weights
 
 
-@BLOCK.register("postnorm")
+@BLOCK.register("post")
 class PostNormBlock(Block):
     """norm(x + attn(x)), then norm(x + ffn(x)): the original Transformer (Vaswani et al. 2017)."""
 

@@ -40,14 +40,16 @@ class MLP(nn.Module):
         return self.down_proj(self.act(self.up_proj(x)))
 
 
-@FFN.register("glu")
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)): SwiGLU with activation silu, GeGLU with gelu (Shazeer 2020)."""
+    """down(act(gate(x)) * up(x)): a gated linear unit (Shazeer 2020, "GLU Variants Improve
+    Transformer"); subclasses fix the gate activation."""
+
+    activation = "silu"
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         f = cfg.ffn
-        self.act = ACTIVATIONS[f.activation]
+        self.act = ACTIVATIONS[self.activation]
         self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=f.bias)
         self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=f.bias)
         self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=f.bias)
@@ -55,6 +57,20 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+@FFN.register("swiglu")
+class SwiGLU(GatedMLP):
+    """down(silu(gate(x)) * up(x)) (Shazeer 2020; Llama, Mistral)."""
+
+    activation = "silu"
+
+
+@FFN.register("geglu")
+class GeGLU(GatedMLP):
+    """down(gelu(gate(x)) * up(x)) (Shazeer 2020; Gemma)."""
+
+    activation = "gelu"
 
 
 def build_ffn(cfg: ModelConfig) -> nn.Module:
