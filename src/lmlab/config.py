@@ -68,6 +68,7 @@ class BlockConfig:
     """Norm placement in a layer: pre (Pre-Norm) or post (Post-Norm)."""
 
     kind: str = "pre"
+    parallel: bool = False  # attention and FFN side by side on the same input (GPT-J, NeoX)
 
 
 @dataclass
@@ -82,7 +83,8 @@ class ModelConfig:
     dropout: float = 0.0  # on embeddings and residual branches
     tie_embeddings: bool = True  # lm_head shares the token-embedding matrix (Press & Wolf 2017)
     final_norm: bool = True
-    init_std: float = 0.02  # GPT-2 init; residual output projections get std/sqrt(2*n_layers)
+    init: str = "gpt2"  # weight initialisation scheme (lmlab list init)
+    init_std: float = 0.02  # the schemes' base standard deviation
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     position: PositionConfig = field(default_factory=PositionConfig)
     norm: NormConfig = field(default_factory=NormConfig)
@@ -344,6 +346,14 @@ def validate_run_config(cfg: RunConfig) -> None:
     lnn.NORM.get(m.norm.kind, "model.norm.kind")
     lnn.FFN.get(m.ffn.kind, "model.ffn.kind")
     lnn.BLOCK.get(m.block.kind, "model.block.kind")
+    from lmlab.models.init import INIT
+
+    INIT.get(m.init, "model.init")
+    if m.block.parallel and m.block.kind != "pre":
+        raise ConfigError(
+            f"model.block.parallel needs model.block.kind=pre (got {m.block.kind!r}): a parallel "
+            "block normalises each branch's input"
+        )
     _choice(m.ffn.activation, sorted(lnn.ACTIVATIONS), "model.ffn.activation")
     _choice(m.attention.backend, list(lnn.ATTENTION_BACKENDS), "model.attention.backend")
     for name in ("d_model", "n_layers", "max_seq_len", "vocab_size"):

@@ -21,6 +21,7 @@ VARIANTS = (
         {"attention": {"n_heads": 4, "backend": "math"}},
         {"tie_embeddings": False},
     ]
+    + [{"block": {"kind": "pre", "parallel": True}}, {"init": "small"}]
 )
 IDS = [str(v) for v in VARIANTS]
 
@@ -115,3 +116,40 @@ def test_hidden_states_and_attention_weights_are_returned_on_request():
     assert len(out.hidden_states) == model.cfg.n_layers + 1
     assert len(out.attentions) == model.cfg.n_layers
     assert out.attentions[0].shape == (1, 4, 5, 5)
+
+
+@pytest.mark.parametrize(
+    "scheme, std, residual_std",
+    [
+        ("gpt2", 0.02, 0.02 / math.sqrt(2 * 8)),
+        ("normal", 0.02, 0.02),
+        ("small", math.sqrt(2 / (5 * 64)), 2 / 8 / math.sqrt(64)),
+    ],
+)
+def test_init_schemes_follow_their_formulas(scheme, std, residual_std):
+    torch.manual_seed(0)
+    model = build_model(tiny_model_config(vocab_size=200, d_model=64, n_layers=8, init=scheme))
+    model.requires_grad_(False)
+    q = torch.cat([layer.attn.q_proj.weight.flatten() for layer in model.layers])
+    down = torch.cat([layer.ffn.down_proj.weight.flatten() for layer in model.layers])
+    assert float(q.std()) == pytest.approx(std, rel=0.05)
+    assert float(down.std()) == pytest.approx(residual_std, rel=0.05)
+    assert float(model.embed.weight.std()) == pytest.approx(std, rel=0.05)
+
+
+def test_parallel_block_adds_both_branches_of_the_same_input():
+    model = build_model(tiny_model_config(vocab_size=37, block={"kind": "pre", "parallel": True}))
+    layer = model.layers[0].eval()
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        got, _ = layer(x, model.position, torch.arange(5))
+        attn = layer.attn(layer.attn_norm(x), model.position, torch.arange(5)).out
+        expected = x + attn + layer.ffn(layer.ffn_norm(x))
+    torch.testing.assert_close(got, expected)
+
+
+def test_parallel_needs_pre_norm():
+    from lmlab.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="model.block.parallel needs model.block.kind=pre"):
+        tiny_model_config(block={"kind": "post", "parallel": True})

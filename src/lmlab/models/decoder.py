@@ -6,14 +6,13 @@ Legend: B batch, T tokens, D d_model, V vocab_size. Every component comes from i
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lmlab.config import ModelConfig
 from lmlab.errors import LmlabError
+from lmlab.models.init import INIT
 from lmlab.models.output import ModelOutput
 from lmlab.nn.block import BLOCK
 from lmlab.nn.kv_cache import KVCache
@@ -41,18 +40,8 @@ class DecoderLM(nn.Module):
             self.lm_head.weight = self.embed.weight
 
     def reset_parameters(self) -> None:
-        """GPT-2 init: N(0, init_std) weights, zero biases, residual output projections
-        (attention o_proj, FFN down_proj) scaled by 1/sqrt(2 * n_layers) (Radford et al. 2019)."""
-        std = self.cfg.init_std
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                scale = 1 / math.sqrt(2 * self.cfg.n_layers)
-                s = std * scale if getattr(module, "is_residual_proj", False) else std
-                nn.init.normal_(module.weight, mean=0.0, std=s)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
+        """Initialise every weight with the scheme named by ``model.init`` (see models/init.py)."""
+        INIT.get(self.cfg.init, "model.init")(self, self.cfg)
 
     def forward(
         self,

@@ -33,6 +33,7 @@ class Block(nn.Module):
         self.ffn_norm = build_norm(cfg)
         self.ffn = build_ffn(cfg)
         self.drop = nn.Dropout(cfg.dropout)
+        self.parallel = cfg.block.parallel
 
     def forward(
         self,
@@ -49,10 +50,15 @@ class Block(nn.Module):
 
 @BLOCK.register("pre")
 class PreNormBlock(Block):
-    """x + attn(norm(x)), then x + ffn(norm(x)): trains deep stacks stably (Xiong et al. 2020)."""
+    """x + attn(norm(x)), then x + ffn(norm(x)): trains deep stacks stably (Xiong et al. 2020).
+
+    With ``block.parallel`` both branches read the same x: x + attn(norm1(x)) + ffn(norm2(x))
+    (GPT-J, Wang & Komatsuzaki 2021; GPT-NeoX, Black et al. 2022)."""
 
     def forward(self, x, position, positions, causal=True, cache=None, need_weights=False):
         a = self.attn(self.attn_norm(x), position, positions, causal, cache, need_weights)
+        if self.parallel:
+            return x + self.drop(a.out) + self.drop(self.ffn(self.ffn_norm(x))), a.weights
         x = x + self.drop(a.out)
         x = x + self.drop(self.ffn(self.ffn_norm(x)))
         return x, a.weights

@@ -1,0 +1,52 @@
+"""Weight initialisation schemes, chosen by ``model.init``.
+
+Each scheme is a function (model, cfg) -> None that initialises every nn.Linear and nn.Embedding
+in place; norms keep their (1, 0) defaults. Modules flagged ``is_residual_proj`` (attention o_proj,
+FFN down_proj: the projections that write into the residual stream) may be scaled down so the
+residual stream's variance does not grow with depth.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from torch import nn
+
+from lmlab.config import ModelConfig
+from lmlab.registry import Registry
+
+InitFn = Callable[[nn.Module, ModelConfig], None]
+INIT: Registry[InitFn] = Registry("init")
+
+
+def _normal_init(model: nn.Module, std: float, residual_std: float) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            s = residual_std if getattr(module, "is_residual_proj", False) else std
+            nn.init.normal_(module.weight, mean=0.0, std=s)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+
+
+@INIT.register("gpt2")
+def gpt2_init(model: nn.Module, cfg: ModelConfig) -> None:
+    """N(0, init_std) weights, zero biases; residual projections N(0, init_std / sqrt(2 L))
+    (Radford et al. 2019, GPT-2)."""
+    _normal_init(model, cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers))
+
+
+@INIT.register("normal")
+def normal_init(model: nn.Module, cfg: ModelConfig) -> None:
+    """N(0, init_std) everywhere, no residual scaling (BERT, Devlin et al. 2019)."""
+    _normal_init(model, cfg.init_std, cfg.init_std)
+
+
+@INIT.register("small")
+def small_init(model: nn.Module, cfg: ModelConfig) -> None:
+    """std = sqrt(2 / (5 d_model)) (Nguyen & Salazar 2019, "Transformers without Tears"), and
+    residual projections std * 2 / n_layers ("wang init", as GPT-NeoX uses)."""
+    std = math.sqrt(2.0 / (5.0 * cfg.d_model))
+    _normal_init(model, std, 2.0 / cfg.n_layers / math.sqrt(cfg.d_model))
