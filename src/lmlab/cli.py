@@ -151,7 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-prompt", action="store_true", help="print only the continuation")
     _add_common(g)
 
-    ls = sub.add_parser("list", help="list the component variants a config can choose by kind")
+    ls = sub.add_parser(
+        "list",
+        help="list the component variants a config can choose",
+        description="Every registered variant, by family, with the config field that selects "
+        "it and a one-line description citing its source.",
+    )
+    ls.add_argument("family", nargs="?", help="only this family (e.g. position, ffn)")
     ls.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     return parser
 
@@ -253,13 +259,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     import lmlab.data.tokenizer  # noqa: F401  (registers tokenizers)
     import lmlab.models  # noqa: F401
+    import lmlab.models.init  # noqa: F401
     import lmlab.nn  # noqa: F401
     from lmlab.registry import families
 
-    for family, reg in families().items():
-        print(f"{family}:")
-        for name, doc in reg.describe().items():
-            print(f"  {name:<12} {doc}")
+    regs = families()
+    if args.family is not None and args.family not in regs:
+        raise LmlabError(f"unknown family {args.family!r}; families: {', '.join(sorted(regs))}")
+    for family, reg in regs.items():
+        if args.family in (None, family):
+            print(f"{family} ({reg.field}):" if reg.field else f"{family}:")
+            for name, doc in reg.describe().items():
+                print(f"  {name:<12} {doc}")
     return 0
 
 

@@ -21,8 +21,9 @@ _FAMILIES: dict[str, Registry] = {}
 class Registry(Generic[T]):
     """Maps standard names to the classes or functions implementing one component family."""
 
-    def __init__(self, family: str) -> None:
+    def __init__(self, family: str, field: str | None = None) -> None:
         self.family = family
+        self.field = field  # the config field that names a variant, e.g. model.position.kind
         self._items: dict[str, T] = {}
         self._docs: dict[str, str] = {}
         _FAMILIES[family] = self

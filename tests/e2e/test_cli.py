@@ -365,3 +365,12 @@ def test_catalogue_of_bad_inputs(tiny_run: Path, tmp_path: Path, capsys, argv, m
     assert message in err
     assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
     assert out == ""  # nothing half-printed (a generate prompt is echoed only once accepted)
+
+
+def test_list_one_family_shows_its_config_field(capsys):
+    code, out, _ = run_cli(capsys, "list", "position")
+    assert code == 0
+    assert out.splitlines()[0] == "position (model.position.kind):"
+    assert "norm" not in out and "Su et al. 2021" in out
+    code, _, err = run_cli(capsys, "list", "positions")
+    assert code == 2 and "unknown family 'positions'" in err

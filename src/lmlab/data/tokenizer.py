@@ -52,7 +52,7 @@ class Tokenizer(ABC):
         """Write ``tokenizer.json`` (Hugging Face tokenizers format)."""
 
 
-TOKENIZERS: Registry[type[Tokenizer]] = Registry("tokenizer")
+TOKENIZERS: Registry[type[Tokenizer]] = Registry("tokenizer", "data.tokenizer.kind")
 
 
 def _char_hf_tokenizer(chars: list[str]) -> HFTokenizer:

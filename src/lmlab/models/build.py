@@ -8,7 +8,7 @@ from lmlab.config import ModelConfig
 from lmlab.models.decoder import DecoderLM
 from lmlab.registry import Registry
 
-MODELS: Registry[type[nn.Module]] = Registry("model")
+MODELS: Registry[type[nn.Module]] = Registry("model", "model.kind")
 MODELS.register("decoder", "Decoder-only causal language model (GPT).")(DecoderLM)
 
 

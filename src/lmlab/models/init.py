@@ -17,7 +17,7 @@ from lmlab.config import ModelConfig
 from lmlab.registry import Registry
 
 InitFn = Callable[[nn.Module, ModelConfig], None]
-INIT: Registry[InitFn] = Registry("init")
+INIT: Registry[InitFn] = Registry("init", "model.init")
 
 
 def _normal_init(model: nn.Module, std: float, residual_std: float) -> None:

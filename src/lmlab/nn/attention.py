@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from lmlab.config import ModelConfig
     from lmlab.nn.position import PositionEncoding
 
-ATTENTION: Registry[type[nn.Module]] = Registry("attention")
+ATTENTION: Registry[type[nn.Module]] = Registry("attention", "model.attention.kind")
 
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 

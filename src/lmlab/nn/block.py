@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from lmlab.config import ModelConfig
     from lmlab.nn.position import PositionEncoding
 
-BLOCK: Registry[type[Block]] = Registry("block")
+BLOCK: Registry[type[Block]] = Registry("block", "model.block.kind")
 
 
 class Block(nn.Module):

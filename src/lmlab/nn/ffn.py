@@ -14,7 +14,7 @@ from lmlab.registry import Registry
 if TYPE_CHECKING:
     from lmlab.config import ModelConfig
 
-FFN: Registry[type[nn.Module]] = Registry("ffn")
+FFN: Registry[type[nn.Module]] = Registry("ffn", "model.ffn.kind")
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,  # exact erf form (Hendrycks & Gimpel 2016)

@@ -12,7 +12,7 @@ from lmlab.registry import Registry
 if TYPE_CHECKING:
     from lmlab.config import ModelConfig
 
-NORM: Registry[type[nn.Module]] = Registry("norm")
+NORM: Registry[type[nn.Module]] = Registry("norm", "model.norm.kind")
 
 
 @NORM.register("layernorm")

@@ -21,7 +21,7 @@ from lmlab.registry import Registry
 if TYPE_CHECKING:
     from lmlab.config import ModelConfig
 
-POSITION: Registry[type[PositionEncoding]] = Registry("position")
+POSITION: Registry[type[PositionEncoding]] = Registry("position", "model.position.kind")
 
 
 class PositionEncoding(nn.Module):
