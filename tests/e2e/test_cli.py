@@ -270,12 +270,12 @@ def test_list_shows_registered_components(capsys):
     code, out, _ = run_cli(capsys, "list")
     assert code == 0
     for name in (
-        "position:",
+        "position (model.position.kind):",
         "rope",
         "sinusoidal",
-        "norm:",
+        "norm (model.norm.kind):",
         "rmsnorm",
-        "block:",
+        "block (model.block.kind):",
         "pre",
         "swiglu",
         "geglu",

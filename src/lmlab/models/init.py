@@ -46,7 +46,7 @@ def normal_init(model: nn.Module, cfg: ModelConfig) -> None:
 
 @INIT.register("small")
 def small_init(model: nn.Module, cfg: ModelConfig) -> None:
-    """std = sqrt(2 / (5 d_model)) (Nguyen & Salazar 2019, "Transformers without Tears"), and
-    residual projections std * 2 / n_layers ("wang init", as GPT-NeoX uses)."""
+    """std = sqrt(2 / (5 d_model)) (Nguyen & Salazar 2019, "Transformers without Tears");
+    residual projections 2 / (n_layers sqrt(d_model)) (Wang's init, as GPT-NeoX uses)."""
     std = math.sqrt(2.0 / (5.0 * cfg.d_model))
     _normal_init(model, std, 2.0 / cfg.n_layers / math.sqrt(cfg.d_model))
