@@ -151,6 +151,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-prompt", action="store_true", help="print only the continuation")
     _add_common(g)
 
+    v = sub.add_parser(
+        "verify",
+        help="prove a model config correct: causality, KV cache, gradients, reference",
+        description="Run lmlab's correctness proofs on a model configuration with random "
+        "weights: causality, cached decoding == full forward, finite gradients, safetensors "
+        "round trip, and equality with the Hugging Face reference model where the config has "
+        "an exact counterpart (needs transformers). Prints a table; exits 1 on any failure.",
+    )
+    v.add_argument("--config", help="a config YAML (default: every preset in configs/)")
+    v.add_argument("--debug", action="store_true", help="show Python tracebacks on errors")
+
     ls = sub.add_parser(
         "list",
         help="list the component variants a config can choose",
@@ -256,8 +267,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from lmlab.analysis.verify import format_table, verify
+
+    checks = verify(args.config)
+    print(format_table(checks))
+    failed = [c for c in checks if c.status == "FAIL"]
+    print(f"{len(checks) - len(failed)} passed or skipped, {len(failed)} failed")
+    return 1 if failed else 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     import lmlab.data.tokenizer  # noqa: F401  (registers tokenizers)
+    import lmlab.interop.families  # noqa: F401
     import lmlab.models  # noqa: F401
     import lmlab.models.init  # noqa: F401
     import lmlab.nn  # noqa: F401
@@ -274,7 +296,13 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "list": cmd_list}
+COMMANDS = {
+    "train": cmd_train,
+    "eval": cmd_eval,
+    "generate": cmd_generate,
+    "verify": cmd_verify,
+    "list": cmd_list,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

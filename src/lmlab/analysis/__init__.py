@@ -1,0 +1,1 @@
+"""Looking at models: correctness proofs on a user's own configuration."""
