@@ -61,6 +61,10 @@ class FFNConfig:
     d_ff: int | None = None  # None: 4 * d_model
     activation: str = "gelu"  # mlp only; swiglu and geglu fix their gate activation
     bias: bool = True
+    # d_ff = None only: take 2/3 of 4*d_model (a gated FFN then has the MLP's parameter count,
+    # Shazeer 2020; Llama), rounded up to a multiple of multiple_of.
+    two_thirds: bool = False
+    multiple_of: int = 1
 
 
 @dataclass
@@ -101,7 +105,13 @@ class ModelConfig:
 
     @property
     def d_ff(self) -> int:
-        return self.ffn.d_ff or 4 * self.d_model
+        if self.ffn.d_ff:
+            return self.ffn.d_ff
+        d_ff = 4 * self.d_model
+        if self.ffn.two_thirds:
+            m = self.ffn.multiple_of
+            d_ff = m * -(-(2 * d_ff // 3) // m)
+        return d_ff
 
 
 # ----------------------------------------------------------------------------- data and train
@@ -362,6 +372,7 @@ def validate_run_config(cfg: RunConfig) -> None:
     _positive(m.attention.n_kv_heads, "model.attention.n_kv_heads")
     _positive(m.attention.head_dim, "model.attention.head_dim")
     _positive(m.ffn.d_ff, "model.ffn.d_ff")
+    _positive(m.ffn.multiple_of, "model.ffn.multiple_of")
     _positive(m.init_std, "model.init_std")
     for name, value in (
         ("model.dropout", m.dropout),

@@ -374,3 +374,31 @@ def test_list_one_family_shows_its_config_field(capsys):
     assert "norm" not in out and "Su et al. 2021" in out
     code, _, err = run_cli(capsys, "list", "positions")
     assert code == 2 and "unknown family 'positions'" in err
+
+
+PRESETS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=[p.stem for p in PRESETS])
+def test_every_preset_trains(preset: Path, tmp_path: Path, capsys):
+    small = [
+        "--set",
+        "train.batch_size=2",
+        "--set",
+        "train.eval_batches=1",
+        "--set",
+        "train.precision=fp32",
+    ]
+    code, _, err = run_cli(
+        capsys,
+        "train",
+        "--config",
+        str(preset),
+        "--out",
+        str(tmp_path / "r"),
+        "--max-steps",
+        "2",
+        *small,
+    )
+    assert code == 0, err
+    assert (tmp_path / "r" / "checkpoints" / "step-000002" / "model.safetensors").is_file()

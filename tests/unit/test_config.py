@@ -114,3 +114,19 @@ def test_shipped_configs_load():
     for f in files:
         load_config(f)
     assert load_config(root / "minigpt.yaml").model == load_config(None).model
+
+
+def test_two_thirds_sizing_rule_for_gated_ffns():
+    cfg = config_from_dict(
+        {
+            "model": {
+                "d_model": 4096,
+                "ffn": {"kind": "swiglu", "two_thirds": True, "multiple_of": 256},
+            }
+        }
+    ).validate()
+    assert cfg.model.d_ff == 11008  # Llama-7B: 256 * ceil(2/3 * 4 * 4096 / 256)
+    cfg.model.ffn.multiple_of = 1
+    assert cfg.model.d_ff == 10922
+    cfg.model.ffn.d_ff = 100
+    assert cfg.model.d_ff == 100  # an explicit d_ff wins

@@ -107,6 +107,8 @@ def _gpt2_from(cfg: ModelConfig) -> dict[str, Any]:
         "resid_pdrop": 0.0,
         "embd_pdrop": 0.0,
         "attn_pdrop": 0.0,
+        "bos_token_id": None,
+        "eos_token_id": None,
     }
 
 
