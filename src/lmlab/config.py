@@ -55,16 +55,24 @@ class NormConfig:
 
 @dataclass
 class FFNConfig:
-    """Position-wise feed-forward network: mlp (up -> act -> down), swiglu or geglu."""
+    """Position-wise feed-forward network: mlp (up -> act -> down), swiglu, geglu or moe."""
 
     kind: str = "mlp"
-    d_ff: int | None = None  # None: 4 * d_model
+    d_ff: int | None = None  # None: 4 * d_model (per expert for moe)
     activation: str = "gelu"  # mlp only; swiglu and geglu fix their gate activation
     bias: bool = True
     # d_ff = None only: take 2/3 of 4*d_model (a gated FFN then has the MLP's parameter count,
     # Shazeer 2020; Llama), rounded up to a multiple of multiple_of.
     two_thirds: bool = False
     multiple_of: int = 1
+    # moe only (Mixture of Experts, see lmlab.nn.moe)
+    n_experts: int = 8
+    top_k: int = 2  # experts per token
+    router: str = "topk_softmax"  # topk_softmax (Mixtral) | softmax_topk (Switch, DeepSeekMoE)
+    expert: str = "swiglu"  # the FFN kind of each expert (mlp, swiglu, geglu), d_ff wide
+    shared_expert: bool = False  # one more expert applied to every token (DeepSeekMoE)
+    aux_loss_coef: float = 0.01  # load-balancing loss weight (Switch Transformer: 0.01)
+    z_loss_coef: float = 0.001  # router z-loss weight (ST-MoE: 0.001)
 
 
 @dataclass
@@ -373,6 +381,17 @@ def validate_run_config(cfg: RunConfig) -> None:
     _positive(m.attention.head_dim, "model.attention.head_dim")
     _positive(m.ffn.d_ff, "model.ffn.d_ff")
     _positive(m.ffn.multiple_of, "model.ffn.multiple_of")
+    lnn.ROUTERS.get(m.ffn.router, "model.ffn.router")
+    _choice(m.ffn.expert, [k for k in lnn.FFN.names() if k != "moe"], "model.ffn.expert")
+    _positive(m.ffn.n_experts, "model.ffn.n_experts")
+    _positive(m.ffn.top_k, "model.ffn.top_k")
+    if m.ffn.top_k > m.ffn.n_experts:
+        raise ConfigError(
+            f"model.ffn.top_k ({m.ffn.top_k}) must not exceed model.ffn.n_experts "
+            f"({m.ffn.n_experts})"
+        )
+    _positive(m.ffn.aux_loss_coef, "model.ffn.aux_loss_coef", allow_zero=True)
+    _positive(m.ffn.z_loss_coef, "model.ffn.z_loss_coef", allow_zero=True)
     _positive(m.init_std, "model.init_std")
     for name, value in (
         ("model.dropout", m.dropout),

@@ -20,6 +20,7 @@ VARIANTS = (
         {"attention": {"n_heads": 4, "n_kv_heads": 1}},
         {"attention": {"n_heads": 4, "backend": "math"}},
         {"tie_embeddings": False},
+        {"ffn": {"kind": "moe", "top_k": 1, "router": "softmax_topk", "shared_expert": True}},
     ]
     + [{"block": {"kind": "pre", "parallel": True}}, {"init": "small"}]
 )

@@ -16,6 +16,7 @@ from lmlab.models.init import INIT
 from lmlab.models.output import ModelOutput
 from lmlab.nn.block import BLOCK
 from lmlab.nn.kv_cache import KVCache
+from lmlab.nn.moe import moe_losses
 from lmlab.nn.norm import build_norm
 from lmlab.nn.position import POSITION
 
@@ -84,7 +85,8 @@ class DecoderLM(nn.Module):
             loss = F.cross_entropy(
                 logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100
             )
-        return ModelOutput(logits, loss, cache, hidden, attns)
+        aux_loss, expert_counts = moe_losses(self.layers)  # (None, []) without MoE layers
+        return ModelOutput(logits, loss, cache, hidden, attns, aux_loss, expert_counts)
 
     def new_cache(self) -> KVCache:
         """An empty KV cache with one slot per layer."""

@@ -5,6 +5,7 @@ from lmlab.nn.block import BLOCK
 from lmlab.nn.ffn import ACTIVATIONS, FFN
 from lmlab.nn.kv_cache import KVCache, LayerKVCache
 from lmlab.nn.masks import causal_mask
+from lmlab.nn.moe import ROUTERS, MoE, moe_losses
 from lmlab.nn.norm import NORM
 from lmlab.nn.position import POSITION, PositionEncoding
 
@@ -16,10 +17,13 @@ __all__ = [
     "FFN",
     "NORM",
     "POSITION",
+    "ROUTERS",
     "KVCache",
     "LayerKVCache",
+    "MoE",
     "PositionEncoding",
     "attention_math",
     "attention_sdpa",
     "causal_mask",
+    "moe_losses",
 ]

@@ -1,7 +1,8 @@
 """FLOPs per token (the convention of Kaplan et al. 2020 and PaLM, Chowdhery et al. 2022).
 
 forward  = 2 N + 4 L T d_attn      (N: parameters taking part in matmuls, i.e. all but the
-                                     token-embedding lookup, the LM head counted even when tied;
+                                     token-embedding lookup, the LM head counted even when tied,
+                                     of MoE experts only the top_k a token is routed to;
                                      T: the training sequence length; d_attn = n_heads * head_dim;
                                      the QK^T and AV products over the full T, causal mask ignored)
 training = 3 x forward              (backward costs twice the forward)
@@ -12,11 +13,16 @@ from __future__ import annotations
 from torch import nn
 
 from lmlab.config import ModelConfig
+from lmlab.nn.moe import MoE
 
 
 def matmul_params(model: nn.Module) -> int:
-    """Parameters of every nn.Linear (LM head included, counted even when tied)."""
-    return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    """Parameters of every nn.Linear a token passes through (LM head included, counted even when
+    tied): of an MoE layer's n_experts routed experts, only top_k count."""
+    n = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        n -= (moe.n_experts - moe.top_k) * matmul_params(moe.experts[0])
+    return n
 
 
 def flops_per_token(model: nn.Module, cfg: ModelConfig, seq_len: int, train: bool = True) -> float:

@@ -248,6 +248,7 @@ def train(
     stopped_early = False
     last_saved = start_step if resuming else -1
     evaluated_at = -1  # the step val_loss was last measured at
+    expert_counts: torch.Tensor | None = None  # (MoE layers, E) tokens routed since the last log
 
     def elapsed() -> float:
         return elapsed_before + time.perf_counter() - t_start
@@ -304,15 +305,21 @@ def train(
             lr = lr_at(step, tc)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss_sum = 0.0
+            loss_sum, aux_sum = 0.0, 0.0
             for micro in range(tc.grad_accum_steps):
                 x, y = sample_batch(
                     splits["train"], tc.batch_size, seq_len, batch_rng(tc.seed, step, micro, rank)
                 )
                 torch.manual_seed(tc.seed * 1_000_003 + step * 1009 + micro * 31 + rank)
-                loss = _window_loss(fwd, x, y, dev, tc.precision)
-                (loss / tc.grad_accum_steps).backward()
+                with autocast(dev, tc.precision):
+                    output = fwd(x.to(dev), targets=y.to(dev))
+                loss, aux = output.loss, output.aux_loss  # aux: MoE auxiliary losses or None
+                ((loss if aux is None else loss + aux) / tc.grad_accum_steps).backward()
                 loss_sum += float(loss.detach())
+                if aux is not None:
+                    aux_sum += float(aux.detach())
+                    counts = torch.stack(output.expert_counts)
+                    expert_counts = counts if expert_counts is None else expert_counts + counts
             max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
             optimizer.step()
@@ -334,6 +341,11 @@ def train(
                 tok_s = window_tokens / window_s
                 window_t, window_tokens, paused = now, 0, 0.0
                 mfu = flops_tok * tok_s / peak if peak == peak else None
+                moe: dict[str, Any] = {}  # MoE: this step's aux loss, counts since the last log
+                if expert_counts is not None:
+                    moe = {"aux_loss": aux_sum / tc.grad_accum_steps}
+                    moe["expert_counts"] = expert_counts.tolist()
+                    expert_counts = None
                 if logger is not None:
                     logger.log(
                         {
@@ -346,6 +358,7 @@ def train(
                             "grad_norm": grad_norm,
                             "clipped": bool(tc.grad_clip > 0 and grad_norm > tc.grad_clip),
                             "train_loss": train_loss,
+                            **moe,
                         }
                     )
             if bar is not None:
