@@ -12,7 +12,7 @@ from torch import nn
 
 from lmlab.nn.attention import ATTENTION
 from lmlab.nn.ffn import build_ffn
-from lmlab.nn.kv_cache import LayerKVCache
+from lmlab.nn.kv_cache import LayerCache
 from lmlab.nn.norm import build_norm
 from lmlab.registry import Registry
 
@@ -39,11 +39,14 @@ class Block(nn.Module):
         x: torch.Tensor,
         position: PositionEncoding,
         positions: torch.Tensor,
-        causal: bool = True,
-        cache: LayerKVCache | None = None,
+        key_mask: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
         need_weights: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x (B, T, D) -> (x (B, T, D), attention weights (B, H, T, S) or None)."""
+        """x (B, T, D) -> (x (B, T, D), attention weights (B, H, T, S) or None).
+
+        ``key_mask`` (B, S) bool, True = real token (None: no padding); ``cache``: this layer's
+        decoding state. Both go to the attention unchanged."""
         raise NotImplementedError
 
 
@@ -51,8 +54,8 @@ class Block(nn.Module):
 class PreNormBlock(Block):
     """x + attn(norm(x)), then x + ffn(norm(x)): trains deep stacks stably (Xiong et al. 2020)."""
 
-    def forward(self, x, position, positions, causal=True, cache=None, need_weights=False):
-        a = self.attn(self.attn_norm(x), position, positions, causal, cache, need_weights)
+    def forward(self, x, position, positions, key_mask=None, cache=None, need_weights=False):
+        a = self.attn(self.attn_norm(x), position, positions, key_mask, cache, need_weights)
         x = x + self.drop(a.out)
         x = x + self.drop(self.ffn(self.ffn_norm(x)))
         return x, a.weights
@@ -62,8 +65,8 @@ class PreNormBlock(Block):
 class PostNormBlock(Block):
     """norm(x + attn(x)), then norm(x + ffn(x)): the original Transformer (Vaswani et al. 2017)."""
 
-    def forward(self, x, position, positions, causal=True, cache=None, need_weights=False):
-        a = self.attn(x, position, positions, causal, cache, need_weights)
+    def forward(self, x, position, positions, key_mask=None, cache=None, need_weights=False):
+        a = self.attn(x, position, positions, key_mask, cache, need_weights)
         x = self.attn_norm(x + self.drop(a.out))
         x = self.ffn_norm(x + self.drop(self.ffn(x)))
         return x, a.weights
