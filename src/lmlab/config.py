@@ -27,13 +27,18 @@ from lmlab.errors import ConfigError
 class AttentionConfig:
     """Self-attention. ``n_kv_heads`` < ``n_heads`` gives GQA, 1 gives MQA (Ainslie et al. 2023)."""
 
-    kind: str = "softmax"
+    kind: str = "softmax"  # softmax | linear (Katharopoulos et al. 2020)
     n_heads: int = 4
     n_kv_heads: int | None = None  # None: equal to n_heads (multi-head attention)
     head_dim: int | None = None  # None: d_model // n_heads
     backend: str = "sdpa"  # sdpa (fused kernel) | math (explicit, can return weights)
     bias: bool = False  # bias on the q/k/v/o projections
+    out_bias: bool | None = None  # bias on o_proj alone; None: same as bias (Qwen2: bias, no out)
     dropout: float = 0.0  # dropout on attention weights (training only)
+    mask: str = "causal"  # causal | bidirectional | sliding_window
+    window: int | None = None  # sliding_window only: a query sees itself + window-1 earlier tokens
+    qk_norm: bool = False  # RMSNorm over head_dim on each q and k head, before RoPE (Qwen3)
+    scaled: bool = True  # False drops the 1/sqrt(head_dim) factor on the scores
 
 
 @dataclass
@@ -350,6 +355,39 @@ def _choice(value: str, allowed: list[str], where: str) -> None:
         raise ConfigError(f"{where}: {value!r} is not allowed; allowed: {', '.join(allowed)}")
 
 
+def _validate_attention_mask(m: ModelConfig) -> None:
+    from lmlab.nn.masks import MASKS
+
+    a = m.attention
+    MASKS.get(a.mask, "model.attention.mask")
+    if a.mask != "sliding_window":
+        if a.window is not None:
+            raise ConfigError(
+                f"model.attention.window ({a.window}) is only used by "
+                f"model.attention.mask=sliding_window (the mask is {a.mask!r}); remove it"
+            )
+    elif a.window is None:
+        raise ConfigError(
+            "model.attention.window must be set for model.attention.mask=sliding_window "
+            "(tokens a query sees, itself included; an integer in [1, model.max_seq_len])"
+        )
+    elif not 1 <= a.window <= m.max_seq_len:
+        raise ConfigError(
+            f"model.attention.window must be in [1, model.max_seq_len={m.max_seq_len}], got "
+            f"{a.window} (a window wider than the context is causal attention: use mask=causal)"
+        )
+    if a.kind == "linear" and a.mask not in ("causal", "bidirectional"):
+        raise ConfigError(
+            f"model.attention.kind=linear supports model.attention.mask causal or bidirectional, "
+            f"got {a.mask!r} (a sliding window has no constant-size recurrent state)"
+        )
+    if a.kind == "linear" and not a.scaled:
+        raise ConfigError(
+            "model.attention.scaled=false has no effect with model.attention.kind=linear (linear "
+            "attention has no 1/sqrt(d_k) factor); remove it or use kind=softmax"
+        )
+
+
 def validate_run_config(cfg: RunConfig) -> None:
     """Cross-field checks; every message names the dotted field and the allowed values."""
     from lmlab import nn as lnn  # registers every component
@@ -374,6 +412,7 @@ def validate_run_config(cfg: RunConfig) -> None:
         )
     _choice(m.ffn.activation, sorted(lnn.ACTIVATIONS), "model.ffn.activation")
     _choice(m.attention.backend, list(lnn.ATTENTION_BACKENDS), "model.attention.backend")
+    _validate_attention_mask(m)
     for name in ("d_model", "n_layers", "max_seq_len", "vocab_size"):
         _positive(getattr(m, name), f"model.{name}")
     _positive(m.attention.n_heads, "model.attention.n_heads")

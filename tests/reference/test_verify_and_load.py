@@ -40,15 +40,15 @@ def test_verify_passes_a_llama_config_including_the_reference(tmp_path: Path, ca
 
 
 def test_verify_catches_a_model_that_sees_the_future(tmp_path: Path, capsys, monkeypatch):
-    import lmlab.nn.attention as attention
+    from lmlab.nn.masks import MASKS
 
     cfg = tmp_path / "leaky.yaml"
     cfg.write_text(LLAMA_YAML.replace("n_kv_heads: 2}", "n_kv_heads: 2, backend: math}"))
 
-    def no_mask(t, s, device=None):
+    def no_mask(t, s, device=None, window=None):
         return torch.ones(t, s, dtype=torch.bool)
 
-    monkeypatch.setattr(attention, "causal_mask", no_mask)
+    monkeypatch.setitem(MASKS._items, "causal", no_mask)
     checks = {c.name: c.status for c in verify(str(cfg))}
     assert checks["causality"] == "FAIL"
     assert main(["verify", "--config", str(cfg)]) == 1

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from lmlab.models import build_model
-from lmlab.nn import BLOCK, FFN, NORM, POSITION
+from lmlab.nn import ATTENTION, BLOCK, FFN, NORM, POSITION
 from tests.conftest import tiny_model_config
 
 VARIANTS = (
@@ -15,6 +15,14 @@ VARIANTS = (
     + [{"norm": {"kind": k}} for k in NORM.names()]
     + [{"ffn": {"kind": k}} for k in FFN.names()]
     + [{"block": {"kind": k}} for k in BLOCK.names()]
+    + [{"attention": {"n_heads": 4, "kind": k}} for k in ATTENTION.names()]
+    + [  # a window shorter than the 14-token test sequence and than the 5-token prefill
+        {"attention": {"n_heads": 4, "mask": "sliding_window", "window": 4}},
+        {"attention": {"n_heads": 4, "mask": "sliding_window", "window": 1, "backend": "math"}},
+        {"attention": {"n_heads": 4, "kind": "linear", "n_kv_heads": 2}},
+        {"attention": {"n_heads": 4, "qk_norm": True}},
+        {"attention": {"n_heads": 4, "scaled": False}},
+    ]
     + [
         {"attention": {"n_heads": 4, "n_kv_heads": 2}},
         {"attention": {"n_heads": 4, "n_kv_heads": 1}},
@@ -55,9 +63,17 @@ def test_cached_incremental_decoding_equals_full_forward(variant):
             steps.append(model(x[:, t : t + 1], cache=cache).logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
     assert cache.seq_len == 14
-    cfg = model.cfg
-    per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4  # K and V, float32
-    assert cache.nbytes() == 2 * 14 * per_token
+    assert cache.nbytes() == expected_cache_bytes(model.cfg, batch=2, tokens=14)
+
+
+def expected_cache_bytes(cfg, batch: int, tokens: int) -> int:
+    """float32 K and V per kept token (a sliding window keeps window - 1 tokens); linear attention
+    keeps an (hd, hd) state plus an hd normaliser per kv head, whatever the length."""
+    a, kv, hd = cfg.attention, cfg.n_kv_heads, cfg.head_dim
+    if a.kind == "linear":
+        return cfg.n_layers * batch * kv * (hd * hd + hd) * 4
+    kept = tokens if a.window is None else min(tokens, a.window - 1)
+    return cfg.n_layers * 2 * batch * kept * kv * hd * 4
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=IDS)

@@ -52,6 +52,8 @@ class DecoderLM(nn.Module):
         need_weights: bool = False,
         output_hidden_states: bool = False,
         last_only: bool = False,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> ModelOutput:
         """input_ids (B, T) int64 -> ModelOutput with logits (B, T, V) (or (B, 1, V) if
         ``last_only``).
@@ -59,10 +61,32 @@ class DecoderLM(nn.Module):
         targets (B, T) int64: next-token ids; -100 is ignored. The loss is the mean cross-entropy
         in nats/token, computed in float32. ``cache``: a :class:`KVCache` from
         :meth:`new_cache`; the new tokens sit at positions cache.seq_len .. cache.seq_len + T - 1.
+
+        attention_mask (B, cache.seq_len + T) int or bool, 1 = real token, 0 = padding (the
+        Hugging Face convention: it covers the cached tokens too): padding keys are never
+        attended to and a padding query's attention outputs 0 (never NaN). position_ids (B, T)
+        int64: each token's position; None gives cache.seq_len .. cache.seq_len + T - 1 for every
+        row, as the Hugging Face forward does, so a left-padded batch needs
+        :func:`lmlab.nn.masks.position_ids_from_attention_mask` to match each sequence alone.
+        Raises ValueError for a mask or position_ids of the wrong shape.
         """
         b, t = input_ids.shape
         past = cache.seq_len if cache is not None else 0
-        positions = torch.arange(past, past + t, device=input_ids.device)
+        if position_ids is None:
+            positions = torch.arange(past, past + t, device=input_ids.device)  # (T,)
+        elif position_ids.shape != (b, t):
+            shape = tuple(position_ids.shape)
+            raise ValueError(f"position_ids must be (B, T) = {(b, t)}, got {shape}")
+        else:
+            positions = position_ids  # (B, T)
+        key_mask = None
+        if attention_mask is not None:
+            if attention_mask.shape != (b, past + t):
+                raise ValueError(
+                    f"attention_mask must be (B, cached + new tokens) = {(b, past + t)}, "
+                    f"got {tuple(attention_mask.shape)}"
+                )
+            key_mask = attention_mask.bool()  # (B, S)
         x = self.position.embed(self.embed(input_ids), positions)  # (B, T, D)
         x = self.drop(x)
         hidden: list[torch.Tensor] = []
@@ -71,7 +95,7 @@ class DecoderLM(nn.Module):
             if output_hidden_states:
                 hidden.append(x)
             layer_cache = cache.layers[i] if cache is not None else None
-            x, w = layer(x, self.position, positions, True, layer_cache, need_weights)
+            x, w = layer(x, self.position, positions, key_mask, layer_cache, need_weights)
             if need_weights:
                 attns.append(w)
         x = self.final_norm(x)
@@ -89,8 +113,10 @@ class DecoderLM(nn.Module):
         return ModelOutput(logits, loss, cache, hidden, attns, aux_loss, expert_counts)
 
     def new_cache(self) -> KVCache:
-        """An empty KV cache with one slot per layer."""
-        return KVCache(len(self.layers))
+        """An empty cache with one slot per layer, of the kind each attention needs: dynamic,
+        sliding-window (bounded) or linear attention's recurrent state."""
+        attns = [layer.attn for layer in self.layers]
+        return KVCache([attn.new_cache() for attn in attns])  # type: ignore[union-attr,operator]
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Distinct parameters (tied weights counted once); ``non_embedding`` leaves out the

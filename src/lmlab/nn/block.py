@@ -12,7 +12,7 @@ from torch import nn
 
 from lmlab.nn.attention import ATTENTION
 from lmlab.nn.ffn import build_ffn
-from lmlab.nn.kv_cache import LayerKVCache
+from lmlab.nn.kv_cache import LayerCache
 from lmlab.nn.norm import build_norm
 from lmlab.registry import Registry
 
@@ -40,11 +40,14 @@ class Block(nn.Module):
         x: torch.Tensor,
         position: PositionEncoding,
         positions: torch.Tensor,
-        causal: bool = True,
-        cache: LayerKVCache | None = None,
+        key_mask: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
         need_weights: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x (B, T, D) -> (x (B, T, D), attention weights (B, H, T, S) or None)."""
+        """x (B, T, D) -> (x (B, T, D), attention weights (B, H, T, S) or None).
+
+        ``key_mask`` (B, S) bool, True = real token (None: no padding); ``cache``: this layer's
+        decoding state. Both go to the attention unchanged."""
         raise NotImplementedError
 
 
@@ -55,8 +58,8 @@ class PreNormBlock(Block):
     With ``block.parallel`` both branches read the same x: x + attn(norm1(x)) + ffn(norm2(x))
     (GPT-J, Wang & Komatsuzaki 2021; GPT-NeoX, Black et al. 2022)."""
 
-    def forward(self, x, position, positions, causal=True, cache=None, need_weights=False):
-        a = self.attn(self.attn_norm(x), position, positions, causal, cache, need_weights)
+    def forward(self, x, position, positions, key_mask=None, cache=None, need_weights=False):
+        a = self.attn(self.attn_norm(x), position, positions, key_mask, cache, need_weights)
         if self.parallel:
             return x + self.drop(a.out) + self.drop(self.ffn(self.ffn_norm(x))), a.weights
         x = x + self.drop(a.out)
@@ -68,8 +71,8 @@ class PreNormBlock(Block):
 class PostNormBlock(Block):
     """norm(x + attn(x)), then norm(x + ffn(x)): the original Transformer (Vaswani et al. 2017)."""
 
-    def forward(self, x, position, positions, causal=True, cache=None, need_weights=False):
-        a = self.attn(x, position, positions, causal, cache, need_weights)
+    def forward(self, x, position, positions, key_mask=None, cache=None, need_weights=False):
+        a = self.attn(x, position, positions, key_mask, cache, need_weights)
         x = self.attn_norm(x + self.drop(a.out))
         x = self.ffn_norm(x + self.drop(self.ffn(x)))
         return x, a.weights

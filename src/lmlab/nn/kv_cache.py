@@ -1,12 +1,36 @@
-"""Key/value cache for incremental decoding.
+"""Per-layer state for incremental decoding, and the model-level cache holding one per layer.
 
-Legend: B batch, K kv heads, S cached tokens, hd head_dim. Keys are stored *after* the positional
-rotation (RoPE), so cached decoding reproduces the full forward pass exactly.
+Legend: B batch, K kv heads, S cached tokens, T new tokens, hd head_dim. Keys are stored *after*
+the positional rotation (RoPE), so cached decoding reproduces the full forward pass exactly.
+
+- :class:`LayerKVCache`: dynamic, grows by concatenation (softmax attention, causal masks);
+- :class:`SlidingWindowKVCache`: keeps only the last ``window - 1`` keys/values, so its memory is
+  bounded (softmax attention with a sliding-window mask);
+- :class:`LinearAttentionState`: the recurrent state of linear attention, of constant size.
+
+Every layer cache reports ``seq_len`` (tokens seen so far, i.e. the absolute position of the
+next token) and ``nbytes()`` (memory held, in bytes).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 import torch
+
+
+class LayerCache(Protocol):
+    """What every per-layer cache offers the model."""
+
+    @property
+    def seq_len(self) -> int: ...
+
+    def nbytes(self) -> int: ...
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 class LayerKVCache:
@@ -30,14 +54,98 @@ class LayerKVCache:
         return 0 if self.k is None else int(self.k.shape[2])
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v) if t is not None)
+        """Memory held by the cached keys and values, in bytes."""
+        return _nbytes(self.k, self.v)
+
+
+class SlidingWindowKVCache:
+    """Keys and values of the last ``window - 1`` tokens only, each (B, K, <= window - 1, hd).
+
+    A query at position p attends to positions p - window + 1 .. p, so the earliest new query
+    needs exactly the ``window - 1`` tokens before it: nothing older is ever read again, and the
+    memory stays bounded however long decoding runs (Jiang et al. 2023, Mistral's rolling
+    buffer cache). :meth:`update` returns the kept tokens followed by the new ones, so the
+    attention mask is built over S = kept + T keys with the queries last.
+    """
+
+    def __init__(self, window: int) -> None:
+        if window < 1:
+            raise ValueError(f"a sliding-window cache needs window >= 1, got {window}")
+        self.window = window
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.seen = 0
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add new keys/values (B, K, T, hd); return the kept and the new ones, (B, K, S, hd)
+        with S = min(seen, window - 1) + T, then drop all but the last ``window - 1``."""
+        self.seen += k.shape[2]
+        if self.k is not None and self.v is not None:
+            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        start = max(0, k.shape[2] - (self.window - 1))
+        # clone: a slice would keep the whole concatenated storage alive
+        self.k, self.v = k[:, :, start:].clone(), v[:, :, start:].clone()
+        return k, v
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens seen so far (not the number kept)."""
+        return self.seen
+
+    @property
+    def kept(self) -> int:
+        """Tokens whose keys/values are held, at most ``window - 1``."""
+        return 0 if self.k is None else int(self.k.shape[2])
+
+    def nbytes(self) -> int:
+        """Memory held by the kept keys and values, in bytes."""
+        return _nbytes(self.k, self.v)
+
+
+class LinearAttentionState:
+    """The recurrent state of causal linear attention (Katharopoulos et al. 2020, eq. 10-12):
+
+    ``state = sum_j phi(k_j) v_j^T`` (B, K, hd, hd) and ``normalizer = sum_j phi(k_j)`` (B, K, hd),
+    summed over the tokens seen so far. Its size does not grow with the sequence.
+    """
+
+    def __init__(self) -> None:
+        self.state: torch.Tensor | None = None
+        self.normalizer: torch.Tensor | None = None
+        self.seen = 0
+
+    def update(self, phi_k: torch.Tensor, v: torch.Tensor) -> None:
+        """Add new feature-mapped keys phi_k (B, K, T, hd) and values v (B, K, T, hd) (padding
+        keys already zeroed)."""
+        s = torch.einsum("bktd,bkte->bkde", phi_k, v)
+        z = phi_k.sum(dim=2)
+        if self.state is None or self.normalizer is None:
+            self.state, self.normalizer = s, z
+        else:
+            self.state, self.normalizer = self.state + s, self.normalizer + z
+        self.seen += phi_k.shape[2]
+
+    @property
+    def seq_len(self) -> int:
+        return self.seen
+
+    def nbytes(self) -> int:
+        """Memory held by the state and the normalizer, in bytes."""
+        return _nbytes(self.state, self.normalizer)
 
 
 class KVCache:
-    """A dynamic cache: one :class:`LayerKVCache` per layer, growing by concatenation."""
+    """The model-level cache: one layer cache per layer.
 
-    def __init__(self, n_layers: int) -> None:
-        self.layers = [LayerKVCache() for _ in range(n_layers)]
+    ``KVCache(n_layers)`` holds dynamic :class:`LayerKVCache` s; ``KVCache(layers)`` takes the
+    layer caches the attention modules made (``DecoderLM.new_cache`` does this, so a
+    sliding-window or linear-attention model gets its own kind).
+    """
+
+    def __init__(self, layers: int | Sequence[LayerCache]) -> None:
+        self.layers: list = (
+            [LayerKVCache() for _ in range(layers)] if isinstance(layers, int) else list(layers)
+        )
 
     @property
     def seq_len(self) -> int:
@@ -45,5 +153,5 @@ class KVCache:
         return self.layers[0].seq_len if self.layers else 0
 
     def nbytes(self) -> int:
-        """Memory held by all cached keys and values, in bytes."""
+        """Memory held by all layers' caches, in bytes."""
         return sum(layer.nbytes() for layer in self.layers)

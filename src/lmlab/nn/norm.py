@@ -27,10 +27,10 @@ class LayerNorm(nn.LayerNorm):
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight, computed in float32 (Zhang & Sennrich 2019)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, dim: int | None = None) -> None:
         super().__init__()
         self.eps = cfg.norm.eps
-        self.weight = nn.Parameter(torch.ones(cfg.d_model))
+        self.weight = nn.Parameter(torch.ones(dim or cfg.d_model))  # dim: e.g. head_dim (QK-norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()

@@ -1,6 +1,8 @@
 """Positional encodings behind one interface with three hooks, each a no-op by default.
 
 Legend: B batch, T query tokens, S key tokens, D d_model, H heads, K kv heads, hd head_dim.
+``positions`` are int64 absolute positions, either (T,) shared by the batch or (B, T) per row
+(a left-padded batch); the hooks accept both.
 
 - :meth:`PositionEncoding.embed` adds to the token embeddings (sinusoidal, learned);
 - :meth:`PositionEncoding.rotate` rotates q and k (RoPE);
@@ -32,13 +34,13 @@ class PositionEncoding(nn.Module):
         self.max_seq_len = cfg.max_seq_len
 
     def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x (B, T, D), positions (T,) int64 -> (B, T, D)."""
+        """x (B, T, D), positions (T,) or (B, T) int64 -> (B, T, D)."""
         return x
 
     def rotate(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q (B, H, T, hd), k (B, K, T, hd) at ``positions`` (T,) -> rotated (q, k)."""
+        """q (B, H, T, hd), k (B, K, T, hd) at ``positions`` (T,) or (B, T) -> rotated (q, k)."""
         return q, k
 
     def score_bias(self, positions: torch.Tensor, s: int) -> torch.Tensor | None:
@@ -52,16 +54,17 @@ class NoPosition(PositionEncoding):
 
 
 def sinusoidal_table(positions: torch.Tensor, dim: int) -> torch.Tensor:
-    """(T,) positions -> (T, dim) float32: sin on even, cos on odd channels (Vaswani et al. 2017).
+    """(T,) or (B, T) positions -> (T, dim) or (B, T, dim) float32: sin on even, cos on odd
+    channels (Vaswani et al. 2017).
 
     Channel pair i uses frequency 1 / 10000^(2i/dim).
     """
     half = torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device)
     inv_freq = torch.exp(-math.log(10000.0) * half / dim)
-    angles = positions.float().unsqueeze(1) * inv_freq.unsqueeze(0)  # (T, dim/2)
-    table = torch.zeros(positions.shape[0], dim, device=positions.device)
-    table[:, 0::2] = torch.sin(angles)
-    table[:, 1::2] = torch.cos(angles[:, : dim // 2])
+    angles = positions.float().unsqueeze(-1) * inv_freq  # (..., T, dim/2)
+    table = torch.zeros(*positions.shape, dim, device=positions.device)
+    table[..., 0::2] = torch.sin(angles)
+    table[..., 1::2] = torch.cos(angles[..., : dim // 2])
     return table
 
 
@@ -127,14 +130,17 @@ class RotaryPosition(PositionEncoding):
         )
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T,) positions -> cos, sin each (T, hd) float32 (any position, no table limit)."""
-        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # (T, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+        """(T,) or (B, T) positions -> cos, sin each (T, hd) or (B, T, hd) float32 (any
+        position, no table limit)."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # (..., T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (..., T, hd)
         return emb.cos(), emb.sin()
 
     def rotate(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin(positions)
-        cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # (T, hd)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # (T, hd) or (B, T, hd)
+        if cos.dim() == 3:  # per-row positions: broadcast over heads
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hd)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
