@@ -21,6 +21,18 @@ VARIANTS = (
         {"attention": {"n_heads": 4, "backend": "math"}},
         {"tie_embeddings": False},
     ]
+    + [  # positions: alibi with 6 heads (not a power of two) and on the math backend
+        {"position": {"kind": "alibi"}, "attention": {"n_heads": 6, "head_dim": 8}},
+        {"position": {"kind": "alibi"}, "attention": {"n_heads": 4, "backend": "math"}},
+        {"position": {"interleaved": True}},
+        {"position": {"partial_rotary_factor": 0.5}},
+        {"position": {"interleaved": True, "partial_rotary_factor": 0.5}},
+    ]
+    + [{"position": {"scaling": {"kind": k, "factor": 4.0}}} for k in ("linear", "ntk")]
+    + [  # dynamic_ntk stays within its original length here: past it, cached != full (as HF)
+        {"position": {"scaling": {"kind": "yarn", "factor": 4.0, "original_max_seq_len": 8}}},
+        {"position": {"scaling": {"kind": "dynamic_ntk", "factor": 4.0}}},
+    ]
 )
 IDS = [str(v) for v in VARIANTS]
 
