@@ -42,11 +42,29 @@ class AttentionConfig:
 
 
 @dataclass
+class RopeScalingConfig:
+    """RoPE context scaling: none, linear, ntk, dynamic_ntk or yarn (lmlab.nn.rope_scaling)."""
+
+    kind: str = "none"
+    factor: float = 1.0  # context extension ratio s = new length / original length, >= 1
+    original_max_seq_len: int | None = None  # pretraining context, tokens; None: max_seq_len
+    beta_fast: float = 32.0  # yarn: pairs rotating more often than this over L extrapolate
+    beta_slow: float = 1.0  # yarn: pairs rotating less often than this interpolate
+    truncate: bool = True  # yarn: floor/ceil the ramp's channel range (HF default)
+    attention_factor: float | None = None  # yarn: cos/sin multiplier; None: 0.1 ln(s) + 1
+    mscale: float | None = None  # yarn (DeepSeek-V2): with mscale_all_dim, sets attention_factor
+    mscale_all_dim: float | None = None
+
+
+@dataclass
 class PositionConfig:
-    """Positional encoding: none, sinusoidal, learned or rope."""
+    """Positional encoding: none, sinusoidal, learned, alibi or rope."""
 
     kind: str = "rope"
     rope_theta: float = 10000.0  # RoPE base (Su et al. 2021)
+    interleaved: bool = False  # rope: pair channels (2i, 2i+1) (GPT-J); False: (i, i+r/2) (Llama)
+    partial_rotary_factor: float = 1.0  # rope: rotate only the first int(hd * this) channels
+    scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)  # rope only
 
 
 @dataclass
@@ -388,6 +406,61 @@ def _validate_attention_mask(m: ModelConfig) -> None:
         )
 
 
+def _validate_position(m: ModelConfig) -> None:
+    """RoPE options: rotary dim, theta, and the scaling kind with its parameters."""
+    from lmlab.nn.rope_scaling import ROPE_SCALING
+
+    p, s = m.position, m.position.scaling
+    ROPE_SCALING.get(s.kind, "model.position.scaling.kind")
+    default = PositionConfig()
+    if p.kind != "rope":
+        for name in ("interleaved", "partial_rotary_factor", "scaling"):
+            if getattr(p, name) != getattr(default, name):
+                raise ConfigError(f"model.position.{name} applies to kind=rope only, not {p.kind}")
+        return
+    _positive(p.rope_theta, "model.position.rope_theta")
+    if not 0.0 < p.partial_rotary_factor <= 1.0:
+        raise ConfigError(
+            f"model.position.partial_rotary_factor must be in (0, 1], got {p.partial_rotary_factor}"
+        )
+    r = int(m.head_dim * p.partial_rotary_factor)
+    if r < 2 or r % 2:
+        raise ConfigError(
+            f"model.position.kind=rope needs an even number (>= 2) of rotated channels, "
+            f"int(head_dim * partial_rotary_factor) = int({m.head_dim} * "
+            f"{p.partial_rotary_factor}) = {r}"
+        )
+    where = "model.position.scaling"
+    used = {  # the fields each kind reads; yarn reads them all
+        "none": ("kind",),
+        "linear": ("kind", "factor"),
+        "ntk": ("kind", "factor"),
+        "dynamic_ntk": ("kind", "factor", "original_max_seq_len"),
+    }.get(s.kind)
+    for f in dataclasses.fields(s):
+        value = getattr(s, f.name)
+        if used is not None and f.name not in used and value != getattr(default.scaling, f.name):
+            raise ConfigError(f"{where}.{f.name}={value} has no effect with {where}.kind={s.kind}")
+    if s.kind == "none":
+        return
+    if s.factor < 1.0:
+        raise ConfigError(f"{where}.factor must be >= 1 (new length / original), got {s.factor}")
+    _positive(s.original_max_seq_len, f"{where}.original_max_seq_len")
+    if s.kind in ("ntk", "dynamic_ntk") and r <= 2:
+        raise ConfigError(f"{where}.kind={s.kind} needs more than 2 rotated channels, got {r}")
+    if s.kind == "yarn":
+        _positive(s.beta_slow, f"{where}.beta_slow")
+        if s.beta_fast <= s.beta_slow:
+            raise ConfigError(
+                f"{where}.beta_fast ({s.beta_fast}) must exceed {where}.beta_slow ({s.beta_slow})"
+            )
+        _positive(s.attention_factor, f"{where}.attention_factor")
+        _positive(s.mscale, f"{where}.mscale")
+        _positive(s.mscale_all_dim, f"{where}.mscale_all_dim")
+        if (s.mscale is None) != (s.mscale_all_dim is None):
+            raise ConfigError(f"{where}.mscale and {where}.mscale_all_dim must be set together")
+
+
 def validate_run_config(cfg: RunConfig) -> None:
     """Cross-field checks; every message names the dotted field and the allowed values."""
     from lmlab import nn as lnn  # registers every component
@@ -448,9 +521,7 @@ def validate_run_config(cfg: RunConfig) -> None:
             f"model.attention.n_heads ({m.attention.n_heads}) must be a multiple of "
             f"model.attention.n_kv_heads ({m.n_kv_heads})"
         )
-    if m.position.kind == "rope" and m.head_dim % 2:
-        raise ConfigError(f"model.position.kind=rope needs an even head_dim, got {m.head_dim}")
-    _positive(m.position.rope_theta, "model.position.rope_theta")
+    _validate_position(m)
 
     d = cfg.data
     from lmlab.data.tokenizer import TOKENIZERS

@@ -31,6 +31,19 @@ VARIANTS = (
         {"ffn": {"kind": "moe", "top_k": 1, "router": "softmax_topk", "shared_expert": True}},
     ]
     + [{"block": {"kind": "pre", "parallel": True}}, {"init": "small"}]
+    + [  # positions: alibi with 6 heads (not a power of two) and on the math backend
+        {"position": {"kind": "alibi"}, "attention": {"n_heads": 6, "head_dim": 8}},
+        {"position": {"kind": "alibi"}, "attention": {"n_heads": 4, "backend": "math"}},
+        {"position": {"kind": "alibi"}, "attention": {"mask": "sliding_window", "window": 4}},
+        {"position": {"interleaved": True}},
+        {"position": {"partial_rotary_factor": 0.5}},
+        {"position": {"interleaved": True, "partial_rotary_factor": 0.5}},
+    ]
+    + [{"position": {"scaling": {"kind": k, "factor": 4.0}}} for k in ("linear", "ntk")]
+    + [  # dynamic_ntk stays within its original length here: past it, cached != full (as HF)
+        {"position": {"scaling": {"kind": "yarn", "factor": 4.0, "original_max_seq_len": 8}}},
+        {"position": {"scaling": {"kind": "dynamic_ntk", "factor": 4.0}}},
+    ]
 )
 IDS = [str(v) for v in VARIANTS]
 

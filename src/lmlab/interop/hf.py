@@ -18,22 +18,78 @@ from lmlab.config import (
     ModelConfig,
     NormConfig,
     PositionConfig,
+    RopeScalingConfig,
 )
 from lmlab.errors import LmlabError
 
+# HF rope_type -> lmlab model.position.scaling.kind
+HF_ROPE_TYPES = {"default": "none", "linear": "linear", "dynamic": "dynamic_ntk", "yarn": "yarn"}
+
+
+def rope_position_config(
+    hf: Any, default_theta: float = 10000.0, default_partial: float = 1.0
+) -> PositionConfig:
+    """An HF config's RoPE settings -> ``PositionConfig(kind="rope")`` (half-split layout).
+
+    Reads transformers 5's ``rope_parameters`` dict, else the older ``rope_scaling`` dict with a
+    ``rope_theta`` attribute; ``default_theta``/``default_partial`` fill in what neither gives.
+    rope_type ``default``/``linear``/``dynamic``/``yarn`` map to scaling ``none``/``linear``/
+    ``dynamic_ntk``/``yarn`` with the parameters HF would use (dynamic scales past
+    ``max_position_embeddings``; yarn's original length is ``original_max_position_embeddings``).
+    Raises LmlabError for any other rope_type (llama3, longrope, ...).
+    """
+    params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    hf_type = params.get("rope_type", params.get("type", "default"))
+    if hf_type not in HF_ROPE_TYPES:
+        raise LmlabError(
+            f"RoPE scaling {hf_type!r} has no lmlab component; "
+            f"supported: {', '.join(HF_ROPE_TYPES)}"
+        )
+    theta = params.get("rope_theta") or getattr(hf, "rope_theta", None) or default_theta
+    partial = params.get("partial_rotary_factor") or default_partial
+    scaling = RopeScalingConfig(kind=HF_ROPE_TYPES[hf_type])
+    max_len = hf.max_position_embeddings
+    if hf_type in ("linear", "dynamic"):
+        scaling.factor = float(params["factor"])
+    if hf_type == "dynamic":  # HF rescales past max_position_embeddings itself
+        scaling.original_max_seq_len = max_len
+    if hf_type == "yarn":  # as transformers' _compute_yarn_parameters reads them
+        original = getattr(hf, "original_max_position_embeddings", None)
+        original = original or params.get("original_max_position_embeddings") or max_len
+        scaling.original_max_seq_len = int(original)
+        scaling.factor = float(params.get("factor") or max_len / original)
+        scaling.beta_fast = float(params.get("beta_fast") or 32)
+        scaling.beta_slow = float(params.get("beta_slow") or 1)
+        scaling.truncate = bool(params.get("truncate", True))
+        if params.get("attention_factor") is not None:
+            scaling.attention_factor = float(params["attention_factor"])
+        if params.get("mscale") and params.get("mscale_all_dim"):  # HF ignores one alone
+            scaling.mscale = float(params["mscale"])
+            scaling.mscale_all_dim = float(params["mscale_all_dim"])
+    return PositionConfig(
+        kind="rope",
+        rope_theta=float(theta),
+        partial_rotary_factor=float(partial),
+        scaling=scaling,
+    )
+
 
 def _rope_theta(hf: Any) -> float:
-    params = getattr(hf, "rope_parameters", None) or {}
-    kind = params.get("rope_type", "default")
-    if kind != "default":
-        raise LmlabError(f"RoPE scaling {kind!r} has no lmlab component yet")
-    return float(params.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+    """The RoPE base of an HF config without context scaling (LmlabError if it has one)."""
+    position = rope_position_config(hf)
+    if position.scaling.kind != "none":
+        raise LmlabError(f"RoPE scaling {position.scaling.kind!r} is not read by this converter")
+    return position.rope_theta
 
 
 def llama_model_config(hf: Any) -> ModelConfig:
-    """A ``LlamaConfig`` -> ModelConfig (RMSNorm, SwiGLU, RoPE half-split, GQA, Pre-Norm)."""
+    """A ``LlamaConfig`` -> ModelConfig (RMSNorm, SwiGLU, RoPE half-split with the scaling of
+    :func:`rope_position_config`, GQA, Pre-Norm)."""
     if getattr(hf, "hidden_act", "silu") != "silu":
         raise LmlabError(f"Llama hidden_act {hf.hidden_act!r} is not supported (silu only)")
+    position = rope_position_config(hf)
+    if position.partial_rotary_factor != 1.0:
+        raise LmlabError("Llama rotates every channel: partial_rotary_factor must be 1")
     return ModelConfig(
         vocab_size=hf.vocab_size,
         d_model=hf.hidden_size,
@@ -46,7 +102,7 @@ def llama_model_config(hf: Any) -> ModelConfig:
             head_dim=getattr(hf, "head_dim", None),
             bias=bool(getattr(hf, "attention_bias", False)),
         ),
-        position=PositionConfig(kind="rope", rope_theta=_rope_theta(hf)),
+        position=position,
         norm=NormConfig(kind="rmsnorm", eps=hf.rms_norm_eps),
         ffn=FFNConfig(
             kind="swiglu",

@@ -7,10 +7,14 @@ Legend: B batch, T query tokens, S key tokens, D d_model, H heads, K kv heads, h
 - :meth:`PositionEncoding.embed` adds to the token embeddings (sinusoidal, learned);
 - :meth:`PositionEncoding.rotate` rotates q and k (RoPE);
 - :meth:`PositionEncoding.score_bias` adds a (H, T, S) bias to the attention scores (ALiBi, T5).
+
+RoPE context scaling (linear, NTK, dynamic NTK, YaRN) lives in :mod:`lmlab.nn.rope_scaling`.
+Legend there and here: r rotary channels (hd * partial_rotary_factor).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
@@ -18,6 +22,8 @@ import torch
 from torch import nn
 
 from lmlab.errors import LmlabError
+from lmlab.nn.rope_scaling import ROPE_SCALING, is_length_dependent
+from lmlab.nn.rope_scaling import rope_inv_freq as rope_inv_freq  # re-exported
 from lmlab.registry import Registry
 
 if TYPE_CHECKING:
@@ -99,48 +105,133 @@ class LearnedPosition(PositionEncoding):
         return x + self.weight[positions].to(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
-    """(hd/2,) float32 rotation frequencies theta^(-2i/hd) (Su et al. 2021, RoFormer)."""
-    return 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """(H,) float32 ALiBi slopes (Press et al. 2022, "Train Short, Test Long").
+
+    For H a power of two: 2^(-8i/H), i = 1..H. Otherwise the slopes of the closest lower power of
+    two c, followed by the first H - c odd-indexed slopes of 2c, 2^(-4j/c) for j = 1, 3, 5, ...
+    (the paper's and BLOOM's procedure). Computed in float64, returned as float32.
+    """
+    closest = 2 ** math.floor(math.log2(n_heads))
+    slopes = (2.0 ** (-8.0 / closest)) ** torch.arange(1, closest + 1, dtype=torch.float64)
+    if closest < n_heads:
+        odd = torch.arange(1, 2 * (n_heads - closest), 2, dtype=torch.float64)
+        slopes = torch.cat([slopes, (2.0 ** (-8.0 / (2 * closest))) ** odd])
+    return slopes.float()
+
+
+@POSITION.register("alibi")
+class ALiBiPosition(PositionEncoding):
+    """Attention with linear biases: score - slope_h * |i - j| (Press et al. 2022; BLOOM).
+
+    A fixed penalty growing with the query-key distance; no embedding, no rotation, so it
+    extrapolates past the training length. Under a causal mask only j <= i is seen, so the bias is
+    -slope_h * (i - j); the absolute value makes a bidirectional mask symmetric.
+    """
+
+    slopes: torch.Tensor
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.register_buffer("slopes", alibi_slopes(cfg.attention.n_heads), persistent=False)
+
+    def score_bias(self, positions: torch.Tensor, s: int) -> torch.Tensor:
+        """Queries at ``positions`` (T,) or (B, T), the last T of S keys -> (H, T, S) float32.
+
+        The distance is counted in key slots (query t sits at slot S - T + t), so the bias is
+        right whatever the keys hold: a full cache, a sliding-window cache that dropped old
+        tokens, or a left-padded row (padding slots are masked; real tokens are contiguous).
+        """
+        t = positions.shape[-1]
+        queries = torch.arange(s - t, s, device=positions.device)
+        keys = torch.arange(s, device=positions.device)
+        distance = (queries[:, None] - keys[None, :]).abs().float()  # (T, S)
+        return -self.slopes[:, None, None] * distance  # (H, T, S)
+
+
+def rotary_dim(head_dim: int, partial_rotary_factor: float) -> int:
+    """Rotated channels r = int(hd * partial_rotary_factor), as GPT-NeoX and HF truncate it."""
+    return int(head_dim * partial_rotary_factor)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[x1, x2] -> [-x2, x1] on the last dim: the half-split ("GPT-NeoX / Llama") RoPE layout."""
+    """[x1, x2] -> [-x2, x1] on the last dim: the half-split ("GPT-NeoX / Llama") RoPE layout,
+    which pairs channel i with channel i + r/2."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (..., T, hd) by angles given as cos/sin (T, hd) in the half-split layout."""
-    return x * cos + rotate_half(x) * sin
+def rotate_interleaved(x: torch.Tensor) -> torch.Tensor:
+    """[x0, x1, x2, x3, ...] -> [-x1, x0, -x3, x2, ...]: the interleaved layout of RoFormer and
+    GPT-J, which pairs channels (2i, 2i + 1)."""
+    x_even, x_odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((-x_odd, x_even), dim=-1).flatten(-2)
+
+
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
+) -> torch.Tensor:
+    """Rotate x (..., T, hd) by angles given as cos/sin (T, r), r <= hd, laid out as
+    :meth:`RotaryPosition.cos_sin` returns them. The first r channels rotate; the other hd - r
+    pass through unchanged (partial rotary, GPT-NeoX)."""
+    rotate = rotate_interleaved if interleaved else rotate_half
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + rotate(x) * sin
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    return torch.cat((x_rot * cos + rotate(x_rot) * sin, x_pass), dim=-1)
 
 
 @POSITION.register("rope")
 class RotaryPosition(PositionEncoding):
-    """Rotary position embedding: rotates each (i, i + hd/2) channel pair of q and k by
-    position * theta^(-2i/hd), so q_m . k_n depends on m - n only (Su et al. 2021)."""
+    """Rotary position embedding: q_m . k_n depends on m - n only (Su et al. 2021, RoFormer).
+
+    Rotates each channel pair of q and k by position * inv_freq[i]. ``model.position``:
+    ``rope_theta`` (base), ``interleaved`` (pairs (2i, 2i+1) as RoFormer/GPT-J; default pairs
+    (i, i + r/2) as GPT-NeoX/Llama), ``partial_rotary_factor`` (rotate only the first
+    r = int(hd * factor) channels, GPT-NeoX) and ``scaling`` (context extension, a
+    :data:`~lmlab.nn.rope_scaling.ROPE_SCALING` function: linear, ntk, dynamic_ntk, yarn).
+    """
 
     inv_freq: torch.Tensor
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
+        p = cfg.position
         self.head_dim = cfg.head_dim
-        self.register_buffer(
-            "inv_freq", rope_inv_freq(self.head_dim, cfg.position.rope_theta), persistent=False
+        self.rotary_dim = rotary_dim(cfg.head_dim, p.partial_rotary_factor)
+        self.interleaved = p.interleaved
+        self.theta = p.rope_theta
+        self.scaling = dataclasses.replace(
+            p.scaling, original_max_seq_len=p.scaling.original_max_seq_len or cfg.max_seq_len
         )
+        self.scale_fn = ROPE_SCALING.get(p.scaling.kind, "model.position.scaling.kind")
+        self.length_dependent = is_length_dependent(self.scale_fn)
+        inv_freq, self.attention_factor = self.scale_fn(
+            self.rotary_dim, self.theta, self.scaling, None
+        )
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T,) or (B, T) positions -> cos, sin each (T, hd) or (B, T, hd) float32 (any
-        position, no table limit)."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # (..., T, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (..., T, hd)
-        return emb.cos(), emb.sin()
+        """(T,) or (B, T) positions -> cos, sin each (T, r) or (B, T, r) float32 in this layout,
+        times the scaling's attention factor (any position, no table limit)."""
+        inv_freq, factor = self.inv_freq, self.attention_factor
+        if self.length_dependent and positions.numel():
+            inv_freq, factor = self.scale_fn(
+                self.rotary_dim, self.theta, self.scaling, positions.max() + 1
+            )
+        freqs = positions.float().unsqueeze(-1) * inv_freq  # (..., T, r/2)
+        if self.interleaved:
+            emb = freqs.repeat_interleave(2, dim=-1)  # (..., T, r): f0 f0 f1 f1 ...
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)  # (..., T, r): f0 f1 ... f0 f1 ...
+        return emb.cos() * factor, emb.sin() * factor
 
     def rotate(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin(positions)
-        cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # (T, hd) or (B, T, hd)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # (T, r) or (B, T, r)
         if cos.dim() == 3:  # per-row positions: broadcast over heads
-            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hd)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, r)
+        return apply_rope(q, cos, sin, self.interleaved), apply_rope(k, cos, sin, self.interleaved)

@@ -1,0 +1,123 @@
+"""Hugging Face GPT-NeoX (Pythia, GPT-NeoX-20B) -> lmlab: config map and state-dict key map.
+
+Works on a config object with ``GPTNeoXConfig``'s attributes (transformers 5 keeps the rotary
+settings in ``rope_parameters``; older configs have ``rotary_pct`` and ``rotary_emb_base``) and a
+plain state dict, so lmlab itself never imports ``transformers``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lmlab.config import AttentionConfig, BlockConfig, FFNConfig, ModelConfig, NormConfig
+from lmlab.errors import LmlabError
+from lmlab.interop.hf import rope_position_config
+
+NEOX_ACTIVATIONS = {
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "relu": "relu",
+    "silu": "silu",
+}
+
+
+def neox_model_config(hf: Any) -> ModelConfig:
+    """A ``GPTNeoXConfig`` -> ModelConfig: LayerNorm with bias, partial half-split RoPE
+    (``rotary_pct`` / ``partial_rotary_factor``), GELU MLP with bias, attention bias
+    (``attention_bias``), untied LM head unless ``tie_word_embeddings``, Pre-Norm.
+
+    Raises LmlabError for ``use_parallel_residual=True`` (HF's default and what the released
+    Pythia / NeoX-20B checkpoints use: x + attn(ln1(x)) + mlp(ln2(x)), not yet an lmlab block)
+    and for an activation lmlab lacks.
+    """
+    if getattr(hf, "use_parallel_residual", True):
+        raise LmlabError(
+            "GPT-NeoX use_parallel_residual=True (x + attn(ln1(x)) + mlp(ln2(x))) has no lmlab "
+            "block yet; only use_parallel_residual=False converts"
+        )
+    act = getattr(hf, "hidden_act", "gelu")
+    if act not in NEOX_ACTIVATIONS:
+        raise LmlabError(
+            f"GPT-NeoX hidden_act {act!r} is not supported; "
+            f"supported: {', '.join(NEOX_ACTIVATIONS)}"
+        )
+    position = rope_position_config(
+        hf,
+        default_theta=getattr(hf, "rotary_emb_base", 10000.0),
+        default_partial=getattr(hf, "rotary_pct", 1.0),
+    )
+    return ModelConfig(
+        vocab_size=hf.vocab_size,
+        d_model=hf.hidden_size,
+        n_layers=hf.num_hidden_layers,
+        max_seq_len=hf.max_position_embeddings,
+        dropout=float(getattr(hf, "hidden_dropout", 0.0)),
+        tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        attention=AttentionConfig(
+            n_heads=hf.num_attention_heads,
+            bias=bool(getattr(hf, "attention_bias", True)),
+            dropout=float(getattr(hf, "attention_dropout", 0.0)),
+        ),
+        position=position,
+        norm=NormConfig(kind="layernorm", eps=hf.layer_norm_eps, bias=True),
+        ffn=FFNConfig(
+            kind="mlp", d_ff=hf.intermediate_size, activation=NEOX_ACTIVATIONS[act], bias=True
+        ),
+        block=BlockConfig(kind="pre"),
+    )
+
+
+NEOX_LAYER_KEYS = {
+    "attention.dense": "attn.o_proj",
+    "mlp.dense_h_to_4h": "ffn.up_proj",
+    "mlp.dense_4h_to_h": "ffn.down_proj",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+NEOX_BUFFERS = ("attention.bias", "attention.masked_bias", "attention.rotary_emb.inv_freq")
+
+
+def split_neox_qkv(value: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, ...]:
+    """Fused ``query_key_value`` weight (3D, D) or bias (3D,) -> q, k, v each (D, D) or (D,).
+
+    HF reshapes the projection to (..., H, 3 * hd) and chunks the last dim, so the output rows
+    are laid out per head as [q_h; k_h; v_h] (not [q; k; v])."""
+    per_head = value.reshape(n_heads, 3, -1, *value.shape[1:])  # (H, 3, hd[, D])
+    return tuple(per_head[:, j].reshape(-1, *value.shape[1:]) for j in range(3))
+
+
+def neox_state_dict(
+    sd: dict[str, torch.Tensor], n_heads: int, tied: bool = False
+) -> dict[str, torch.Tensor]:
+    """GPT-NeoX keys -> lmlab's: split the per-head fused QKV; ``embed_out`` (older name) or
+    ``lm_head`` -> lm_head; drop the mask / inv_freq buffers older checkpoints carry."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in sd.items():
+        if key == "gpt_neox.embed_in.weight":
+            out["embed.weight"] = value
+        elif key.startswith("gpt_neox.final_layer_norm."):
+            out["final_norm." + key.split(".")[-1]] = value
+        elif key in ("lm_head.weight", "embed_out.weight"):
+            out["lm_head.weight"] = value
+        elif key.startswith("gpt_neox.layers."):
+            parts = key.split(".")  # gpt_neox.layers.{i}.{module...}.{weight|bias}
+            i, module, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
+            if f"{module}.{kind}" in NEOX_BUFFERS:
+                continue
+            if module == "attention.query_key_value":
+                for name, part in zip(
+                    ("q_proj", "k_proj", "v_proj"), split_neox_qkv(value, n_heads), strict=True
+                ):
+                    out[f"layers.{i}.attn.{name}.{kind}"] = part.contiguous()
+            elif module in NEOX_LAYER_KEYS:
+                out[f"layers.{i}.{NEOX_LAYER_KEYS[module]}.{kind}"] = value
+            else:
+                raise LmlabError(f"unexpected GPT-NeoX weight {key!r}")
+        else:
+            raise LmlabError(f"unexpected GPT-NeoX weight {key!r}")
+    if tied:
+        out["lm_head.weight"] = out["embed.weight"]
+    return out
