@@ -38,6 +38,7 @@ class AttentionConfig:
     mask: str = "causal"  # causal | bidirectional | sliding_window
     window: int | None = None  # sliding_window only: a query sees itself + window-1 earlier tokens
     qk_norm: bool = False  # RMSNorm over head_dim on each q and k head, before RoPE (Qwen3)
+    v_norm: bool = False  # the same on each v head (block.kind=hybrid turns both on)
     scaled: bool = True  # False drops the 1/sqrt(head_dim) factor on the scores
 
 
@@ -100,7 +101,7 @@ class FFNConfig:
 
 @dataclass
 class BlockConfig:
-    """Norm placement in a layer: pre (Pre-Norm) or post (Post-Norm)."""
+    """Norm placement in a layer: pre (Pre-Norm), post (Post-Norm) or hybrid (HybridNorm)."""
 
     kind: str = "pre"
     parallel: bool = False  # attention and FFN side by side on the same input (GPT-J, NeoX)

@@ -25,7 +25,7 @@ from lmlab.nn.moe import load_balancing_loss  # noqa: E402
 VOCAB = 97
 
 
-def tiny_mixtral(tied: bool = False, top_k: int = 2) -> torch.nn.Module:
+def tiny_mixtral(tied: bool = False, top_k: int = 2, window: int | None = None) -> torch.nn.Module:
     cfg = transformers.MixtralConfig(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -40,6 +40,7 @@ def tiny_mixtral(tied: bool = False, top_k: int = 2) -> torch.nn.Module:
         tie_word_embeddings=tied,
         rope_parameters={"rope_type": "default", "rope_theta": 500.0},
         eos_token_id=None,
+        sliding_window=window,
     )
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(cfg)
@@ -140,3 +141,10 @@ def test_greedy_generation_matches_token_for_token():
     params = SamplingParams(max_new_tokens=12, temperature=0.0)
     got = list(generate_ids(ours, prompt[0].tolist(), params, max_seq_len=64))
     assert got == ref[0, 6:].tolist()
+
+
+def test_mixtral_with_a_sliding_window_matches():
+    hf_model = tiny_mixtral(window=5)
+    ours = to_lmlab(hf_model)
+    assert (ours.cfg.attention.mask, ours.cfg.attention.window) == ("sliding_window", 5)
+    assert_same_logits(hf_model, ours, torch.randint(0, VOCAB, (2, 17)))

@@ -171,9 +171,10 @@ def _neox_config(**kw: object):
     return transformers.GPTNeoXConfig(**{**base, **kw})
 
 
+@pytest.mark.parametrize("parallel", [False, True], ids=["sequential", "parallel"])
 @pytest.mark.parametrize("attention_bias", [True, False])
-def test_gpt_neox_partial_rotary_matches_hf_full_and_cached(attention_bias: bool):
-    cfg = _neox_config(attention_bias=attention_bias)
+def test_gpt_neox_partial_rotary_matches_hf_full_and_cached(attention_bias: bool, parallel: bool):
+    cfg = _neox_config(attention_bias=attention_bias, use_parallel_residual=parallel)
     torch.manual_seed(0)
     hf_model = transformers.GPTNeoXForCausalLM(cfg).eval()
     _perturb(hf_model, 0.05)
@@ -220,5 +221,4 @@ def test_gpt_neox_old_attributes_and_parallel_residual():
         tie_word_embeddings=False,
     )
     assert neox_model_config(old) == neox_model_config(_neox_config())
-    with pytest.raises(LmlabError, match="use_parallel_residual=True"):
-        neox_model_config(_neox_config(use_parallel_residual=True))
+    assert neox_model_config(_neox_config(use_parallel_residual=True)).block.parallel

@@ -21,7 +21,8 @@ import torch
 
 from lmlab.config import FFNConfig, ModelConfig
 from lmlab.errors import LmlabError
-from lmlab.interop.hf import LLAMA_KEYS, LLAMA_LAYER_KEYS, llama_model_config, llama_state_dict
+from lmlab.interop.hf import LLAMA_KEYS, LLAMA_LAYER_KEYS, llama_state_dict
+from lmlab.interop.hf_mistral import mistral_model_config
 
 W_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # checkpoint -> lmlab
 
@@ -30,16 +31,12 @@ def mixtral_model_config(hf: Any) -> ModelConfig:
     """A ``MixtralConfig`` -> ModelConfig: the Llama mapping with ``ffn.kind: moe`` (SwiGLU
     experts, ``topk_softmax`` router, no shared expert, no z-loss, ``router_aux_loss_coef``).
 
-    Raises LmlabError for ``sliding_window`` (not yet an lmlab component) and a non-zero
-    ``router_jitter_noise`` (training-time noise lmlab does not implement).
+    ``sliding_window`` maps to ``attention.mask: sliding_window`` as for Mistral. Raises
+    LmlabError for a non-zero ``router_jitter_noise`` (training-time noise lmlab lacks).
     """
-    if getattr(hf, "sliding_window", None) is not None:
-        raise LmlabError(
-            f"Mixtral sliding_window={hf.sliding_window} has no lmlab component yet; set it to None"
-        )
     if getattr(hf, "router_jitter_noise", 0.0):
         raise LmlabError(f"Mixtral router_jitter_noise={hf.router_jitter_noise} is not supported")
-    cfg = llama_model_config(hf)
+    cfg = mistral_model_config(hf)
     ffn = FFNConfig(
         kind="moe",
         d_ff=hf.intermediate_size,

@@ -29,15 +29,9 @@ def neox_model_config(hf: Any) -> ModelConfig:
     (``rotary_pct`` / ``partial_rotary_factor``), GELU MLP with bias, attention bias
     (``attention_bias``), untied LM head unless ``tie_word_embeddings``, Pre-Norm.
 
-    Raises LmlabError for ``use_parallel_residual=True`` (HF's default and what the released
-    Pythia / NeoX-20B checkpoints use: x + attn(ln1(x)) + mlp(ln2(x)), not yet an lmlab block)
-    and for an activation lmlab lacks.
+    ``use_parallel_residual`` (HF's default, used by Pythia and NeoX-20B: x + attn(ln1(x)) +
+    mlp(ln2(x))) maps to ``block.parallel``. Raises LmlabError for an activation lmlab lacks.
     """
-    if getattr(hf, "use_parallel_residual", True):
-        raise LmlabError(
-            "GPT-NeoX use_parallel_residual=True (x + attn(ln1(x)) + mlp(ln2(x))) has no lmlab "
-            "block yet; only use_parallel_residual=False converts"
-        )
     act = getattr(hf, "hidden_act", "gelu")
     if act not in NEOX_ACTIVATIONS:
         raise LmlabError(
@@ -66,7 +60,7 @@ def neox_model_config(hf: Any) -> ModelConfig:
         ffn=FFNConfig(
             kind="mlp", d_ff=hf.intermediate_size, activation=NEOX_ACTIVATIONS[act], bias=True
         ),
-        block=BlockConfig(kind="pre"),
+        block=BlockConfig(kind="pre", parallel=bool(getattr(hf, "use_parallel_residual", True))),
     )
 
 

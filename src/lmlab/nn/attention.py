@@ -124,6 +124,8 @@ class Attention(nn.Module):
         # 2023, ViT-22B; as in Qwen3). Bounds the logits q.k, which stabilises training.
         self.q_norm = RMSNorm(cfg, dim=hd) if a.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(cfg, dim=hd) if a.qk_norm else nn.Identity()
+        # v_norm: the same on each v head; with qk_norm, HybridNorm's QKV-norm (Zhuo et al. 2025).
+        self.v_norm = RMSNorm(cfg, dim=hd) if a.v_norm else nn.Identity()
 
     def project(
         self, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor
@@ -133,7 +135,7 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_norm(self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)).transpose(1, 2)
         q, k = position.rotate(q, k, positions)  # q (B, H, T, hd), k (B, K, T, hd)
         return q, k, v
 

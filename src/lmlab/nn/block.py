@@ -5,6 +5,7 @@ Legend: B batch, T tokens, D d_model. A block maps (B, T, D) -> (B, T, D).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -74,5 +75,22 @@ class PostNormBlock(Block):
     def forward(self, x, position, positions, key_mask=None, cache=None, need_weights=False):
         a = self.attn(x, position, positions, key_mask, cache, need_weights)
         x = self.attn_norm(x + self.drop(a.out))
+        x = self.ffn_norm(x + self.drop(self.ffn(x)))
+        return x, a.weights
+
+
+@BLOCK.register("hybrid")
+class HybridNormBlock(Block):
+    """x + attn(x) with QKV-norm (RMSNorm on each q, k and v head), then norm(x + ffn(x)):
+    Pre-Norm-like attention, Post-Norm FFN (Zhuo et al. 2025, "HybridNorm")."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        qkv = dataclasses.replace(cfg.attention, qk_norm=True, v_norm=True)
+        super().__init__(dataclasses.replace(cfg, attention=qkv), layer_idx)
+        self.attn_norm = nn.Identity()  # the attention input is not normalised
+
+    def forward(self, x, position, positions, key_mask=None, cache=None, need_weights=False):
+        a = self.attn(x, position, positions, key_mask, cache, need_weights)
+        x = x + self.drop(a.out)
         x = self.ffn_norm(x + self.drop(self.ffn(x)))
         return x, a.weights

@@ -25,7 +25,7 @@ class LayerNorm(nn.LayerNorm):
 
 @NORM.register("rmsnorm")
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight, computed in float32 (Zhang & Sennrich 2019)."""
+    """x / sqrt(mean(x^2) + eps) * weight, computed in at least float32 (Zhang & Sennrich 2019)."""
 
     def __init__(self, cfg: ModelConfig, dim: int | None = None) -> None:
         super().__init__()
@@ -33,9 +33,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim or cfg.d_model))  # dim: e.g. head_dim (QK-norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        dtype = torch.promote_types(x.dtype, torch.float32)  # float64 stays float64
+        xf = x.to(dtype)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return (y * self.weight.to(dtype)).to(x.dtype)
 
 
 def build_norm(cfg: ModelConfig) -> nn.Module:
