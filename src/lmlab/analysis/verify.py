@@ -138,7 +138,8 @@ def verify_config(cfg: RunConfig, label: str, seq_len: int = 16) -> list[Check]:
     mcfg = copy.deepcopy(cfg.model)
     mcfg.vocab_size = mcfg.vocab_size or 256
     mcfg.dropout = 0.0
-    t = min(seq_len, mcfg.max_seq_len)
+    # longer than a sliding window, so the window is in play
+    t = min(max(seq_len, (mcfg.attention.window or 0) + 8), mcfg.max_seq_len)
     torch.manual_seed(1234)
     x = torch.randint(0, mcfg.vocab_size, (2, t))
     out = []
