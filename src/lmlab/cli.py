@@ -162,6 +162,24 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--config", help="a config YAML (default: every preset in configs/)")
     v.add_argument("--debug", action="store_true", help="show Python tracebacks on errors")
 
+    ins = sub.add_parser(
+        "inspect",
+        help="parameter counts of a config or run, without building it",
+        description="Parameters per component (tied weights counted once), total and "
+        "non-embedding, computed in closed form from the config: real-size models (e.g. "
+        "configs/llama.yaml with the overrides in its header) are inspected without being built.",
+    )
+    ins.add_argument("path", metavar="CONFIG_OR_RUN")
+    ins.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field (repeatable)",
+    )
+    ins.add_argument("--json", action="store_true", help="print one JSON object")
+    ins.add_argument("--debug", action="store_true", help="show Python tracebacks on errors")
+
     ls = sub.add_parser(
         "list",
         help="list the component variants a config can choose",
@@ -277,6 +295,25 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from lmlab.analysis.params import inspect_config
+
+    info = inspect_config(args.path, args.set)
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    total = int(info["params_total"])
+    print(
+        f"{info['name']}: {total:,} parameters "
+        f"({int(info['params_non_embedding']):,} non-embedding)"
+    )
+    for name, n in info["components"].items():
+        print(f"  {name:<10} {n:>16,}  {100 * n / total:5.1f}%")
+    if info["vocab_note"]:
+        print(f"note: {info['vocab_note']}")
+    return 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     import lmlab.data.tokenizer  # noqa: F401  (registers tokenizers)
     import lmlab.interop.families  # noqa: F401
@@ -301,6 +338,7 @@ COMMANDS = {
     "eval": cmd_eval,
     "generate": cmd_generate,
     "verify": cmd_verify,
+    "inspect": cmd_inspect,
     "list": cmd_list,
 }
 

@@ -402,3 +402,36 @@ def test_every_preset_trains(preset: Path, tmp_path: Path, capsys):
     )
     assert code == 0, err
     assert (tmp_path / "r" / "checkpoints" / "step-000002" / "model.safetensors").is_file()
+
+
+def test_inspect_counts_a_real_size_model_without_building_it(capsys):
+    root = Path(__file__).resolve().parents[2] / "configs"
+    code, out, _ = run_cli(
+        capsys,
+        "inspect",
+        str(root / "mixtral.yaml"),
+        "--json",
+        "--set",
+        "model.d_model=4096",
+        "--set",
+        "model.n_layers=32",
+        "--set",
+        "model.attention.n_heads=32",
+        "--set",
+        "model.attention.n_kv_heads=8",
+        "--set",
+        "model.ffn.d_ff=14336",
+        "--set",
+        "model.max_seq_len=32768",
+        "--set",
+        "data.tokenizer.vocab_size=32000",
+    )  # 46.7B parameters: building it would need 187 GB
+    info = json.loads(out)
+    assert code == 0 and info["params_total"] == 46_702_792_704
+    assert sum(info["components"].values()) == info["params_total"]
+
+
+def test_inspect_a_run_folder_uses_its_vocabulary(tiny_run: Path, capsys):
+    code, out, _ = run_cli(capsys, "inspect", str(tiny_run))
+    assert code == 0 and "note:" not in out
+    assert out.startswith("tiny: ") and "parameters" in out
