@@ -17,6 +17,7 @@ from lmlab.interop.hf import (  # noqa: E402
     llama_model_config,
     llama_state_dict,
 )
+from lmlab.generation.generate import SamplingParams, generate_ids  # noqa: E402
 from lmlab.models import build_model  # noqa: E402
 
 
@@ -32,6 +33,21 @@ def _compare(hf_model: torch.nn.Module, ours: torch.nn.Module, vocab: int) -> No
         steps = [ours(x[:, :9], cache=cache).logits]
         steps += [ours(x[:, t : t + 1], cache=cache).logits for t in range(9, 17)]
         torch.testing.assert_close(torch.cat(steps, 1), ref, atol=1e-5, rtol=1e-5)
+        # a left-padded batch with an attention mask (positions 0..T-1 on both sides, as HF's
+        # forward does by default): equal logits on the real tokens
+        mask = torch.ones_like(x)
+        mask[1, :6] = 0
+        ref = hf_model(x, attention_mask=mask).logits
+        got = ours(x, attention_mask=mask).logits
+        torch.testing.assert_close(got[mask.bool()], ref[mask.bool()], atol=1e-5, rtol=1e-5)
+        # greedy generation with the KV cache equals transformers' generate, token for token
+        prompt = x[:1, :5]
+        expected = hf_model.generate(
+            prompt, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None
+        )[0, 5:].tolist()
+    params = SamplingParams(max_new_tokens=10, temperature=0.0)
+    got_ids = list(generate_ids(ours, prompt[0].tolist(), params, ours.cfg.max_seq_len))
+    assert got_ids == expected
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -183,3 +183,13 @@ def test_parallel_needs_pre_norm():
 
     with pytest.raises(ConfigError, match="model.block.parallel needs model.block.kind=pre"):
         tiny_model_config(block={"kind": "post", "parallel": True})
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
+def test_config_round_trips_through_yaml(variant, tmp_path):
+    from lmlab.config import RunConfig, config_to_yaml, load_config
+
+    cfg = RunConfig(model=tiny_model_config(vocab_size=37, **variant)).validate()
+    path = tmp_path / "c.yaml"
+    path.write_text(config_to_yaml(cfg))
+    assert load_config(path) == cfg
