@@ -142,10 +142,10 @@ def _decode(
         full = [not done[i] and fed[i] >= max_seq_len for i in range(b)]
         if any(full):  # a row's window is full: rebuild the cache from recent tokens
             cache, mask, fed = model.new_cache(), None, [0] * b  # type: ignore[operator]
-            start = [max(0, len(h) - keep) if f else s for h, f, s in zip(hist, full, start)]
-            chunks = [[] if d else h[s:] for h, d, s in zip(hist, done, start)]
+            start = [max(0, len(hist[i]) - keep) if full[i] else start[i] for i in range(b)]
+            chunks = [[] if done[i] else hist[i][start[i] :] for i in range(b)]
         else:
-            chunks = [[] if d else h[-1:] for h, d in zip(hist, done)]
+            chunks = [[] if done[i] else hist[i][-1:] for i in range(b)]
         logits = feed(chunks)
 
 
@@ -219,7 +219,7 @@ def generate_batch(
     _check_ids(model, [pad_id], "pad_id", max_seq_len)
     out: list[list[int]] = [[] for _ in prompts]
     for toks in _decode(model, [list(p) for p in prompts], params, max_seq_len, eos_id, pad_id):
-        for row, tok in zip(out, toks):
+        for row, tok in zip(out, toks, strict=True):
             if tok is not None:
                 row.append(tok)
     return out
