@@ -124,7 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
         "Stops at max-new-tokens, the tokenizer's end-of-sequence token or a stop string.",
     )
     g.add_argument("run", metavar="RUN_DIR")
-    g.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    g.add_argument(
+        "--prompt",
+        action="append",
+        help="text to continue (default: a newline); repeat it to continue several prompts as "
+        "one batch, printed as blocks separated by a line ---",
+    )
     g.add_argument(
         "--max-new-tokens", type=int, default=200, help="at most this many new tokens (default 200)"
     )
@@ -257,7 +262,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from lmlab.generation.generate import SamplingParams, generate_text
+    from lmlab.generation.generate import SamplingParams, generate_text, generate_texts
     from lmlab.generation.stream import unescape
     from lmlab.run import load_run
 
@@ -272,12 +277,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     params.validate()
     run = load_run(args.run, args.device or "auto")
+    prompts = args.prompt or ["\n"]
+    out = sys.stdout
+    if len(prompts) > 1:  # one batch; each completion printed as its own block
+        texts = generate_texts(
+            run.model, run.tokenizer, prompts, params, run.config.model.max_seq_len
+        )
+        blocks = [t if args.no_prompt else p + t for p, t in zip(prompts, texts, strict=True)]
+        out.write("\n---\n".join(blocks) + "\n")
+        return 0
     pieces = generate_text(
-        run.model, run.tokenizer, args.prompt, params, run.config.model.max_seq_len
+        run.model, run.tokenizer, prompts[0], params, run.config.model.max_seq_len
     )
-    out = sys.stdout  # the prompt is written only once it has been accepted
-    if not args.no_prompt:
-        out.write(args.prompt)
+    if not args.no_prompt:  # the prompt is written only once it has been accepted
+        out.write(prompts[0])
     for piece in pieces:
         out.write(piece)
         out.flush()

@@ -1,4 +1,4 @@
-"""Hugging Face ``transformers`` decoders -> lmlab: config maps and state-dict key maps.
+"""Hugging Face ``transformers`` decoders <-> lmlab: config maps and state-dict key maps.
 
 Works on a config object (attributes as in ``transformers``' ``LlamaConfig`` / ``GPT2Config``) and
 a plain state dict, so lmlab itself never imports ``transformers``. Each converter raises
@@ -208,3 +208,62 @@ def gpt2_state_dict(sd: dict[str, torch.Tensor], d_model: int) -> dict[str, torc
     out = {k: v.contiguous() for k, v in out.items()}
     out["lm_head.weight"] = out["embed.weight"]
     return out
+
+
+GPT2_LAYER_KEYS = {  # GPT-2 module -> lmlab module, besides the fused c_attn
+    "attn.c_proj": "attn.o_proj",
+    "mlp.c_fc": "ffn.up_proj",
+    "mlp.c_proj": "ffn.down_proj",
+    "ln_1": "attn_norm",
+    "ln_2": "ffn_norm",
+}
+
+
+def gpt2_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """lmlab keys -> ``GPT2LMHeadModel``'s: the inverse of :func:`gpt2_state_dict`.
+
+    q, k and v (D, D) are fused into c_attn as [q; k; v] along the output dim and every Conv1D
+    weight is stored transposed, (in, out): c_attn (D, 3D), c_proj (D, D), c_fc (D, F),
+    mlp.c_proj (F, D). ``lm_head.weight`` is written (the embedding, GPT-2 ties them), as
+    ``GPT2LMHeadModel.state_dict()`` lists it. Raises LmlabError for a weight GPT-2 has no place
+    for (a gate projection, grouped-query k/v, ...), naming it, or for a missing one.
+    """
+    if cfg.n_kv_heads != cfg.attention.n_heads:
+        raise LmlabError("GPT-2 has no grouped-query attention: n_kv_heads must equal n_heads")
+    out: dict[str, torch.Tensor] = {}
+    fused: dict[str, dict[str, torch.Tensor]] = {}  # "i.kind" -> {"q_proj": ...}
+    layer_names = {v: k for k, v in GPT2_LAYER_KEYS.items()}
+    top = {
+        "embed.weight": "transformer.wte.weight",
+        "position.weight": "transformer.wpe.weight",
+        "final_norm.weight": "transformer.ln_f.weight",
+        "final_norm.bias": "transformer.ln_f.bias",
+    }
+    for key, value in sd.items():
+        if key in top:
+            out[top[key]] = value
+            continue
+        if key == "lm_head.weight":
+            continue  # tied: written from the embedding below
+        parts = key.split(".")  # layers.{i}.{module...}.{weight|bias}
+        i, module, kind = parts[1], ".".join(parts[2:-1]), parts[-1]
+        if parts[0] != "layers":
+            raise LmlabError(f"lmlab weight {key!r} has no GPT-2 counterpart")
+        if module in ("attn.q_proj", "attn.k_proj", "attn.v_proj"):
+            fused.setdefault(f"{i}.{kind}", {})[module.split(".")[1]] = value
+        elif module in layer_names:
+            conv1d = module.startswith(("attn.", "ffn.")) and kind == "weight"
+            out[f"transformer.h.{i}.{layer_names[module]}.{kind}"] = value.t() if conv1d else value
+        else:
+            raise LmlabError(f"lmlab weight {key!r} has no GPT-2 counterpart")
+    for name, qkv in fused.items():
+        i, kind = name.split(".")
+        missing = {"q_proj", "k_proj", "v_proj"} - qkv.keys()
+        if missing:
+            raise LmlabError(f"layer {i} lacks attn.{sorted(missing)[0]}.{kind}")
+        cat = torch.cat([qkv["q_proj"], qkv["k_proj"], qkv["v_proj"]], dim=0)  # (3D, D) / (3D,)
+        out[f"transformer.h.{i}.attn.c_attn.{kind}"] = cat.t() if kind == "weight" else cat
+    if "transformer.wte.weight" not in out:
+        raise LmlabError("the state dict has no embed.weight")
+    out["lm_head.weight"] = out["transformer.wte.weight"]
+    return {k: v.contiguous() for k, v in out.items()}

@@ -1,4 +1,4 @@
-"""Hugging Face GPT-NeoX (Pythia, GPT-NeoX-20B) -> lmlab: config map and state-dict key map.
+"""Hugging Face GPT-NeoX (Pythia, GPT-NeoX-20B) <-> lmlab: config map and state-dict key maps.
 
 Works on a config object with ``GPTNeoXConfig``'s attributes (transformers 5 keeps the rotary
 settings in ``rope_parameters``; older configs have ``rotary_pct`` and ``rotary_emb_base``) and a
@@ -114,4 +114,55 @@ def neox_state_dict(
             raise LmlabError(f"unexpected GPT-NeoX weight {key!r}")
     if tied:
         out["lm_head.weight"] = out["embed.weight"]
+    return out
+
+
+def fuse_neox_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """q, k, v weights (D, D) or biases (D,) -> the fused ``query_key_value`` (3D, D) or (3D,),
+    laid out per head as [q_h; k_h; v_h]: the inverse of :func:`split_neox_qkv`."""
+    per_head = torch.stack(
+        [t.reshape(n_heads, -1, *t.shape[1:]) for t in (q, k, v)], dim=1
+    )  # (H, 3, hd[, D])
+    return per_head.reshape(-1, *q.shape[1:])
+
+
+def neox_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """lmlab keys -> ``GPTNeoXForCausalLM``'s: the inverse of :func:`neox_state_dict`.
+
+    q, k and v are fused per head into ``query_key_value`` (:func:`fuse_neox_qkv`);
+    ``lm_head.weight`` is always written (the embedding when tied), as the model's
+    ``state_dict()`` lists it. Raises LmlabError for grouped-query attention (GPT-NeoX has one
+    k/v head per query head) and for a weight GPT-NeoX has no place for, naming it.
+    """
+    n_heads = cfg.attention.n_heads
+    if cfg.n_kv_heads != n_heads:
+        raise LmlabError("GPT-NeoX has no grouped-query attention: n_kv_heads must equal n_heads")
+    names = {v: k for k, v in NEOX_LAYER_KEYS.items()}
+    out: dict[str, torch.Tensor] = {}
+    qkv: dict[str, dict[str, torch.Tensor]] = {}  # "i.kind" -> {"q_proj": ...}
+    for key, value in sd.items():
+        parts = key.split(".")  # layers.{i}.{module...}.{weight|bias}
+        module = ".".join(parts[2:-1])
+        if key == "embed.weight":
+            out["gpt_neox.embed_in.weight"] = value
+        elif key in ("final_norm.weight", "final_norm.bias"):
+            out["gpt_neox.final_layer_norm." + parts[-1]] = value
+        elif key == "lm_head.weight":
+            out["lm_head.weight"] = value
+        elif parts[0] == "layers" and module in ("attn.q_proj", "attn.k_proj", "attn.v_proj"):
+            qkv.setdefault(f"{parts[1]}.{parts[-1]}", {})[module.split(".")[1]] = value
+        elif parts[0] == "layers" and module in names:
+            out[f"gpt_neox.layers.{parts[1]}.{names[module]}.{parts[-1]}"] = value
+        else:
+            raise LmlabError(f"lmlab weight {key!r} has no GPT-NeoX counterpart")
+    for name, parts_qkv in qkv.items():
+        i, kind = name.split(".")
+        missing = {"q_proj", "k_proj", "v_proj"} - parts_qkv.keys()
+        if missing:
+            raise LmlabError(f"layer {i} lacks attn.{sorted(missing)[0]}.{kind}")
+        out[f"gpt_neox.layers.{i}.attention.query_key_value.{kind}"] = fuse_neox_qkv(
+            parts_qkv["q_proj"], parts_qkv["k_proj"], parts_qkv["v_proj"], n_heads
+        )
+    if "lm_head.weight" not in out:
+        raise LmlabError("the state dict has no lm_head.weight")
     return out
