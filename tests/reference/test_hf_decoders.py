@@ -11,13 +11,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from lmlab.generation.generate import SamplingParams, generate_ids  # noqa: E402
 from lmlab.interop.hf import (  # noqa: E402
     gpt2_model_config,
     gpt2_state_dict,
     llama_model_config,
     llama_state_dict,
 )
-from lmlab.generation.generate import SamplingParams, generate_ids  # noqa: E402
 from lmlab.models import build_model  # noqa: E402
 
 
