@@ -69,6 +69,13 @@ def assert_same_logits(hf_model, ours, x: torch.Tensor) -> None:
         steps = [ours(x[:, :9], cache=cache).logits]
         steps += [ours(x[:, t : t + 1], cache=cache).logits for t in range(9, x.shape[1])]
         torch.testing.assert_close(torch.cat(steps, 1), ref, atol=1e-5, rtol=1e-5)
+        mask = torch.ones_like(x)  # a left-padded row: equal logits on the real tokens
+        mask[-1, :5] = 0
+        keep = mask.bool()
+        ref = hf_model(x, attention_mask=mask).logits[keep]
+        torch.testing.assert_close(
+            ours(x, attention_mask=mask).logits[keep], ref, atol=1e-5, rtol=1e-5
+        )
 
 
 @pytest.mark.parametrize("top_k", [1, 2])
