@@ -340,7 +340,10 @@ def config_to_yaml(cfg: RunConfig) -> str:
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:
-    Path(path).write_text(config_to_yaml(cfg), encoding="utf-8")
+    """Write ``cfg`` as YAML atomically (a resumed run rewrites it; a kill never truncates it)."""
+    from lmlab.fsutil import atomic_write_text
+
+    atomic_write_text(path, config_to_yaml(cfg))
 
 
 def diff_configs(a: RunConfig, b: RunConfig) -> list[str]:
