@@ -187,6 +187,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    max_skipped_steps: int = 3  # consecutive NaN/Inf loss or gradient steps skipped, then stop
     eval_every: int = 250
     eval_batches: int = 20
     log_every: int = 10
@@ -552,6 +553,7 @@ def validate_run_config(cfg: RunConfig) -> None:
     _positive(t.warmup_steps, "train.warmup_steps", allow_zero=True)
     _positive(t.weight_decay, "train.weight_decay", allow_zero=True)
     _positive(t.grad_clip, "train.grad_clip", allow_zero=True)
+    _positive(t.max_skipped_steps, "train.max_skipped_steps", allow_zero=True)
     _positive(t.checkpoint_interval_s, "train.checkpoint_interval_s")
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr ({t.min_lr}) must not exceed train.lr ({t.lr})")
