@@ -305,7 +305,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
         except (yaml.YAMLError, UnicodeDecodeError) as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+            raise ConfigError(f"config file {p} is not valid YAML: {_yaml_problem(e)}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping with model/data/train sections")
         data = loaded or {}
@@ -313,6 +313,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for item in overrides or []:
         apply_override(data, item)
     return config_from_dict(data).validate()
+
+
+def _yaml_problem(e: Exception) -> str:
+    """One line for a YAML or decoding error: the problem and where (line, column; 1-based)."""
+    if isinstance(e, UnicodeDecodeError):
+        return f"not UTF-8 text (invalid byte at offset {e.start})"
+    problem = getattr(e, "problem", None)
+    mark = getattr(e, "problem_mark", None)
+    if problem and mark is not None:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:
