@@ -58,18 +58,66 @@ def test_the_estimate_by_hand_for_the_tiny_config():
     p = count_parameters(cfg)
     est = estimate_training_memory(cfg)
     assert (est.weights, est.gradients, est.optimizer, est.autocast) == (4 * p, 4 * p, 8 * p, 0)
-    per_layer = 4 * 32 + 2 * (4 + 4) * 8 + 2 * 128  # norms, q k v + context, up + activation
     tokens = 4 * 32
-    assert est.activations == tokens * 4 * (2 * per_layer + 32) + tokens * 65 * (4 + 8)
-    assert est.activations == 640_512
-    assert est.total == 16 * p + 640_512
-    cfg.model.attention.backend = "math"  # materialised probabilities: + B T a L H T
-    assert estimate_training_memory(cfg).activations == 640_512 + tokens * 4 * 2 * 4 * 32
+    # norm inputs (fp32), then norm outputs, q k v, attention output twice, up + activation
+    layer = 8 * 32 + 4 * (2 * 32 + (3 * 4 + 2 * 4) * 8 + 2 * 128)
+    head = (4 + 4) * 32 + (4 + 8) * 65  # final norm in and out; logits, log-probs, gradient
+    assert est.activations == tokens * (2 * layer + head) == 689_664
+    assert est.total == 16 * p + 689_664
+    cfg.model.attention.backend = "math"  # materialised scores and probabilities: 2 H T each
+    assert estimate_training_memory(cfg).activations == 689_664 + tokens * 2 * 4 * (2 * 4 * 32)
     cfg.model.attention.backend = "sdpa"
-    cfg.train.precision = "bf16"  # 2-byte activations, and autocast's bf16 weight copies
+    cfg.train.precision = "bf16"  # 2-byte activations (norm inputs stay fp32), weight copies
     bf16 = estimate_training_memory(cfg)
     assert bf16.autocast == 2 * p
-    assert bf16.activations == tokens * 2 * (2 * per_layer + 32) + tokens * 65 * (2 + 8)
+    layer = 8 * 32 + 2 * (2 * 32 + 20 * 8 + 2 * 128)
+    assert bf16.activations == tokens * (2 * layer + 6 * 32 + 10 * 65)
+
+
+def saved_activation_bytes(cfg) -> int:
+    """Bytes of the tensors autograd saves for backward in one training forward pass (weights
+    and their autocast copies excluded: they are the 4 P and 2 P terms)."""
+    model = build_model(cfg.model)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    shapes = {tuple(p.shape) for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and tuple(t.shape) not in shapes:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    x = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.model.max_seq_len))
+    bf16 = cfg.train.precision == "bf16"
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16),
+    ):
+        model(x, targets=x)
+    return sum(seen.values())
+
+
+SAVED = [
+    ("mlp-fp32", {}, {}),
+    ("mlp-bf16", {}, {"precision": "bf16"}),
+    ("swiglu", {"ffn": {"kind": "swiglu"}}, {}),
+    ("math-backend", {"attention": {"n_heads": 4, "backend": "math"}}, {}),
+    ("moe", {"ffn": {"kind": "moe", "n_experts": 4}}, {}),
+    ("mqa-bf16", {"attention": {"n_heads": 4, "n_kv_heads": 1}}, {"precision": "bf16"}),
+    ("post-norm", {"block": {"kind": "post"}}, {}),
+]
+
+
+@pytest.mark.parametrize("model, train", [v[1:] for v in SAVED], ids=[v[0] for v in SAVED])
+def test_the_activation_formula_matches_what_autograd_saves(model, train):
+    cfg = tiny_config(
+        model={"d_model": 64, "n_layers": 2, "max_seq_len": 32, **model},
+        train={"batch_size": 3, **train},
+    )
+    cfg.model.vocab_size = 65
+    ratio = estimate_training_memory(cfg).activations / saved_activation_bytes(cfg)
+    assert 0.85 < ratio < 1.15, ratio  # the formula adds the logits' backward-time gradient
 
 
 def test_gradient_accumulation_does_not_raise_the_peak_but_the_micro_batch_does():
