@@ -88,43 +88,73 @@ def test_resume_with_dropout_is_bit_identical(tmp_path: Path):
 # ---------------------------------------------------------------------------- SIGTERM
 
 
-def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(tmp_path: Path, capsys, monkeypatch):
+def signal_during(monkeypatch, call: int, *signals: int) -> None:
+    """Send ``signals`` to this process from inside the ``call``-th batch draw (the step-0
+    evaluation draws 2 batches first, so call 7 is step 5's batch)."""
     real, calls = trainer.sample_batch, []
 
-    def sigterm_on_fifth(*args, **kwargs):
+    def sample_batch(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 5 + 2:  # the step-0 evaluation draws 2 batches first
-            os.kill(os.getpid(), signal.SIGTERM)  # the handler raises right here
+        if len(calls) == call:
+            for sig in signals:
+                os.kill(os.getpid(), sig)  # the handler runs right here
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(trainer, "sample_batch", sigterm_on_fifth)
-    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(trainer, "sample_batch", sample_batch)
+
+
+@pytest.mark.parametrize(
+    "sig, code, what",
+    [(signal.SIGTERM, 143, "terminated (SIGTERM)"), (signal.SIGINT, 130, "interrupted")],
+    ids=["SIGTERM", "SIGINT"],
+)
+def test_a_stop_signal_finishes_the_step_then_checkpoints(
+    tmp_path: Path, capsys, monkeypatch, sig, code, what
+):
+    signal_during(monkeypatch, 7, sig)  # during step 5
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     out = tmp_path / "run"
-    code, _, err = run_cli(capsys, "train", "--out", str(out), "--max-steps", "20", *TINY_SET)
-    assert code == 143  # 128 + SIGTERM
+    got, _, err = run_cli(capsys, "train", "--out", str(out), "--max-steps", "20", *TINY_SET)
+    assert got == code  # 128 + the signal number
     assert err.strip() == (
-        f"terminated (SIGTERM) at step 4; checkpoint saved. Continue with: "
-        f"lmlab train --resume {out}"
+        f"{what} at step 5; checkpoint saved. Continue with: lmlab train --resume {out}"
+    )
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-000005"
+    assert max(losses(out)) == 5  # step 5 ran to its end before the stop
+    assert {s: signal.getsignal(s) for s in before} == before  # the old handlers are back
+    monkeypatch.undo()
+    assert run_cli(capsys, "train", "--resume", str(out), "--max-steps", "7")[0] == 0
+    ref = tmp_path / "uninterrupted"  # the same schedule (decay over 20 steps), never stopped
+    argv = ["train", "--out", str(ref), "--max-steps", "7", "--set", "train.lr_decay_steps=20"]
+    assert run_cli(capsys, *argv, *TINY_SET)[0] == 0
+    assert losses(out) == losses(ref)  # bit-identical, steps 1-7
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path: Path, capsys, monkeypatch):
+    signal_during(monkeypatch, 7, signal.SIGINT, signal.SIGINT)  # twice during step 5
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out), "--max-steps", "20", *TINY_SET]
+    code, _, err = run_cli(capsys, *argv, "--set", "train.checkpoint_every=2")
+    assert code == 130
+    assert err.strip() == (
+        f"stopped at once during step 5, without a checkpoint of it; the last good checkpoint "
+        f"is {out}/checkpoints/step-000004; continue with: lmlab train --resume {out}"
     )
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-000004"
-    assert signal.getsignal(signal.SIGTERM) is before  # the old handler is back
-    monkeypatch.setattr(trainer, "sample_batch", real)
-    assert run_cli(capsys, "train", "--resume", str(out), "--max-steps", "6")[0] == 0
-    assert sorted(losses(out)) == list(range(1, 7))
 
 
 def test_sigterm_from_another_process(tmp_path: Path):
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "lmlab", "train", "--out", str(out), "--max-steps", "100000"]
-    proc = subprocess.Popen(
-        [*cmd, "--no-progress", *TINY_SET], env=env, stderr=subprocess.PIPE, text=True
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and max(losses(out), default=0) < 3:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    with open(tmp_path / "stderr", "w") as stderr:  # a file: a full pipe cannot block it
+        proc = subprocess.Popen([*cmd, *TINY_SET], env=env, stderr=stderr)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and max(losses(out), default=0) < 3:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    err = (tmp_path / "stderr").read_text()
     assert proc.returncode == 143, err
     assert "terminated (SIGTERM) at step" in err and f"lmlab train --resume {out}" in err
     step = int(err.split("at step ")[1].split(";")[0])
@@ -133,26 +163,27 @@ def test_sigterm_from_another_process(tmp_path: Path):
     assert "Traceback" not in err
 
 
-def test_sigterm_handler_is_only_installed_in_the_main_thread():
+def test_stop_handlers_are_only_installed_in_the_main_thread():
     import threading
 
-    from lmlab.training.guard import sigterm_raises
+    from lmlab.training.guard import StopSignals
 
-    before, seen = signal.getsignal(signal.SIGTERM), []
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    before, seen = {s: signal.getsignal(s) for s in sigs}, []
 
     def worker():
-        restore = sigterm_raises()  # no ValueError outside the main thread; a no-op
-        seen.append(signal.getsignal(signal.SIGTERM))
-        restore()
+        stops = StopSignals().install()  # no ValueError outside the main thread: a no-op
+        seen.append({s: signal.getsignal(s) for s in sigs})
+        stops.restore()
 
     t = threading.Thread(target=worker)
     t.start()
     t.join()
     assert seen == [before]
-    restore = sigterm_raises()
-    assert signal.getsignal(signal.SIGTERM) is not before
-    restore()
-    assert signal.getsignal(signal.SIGTERM) is before
+    stops = StopSignals().install()
+    assert all(signal.getsignal(s) is not before[s] for s in sigs)
+    stops.restore()
+    assert {s: signal.getsignal(s) for s in sigs} == before
 
 
 # ---------------------------------------------------------------------------- SIGKILL

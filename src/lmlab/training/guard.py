@@ -6,17 +6,17 @@ are the parameters scanned, in ``model.named_parameters()`` order, for the first
 gradient holds a NaN or an Inf. The trainer then skips the optimizer step (gradients zeroed, the
 data position moves on) up to ``train.max_skipped_steps`` consecutive times.
 
-Stop signals: during training SIGTERM raises :class:`Terminated` in the main thread, so the loop
-checkpoints and exits exactly as it does for Ctrl-C (KeyboardInterrupt).
+Stop signals: during training SIGINT (Ctrl-C) and SIGTERM are recorded by :class:`StopSignals`
+and acted on at the top of the next step: the loop checkpoints the last whole step and exits with
+the command that resumes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -58,39 +58,53 @@ def first_nonfinite_param(model: nn.Module) -> str | None:
 
 
 class Terminated(BaseException):
-    """Raised in the main thread by the SIGTERM handler :func:`sigterm_raises` installs.
+    """SIGTERM asked the training loop to stop (raised by :meth:`StopSignals.check`).
 
     A BaseException, like KeyboardInterrupt, so that ``except Exception`` never swallows it."""
 
 
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise Terminated
+class ForcedStop(KeyboardInterrupt):
+    """A second Ctrl-C while a stop was pending: raised at once, wherever the loop was, so the
+    state may be half a step and must not be checkpointed."""
 
 
-def sigterm_raises() -> Callable[[], None]:
-    """Make SIGTERM raise :class:`Terminated` in the main thread; returns the function that
-    restores the previous handler. A no-op outside the main thread (Python only lets the main
-    thread set handlers)."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    old = signal.signal(signal.SIGTERM, _raise_terminated)
+class StopSignals:
+    """SIGINT (Ctrl-C) and SIGTERM during training, acted on only between two steps.
 
-    def restore() -> None:
-        signal.signal(signal.SIGTERM, old)
+    The first signal is recorded; :meth:`check`, called at the top of every step, then raises
+    KeyboardInterrupt or :class:`Terminated`, so the checkpoint that follows holds whole steps
+    (an exception raised inside ``optimizer.step()`` would save half-updated weights, one raised
+    inside a library's queue could leave its writer thread unable to close). A second SIGINT
+    raises :class:`ForcedStop` at once, for a step that never ends.
 
-    return restore
+    Handlers are installed only in the main thread (the only one Python lets set them; elsewhere
+    this object does nothing) and :meth:`restore` puts the previous ones back.
+    """
 
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._old: dict[int, Any] = {}
 
-@contextlib.contextmanager
-def signals_deferred() -> Iterator[None]:
-    """Ignore SIGINT and SIGTERM while active (main thread only): a second Ctrl-C or SIGTERM
-    must not interrupt the final checkpoint. The previous handlers are restored on exit."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
+    def install(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise ForcedStop
+        if self.received is None:
+            self.received = signum
+
+    def check(self) -> None:
+        """Raise KeyboardInterrupt (SIGINT) or Terminated (SIGTERM) if one was received."""
+        if self.received == signal.SIGTERM:
+            raise Terminated
+        if self.received == signal.SIGINT:
+            raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        self._old.clear()

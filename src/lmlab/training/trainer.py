@@ -32,11 +32,11 @@ from lmlab.training import checkpoint as ckpt_io
 from lmlab.training.checkpoint import has_checkpoint
 from lmlab.training.flops import flops_per_token
 from lmlab.training.guard import (
+    ForcedStop,
+    StopSignals,
     Terminated,
     clip_gradients,
     first_nonfinite_param,
-    signals_deferred,
-    sigterm_raises,
 )
 from lmlab.training.hardware import autocast, matmul_peak, resolve_device, synchronize
 from lmlab.training.memory import check_training_memory
@@ -174,8 +174,8 @@ def train(
     a changed config on resume, a corrupt checkpoint, a run whose estimated peak memory exceeds
     the machine's (:mod:`lmlab.training.memory`), or more than ``train.max_skipped_steps``
     consecutive steps with a non-finite loss or gradient (the last good state is checkpointed).
-    Ctrl-C and SIGTERM checkpoint and raise Interrupted (exit code 130, 143) with the command that
-    resumes.
+    Ctrl-C and SIGTERM finish the step in progress, checkpoint, and raise Interrupted (exit code
+    130, 143) with the command that resumes; a second Ctrl-C stops at once, without checkpoint.
     """
     if time_budget is not None and not time_budget > 0:
         raise LmlabError(f"--time-budget must be a positive number of seconds, got {time_budget}")
@@ -358,11 +358,12 @@ def train(
             "train.lr, raise train.warmup_steps or check the data"
         )
 
-    restore_sigterm = sigterm_raises()  # SIGTERM -> Terminated, like Ctrl-C -> KeyboardInterrupt
+    stops = StopSignals().install()  # Ctrl-C / SIGTERM: stop at the top of the next step
     try:
         if step == 0 and is_main:
             evaluate()
         while step < tc.max_steps:
+            stops.check()  # a pending Ctrl-C or SIGTERM stops here, between whole steps
             if time_budget is not None and time.perf_counter() - t_start >= time_budget:
                 stopped_early = True
                 break
@@ -441,8 +442,17 @@ def train(
         evaluate()
         checkpoint()
     except (KeyboardInterrupt, Terminated) as stop:
-        with signals_deferred():  # a second Ctrl-C or SIGTERM must not cut the checkpoint short
-            checkpoint()
+        if isinstance(stop, ForcedStop):  # mid-step: this state is not one to checkpoint
+            again = (
+                f"continue with: lmlab train --resume {run_dir}"
+                if has_checkpoint(run_dir)
+                else "start it again"
+            )
+            raise Interrupted(
+                f"stopped at once during step {step + 1}, without a checkpoint of it; "
+                f"{_last_checkpoint(run_dir)}; {again}"
+            ) from None
+        checkpoint()
         term = isinstance(stop, Terminated)
         raise Interrupted(
             f"{'terminated (SIGTERM)' if term else 'interrupted'} at step {step}; checkpoint "
@@ -450,7 +460,7 @@ def train(
             exit_code=143 if term else 130,
         ) from None
     finally:
-        restore_sigterm()
+        stops.restore()
         if bar is not None:
             bar.close()
         if logger is not None:
