@@ -26,8 +26,8 @@ run: setup
 	$(BIN)/lmlab generate $(RUN) --prompt "ROMEO:" --max-new-tokens 300 --seed 1
 
 lint: setup
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks scripts
+	$(BIN)/ruff format --check src tests benchmarks scripts
 
 typecheck: setup
 	$(BIN)/mypy src/lmlab

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,6 +26,13 @@ lmlab: build, train, probe and compare Transformer language models.
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``error: ...``, exit 2), like every other lmlab error."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device",
@@ -36,7 +44,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="lmlab", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="version", version=_version())
@@ -367,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except Interrupted as e:
         print(str(e), file=sys.stderr)
-        return 130
+        return e.exit_code
     except LmlabError as e:
         if debug:
             raise

@@ -187,6 +187,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    max_skipped_steps: int = 3  # consecutive NaN/Inf loss or gradient steps skipped, then stop
     eval_every: int = 250
     eval_batches: int = 20
     log_every: int = 10
@@ -304,7 +305,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
         except (yaml.YAMLError, UnicodeDecodeError) as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+            raise ConfigError(f"config file {p} is not valid YAML: {_yaml_problem(e)}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping with model/data/train sections")
         data = loaded or {}
@@ -312,6 +313,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for item in overrides or []:
         apply_override(data, item)
     return config_from_dict(data).validate()
+
+
+def _yaml_problem(e: Exception) -> str:
+    """One line for a YAML or decoding error: the problem and where (line, column; 1-based)."""
+    if isinstance(e, UnicodeDecodeError):
+        return f"not UTF-8 text (invalid byte at offset {e.start})"
+    problem = getattr(e, "problem", None)
+    mark = getattr(e, "problem_mark", None)
+    if problem and mark is not None:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:
@@ -340,7 +352,10 @@ def config_to_yaml(cfg: RunConfig) -> str:
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:
-    Path(path).write_text(config_to_yaml(cfg), encoding="utf-8")
+    """Write ``cfg`` as YAML atomically (a resumed run rewrites it; a kill never truncates it)."""
+    from lmlab.fsutil import atomic_write_text
+
+    atomic_write_text(path, config_to_yaml(cfg))
 
 
 def diff_configs(a: RunConfig, b: RunConfig) -> list[str]:
@@ -549,6 +564,7 @@ def validate_run_config(cfg: RunConfig) -> None:
     _positive(t.warmup_steps, "train.warmup_steps", allow_zero=True)
     _positive(t.weight_decay, "train.weight_decay", allow_zero=True)
     _positive(t.grad_clip, "train.grad_clip", allow_zero=True)
+    _positive(t.max_skipped_steps, "train.max_skipped_steps", allow_zero=True)
     _positive(t.checkpoint_interval_s, "train.checkpoint_interval_s")
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr ({t.min_lr}) must not exceed train.lr ({t.lr})")

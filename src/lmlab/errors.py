@@ -26,4 +26,10 @@ class CheckpointError(LmlabError):
 
 
 class Interrupted(LmlabError):
-    """The user stopped a command (Ctrl-C / SIGINT) after its state was saved."""
+    """The user stopped a command (Ctrl-C / SIGINT, or SIGTERM) after its state was saved.
+
+    ``exit_code``: what the CLI exits with, 128 + the signal number (130 SIGINT, 143 SIGTERM)."""
+
+    def __init__(self, message: str, exit_code: int = 130) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code

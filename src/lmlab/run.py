@@ -48,6 +48,19 @@ def read_run_config(run_dir: str | Path) -> RunConfig:
     return load_config(p / CONFIG_FILE)
 
 
+def load_run_tokenizer(run_dir: str | Path, cfg: RunConfig) -> Tokenizer:
+    """The run's ``tokenizer.json``. Raises LmlabError if it is missing or corrupt, or if its
+    vocabulary differs from the model's (a tokenizer.json copied from another run)."""
+    path = Path(run_dir) / TOKENIZER_FILE
+    tokenizer = load_tokenizer(path)
+    if tokenizer.vocab_size != cfg.model.vocab_size:
+        raise LmlabError(
+            f"{path} has {tokenizer.vocab_size} tokens but {CONFIG_FILE} says model.vocab_size "
+            f"is {cfg.model.vocab_size}: the two files come from different runs"
+        )
+    return tokenizer
+
+
 def load_run(run_dir: str | Path, device: str = "auto") -> LoadedRun:
     """Load the latest checkpoint of a run folder.
 
@@ -57,7 +70,7 @@ def load_run(run_dir: str | Path, device: str = "auto") -> LoadedRun:
     p = Path(run_dir)
     cfg = read_run_config(p)
     ckpt = latest_checkpoint(p)
-    tokenizer = load_tokenizer(p / TOKENIZER_FILE)
+    tokenizer = load_run_tokenizer(p, cfg)
     dev = resolve_device(device)
     model = build_model(cfg.model)
     state = load_checkpoint(ckpt, model)

@@ -1,9 +1,10 @@
-"""End-to-end: every subcommand in-process through lmlab.cli.main, on a tiny preset."""
+"""End-to-end: every subcommand in-process through lmlab.cli.main, on a tiny preset.
+
+Bad inputs (one error line, no traceback, run folders untouched) are in test_bad_inputs.py."""
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -99,20 +100,6 @@ def test_resume_continues_the_same_trajectory(tmp_path: Path, capsys):
     assert sorted(p.name for p in part.rglob("*")) == before
 
 
-def test_resume_refuses_changed_settings(tiny_run: Path, tmp_path: Path, capsys):
-    copy = tmp_path / "copy"
-    shutil.copytree(tiny_run, copy)
-    code, _, err = run_cli(capsys, "train", "--resume", str(copy), "--set", "model.n_layers=4")
-    assert code == 2
-    assert "these settings differ from it: model.n_layers" in err
-    assert "Traceback" not in err
-
-
-def test_existing_run_folder_is_not_overwritten(tiny_run: Path, capsys):
-    code, _, err = run_cli(capsys, "train", "--out", str(tiny_run), *TINY_SET)
-    assert code == 2 and "already holds a run; continue it with --resume" in err
-
-
 def test_generate_streams_text(tiny_run: Path, capsys):
     argv = ["generate", str(tiny_run), "--prompt", "ROMEO:", "--max-new-tokens", "40"]
     argv += ["--seed", "1", "--top-k", "10"]
@@ -138,30 +125,13 @@ def test_generate_streams_text(tiny_run: Path, capsys):
     assert "e" not in greedy
 
 
-def test_generate_bad_inputs(tiny_run: Path, tmp_path: Path, capsys):
-    code, _, err = run_cli(capsys, "generate", str(tiny_run), "--prompt", "Ωmega")
-    assert code == 2 and "outside this character-level vocabulary" in err and "'Ω'" in err
+def test_a_prompt_longer_than_the_context_keeps_its_end(tiny_run: Path, capsys):
+    # Not an error (see test_bad_inputs.py for those): the last max_seq_len tokens are kept.
     code, out, err = run_cli(
         capsys, "generate", str(tiny_run), "--prompt", "x" * 100, "--max-new-tokens", "3"
     )
     assert code == 0 and "keeping its last 32 tokens" in err
-    empty_run = tmp_path / "empty"
-    shutil.copytree(tiny_run, empty_run, ignore=shutil.ignore_patterns("checkpoints"))
-    code, _, err = run_cli(capsys, "generate", str(empty_run))
-    assert code == 2 and "has no checkpoint yet" in err
-    code, _, err = run_cli(capsys, "eval", str(tmp_path / "nowhere"))
-    assert code == 2 and "run folder not found" in err
-
-
-def test_corrupt_checkpoint_gives_one_line(tiny_run: Path, tmp_path: Path, capsys):
-    bad = tmp_path / "bad"
-    shutil.copytree(tiny_run, bad)
-    weights = bad / "checkpoints" / "step-000030" / "model.safetensors"
-    weights.write_bytes(b"\x00garbage" * 10)
-    code, _, err = run_cli(capsys, "generate", str(bad))
-    assert code == 2
-    assert err.startswith("error: checkpoint file") and "is corrupt" in err
-    assert len(err.strip().splitlines()) == 1
+    assert err.startswith("warning: the prompt has 100 tokens") and len(err.splitlines()) == 1
 
 
 def test_eval_prints_loss_perplexity_bits_per_byte(tiny_run: Path, capsys):
@@ -175,8 +145,6 @@ def test_eval_prints_loss_perplexity_bits_per_byte(tiny_run: Path, capsys):
     res = json.loads(out)
     assert res["perplexity"] == pytest.approx(2.718281828 ** res["loss"], rel=1e-6)
     assert res["tokens"] == 1999
-    code, _, err = run_cli(capsys, "eval", str(tiny_run), "--split", "test")
-    assert code == 2 and "has no 'test' split; it has: train, val" in err
 
 
 def test_eval_test_split_and_data_file(tmp_path: Path, capsys):
@@ -195,37 +163,6 @@ def test_eval_test_split_and_data_file(tmp_path: Path, capsys):
     assert code == 0 and json.loads(out)["tokens"] == len(line) * 20 - 1
     code, out, _ = run_cli(capsys, "eval", str(run), "--data", str(corpus / "valid.txt"))
     assert code == 0 and "loss:" in out
-
-
-@pytest.mark.parametrize(
-    "make, message",
-    [
-        (lambda d: d / "missing.txt", "corpus file not found: {p}"),
-        (lambda d: _write(d / "empty.txt", b""), "corpus file {p} is empty"),
-        (lambda d: _write(d / "latin.txt", "na\xefve".encode("latin-1")), "is not UTF-8 text"),
-    ],
-    ids=["missing", "empty", "not-utf8"],
-)
-def test_bad_corpus_is_one_clear_error(tmp_path: Path, capsys, make, message):
-    p = make(tmp_path)
-    code, _, err = run_cli(
-        capsys, "train", "--data", str(p), "--out", str(tmp_path / "r"), *TINY_SET
-    )
-    assert code == 2
-    assert message.format(p=p) in err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
-    assert not (tmp_path / "r" / "checkpoints").exists()
-
-
-def test_bad_config_is_one_clear_error(tmp_path: Path, capsys):
-    code, _, err = run_cli(capsys, "train", "--set", "model.attention.n_head=8")
-    assert code == 2
-    assert "unknown config field 'model.attention.n_head' (did you mean 'n_heads'?)" in err
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text("model:\n  norm:\n    kind: batchnorm\n")
-    code, _, err = run_cli(capsys, "train", "--config", str(cfg))
-    assert code == 2 and "model.norm.kind: unknown norm kind 'batchnorm'" in err
-    assert "allowed: layernorm, rmsnorm" in err
 
 
 def test_help_documents_every_subcommand(capsys):
@@ -324,56 +261,11 @@ def test_interrupt_saves_a_checkpoint_and_says_how_to_resume(tmp_path: Path, cap
     assert run_cli(capsys, "train", "--resume", str(out), "--max-steps", "6")[0] == 0
 
 
-def test_non_finite_weights_are_a_corrupt_checkpoint(tiny_run: Path, tmp_path: Path, capsys):
-    from safetensors.torch import load_file, save_file
-
-    bad = tmp_path / "nan"
-    shutil.copytree(tiny_run, bad)
-    path = bad / "checkpoints" / "step-000030" / "model.safetensors"
-    tensors = load_file(str(path))
-    tensors["final_norm.weight"][0] = float("nan")
-    save_file(tensors, str(path))
-    code, out, err = run_cli(capsys, "eval", str(bad))
-    assert code == 2 and "is corrupt: non-finite values in final_norm.weight" in err
-    assert out == ""
-
-
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["eval", "{run}", "--batch-size", "0"], "--batch-size must be >= 1"),
-        (["eval", "{run}", "--max-tokens", "-5"], "--max-tokens must be >= 2"),
-        (["eval", "{run}", "--stride", "0"], "--stride must be between 1 and the context length"),
-        (["eval", "{run}", "--stride", "33"], "--stride must be between 1 and the context length"),
-        (["eval", "{run}", "--data", "{tmp}"], "is a folder, not a text file"),
-        (["generate", "{run}", "--temperature", "nan"], "--temperature must be a finite number"),
-        (["generate", "{run}", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
-        (["generate", "{run}", "--prompt", ""], "the prompt is empty"),
-        (["generate", "{run}", "--device", "cuda"], "torch sees no CUDA GPU"),
-        (["train", "--resume", "{run}", "--out", "{tmp}/x"], "--out cannot be combined"),
-        (["train", "--resume", "{run}", "--data", "{tmp}/x.txt"], "differ from it: data.corpus"),
-        (["train", "--resume", "{tmp}"], "is not an lmlab run folder"),
-        (["train", "--time-budget", "0"], "--time-budget must be a positive number"),
-        (["train", "--set", "name=../escape"], "must be a plain folder name"),
-        (["train", "--out", "{run}/config.yaml"], "is a file; give a folder"),
-    ],
-)
-def test_catalogue_of_bad_inputs(tiny_run: Path, tmp_path: Path, capsys, argv, message):
-    argv = [a.format(run=tiny_run, tmp=tmp_path) for a in argv]
-    code, out, err = run_cli(capsys, *argv)
-    assert code == 2, err
-    assert message in err
-    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
-    assert out == ""  # nothing half-printed (a generate prompt is echoed only once accepted)
-
-
 def test_list_one_family_shows_its_config_field(capsys):
     code, out, _ = run_cli(capsys, "list", "position")
     assert code == 0
     assert out.splitlines()[0] == "position (model.position.kind):"
     assert "norm" not in out and "Su et al. 2021" in out
-    code, _, err = run_cli(capsys, "list", "positions")
-    assert code == 2 and "unknown family 'positions'" in err
 
 
 PRESETS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))

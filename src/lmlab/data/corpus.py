@@ -21,14 +21,21 @@ SPLIT_FILES = {"train": ("train.txt",), "val": ("valid.txt", "val.txt"), "test":
 
 
 def read_text(path: str | Path) -> str:
-    """Read a UTF-8 text file. Raises DataError if it is missing, a folder, empty or not UTF-8
-    (naming the byte offset of the first bad byte)."""
+    """Read a UTF-8 text file. Raises DataError if it is missing, a folder, empty, not UTF-8
+    (naming the byte offset of the first bad byte) or binary (holds a NUL byte, which text never
+    does but executables, images and archives nearly always do, even when they decode)."""
     p = Path(path)
     if not p.exists():
         raise DataError(f"corpus file not found: {p}")
     if p.is_dir():
         raise DataError(f"{p} is a folder, not a text file")
     raw = p.read_bytes()
+    nul = raw.find(b"\x00")
+    if nul >= 0:
+        raise DataError(
+            f"{p} looks like a binary file, not text (NUL byte at byte offset {nul}); give a "
+            "UTF-8 text file (UTF-16 text: convert it, e.g. iconv -f utf-16 -t utf-8)"
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -30,7 +30,14 @@ def read_hf_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     elif (folder / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
-        raise CheckpointError(f"{folder} has config.json but no model.safetensors")
+        pickled = [n for n in ("pytorch_model.bin", "model.pt") if (folder / n).is_file()]
+        hint = (
+            f" ({pickled[0]} is a pickle, which lmlab never loads: it can run code; convert it "
+            "to safetensors with a tool you trust)"
+            if pickled
+            else ""
+        )
+        raise CheckpointError(f"{folder} has config.json but no model.safetensors{hint}")
     sd: dict[str, torch.Tensor] = {}
     for name in files:
         try:
@@ -52,9 +59,16 @@ def load_hf_folder(folder: str | Path, device: str = "cpu") -> tuple[nn.Module, 
     except (OSError, ValueError) as e:
         raise LmlabError(f"cannot read {p / 'config.json'}: {e}") from None
     family = family_for(str(raw.get("model_type")))
-    cfg = family.to_config(SimpleNamespace(**raw))
+    tensors = read_hf_state_dict(p)
+    try:
+        cfg = family.to_config(SimpleNamespace(**raw))
+    except AttributeError as e:  # a field the family needs is absent
+        raise LmlabError(
+            f"{p / 'config.json'} lacks {getattr(e, 'name', None) or e!s}, which a "
+            f"{raw.get('model_type')} config needs"
+        ) from None
     model = build_model(cfg)
-    state = family.to_state(read_hf_state_dict(p), cfg)
+    state = family.to_state(tensors, cfg)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise CheckpointError(

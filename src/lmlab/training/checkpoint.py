@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -146,8 +147,11 @@ def latest_checkpoint(run_dir: str | Path) -> Path:
     root = Path(run_dir) / "checkpoints"
     pointer = root / LATEST
     if pointer.is_file():
-        name = pointer.read_text().strip()
-        if not name or "/" in name:
+        try:
+            name = pointer.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            name = ""
+        if not re.fullmatch(r"step-\d+", name):
             raise CheckpointError(
                 f"{pointer} is empty or damaged; write a step-NNNNNN name into it"
             )

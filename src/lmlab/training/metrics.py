@@ -61,11 +61,15 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def truncate_metrics(run_dir: str | Path, last_step: int) -> None:
-    """Drop records after ``last_step`` (written after the checkpoint a run resumes from)."""
+    """Drop records after ``last_step`` (written after the checkpoint a run resumes from).
+
+    The file is replaced atomically, so a run killed while resuming keeps its history."""
+    from lmlab.fsutil import atomic_write_text
+
     path = Path(run_dir) / METRICS_FILE
     if path.is_file():
         keep = [r for r in read_metrics(run_dir) if int(r.get("step", 0)) <= last_step]
-        path.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 def plot_losses(run_dir: str | Path, out: str | Path | None = None) -> Path:

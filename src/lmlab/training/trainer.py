@@ -24,14 +24,22 @@ from torch import nn
 from lmlab.config import RunConfig, diff_configs, save_config
 from lmlab.data.corpus import load_corpus
 from lmlab.data.dataset import batch_rng, build_token_cache, check_split_length, sample_batch
-from lmlab.data.tokenizer import fit_tokenizer, load_tokenizer
+from lmlab.data.tokenizer import fit_tokenizer
 from lmlab.errors import Interrupted, LmlabError
 from lmlab.models.build import build_model
-from lmlab.run import CONFIG_FILE, TOKENIZER_FILE, read_run_config
+from lmlab.run import CONFIG_FILE, TOKENIZER_FILE, load_run_tokenizer, read_run_config
 from lmlab.training import checkpoint as ckpt_io
 from lmlab.training.checkpoint import has_checkpoint
 from lmlab.training.flops import flops_per_token
+from lmlab.training.guard import (
+    ForcedStop,
+    StopSignals,
+    Terminated,
+    clip_gradients,
+    first_nonfinite_param,
+)
 from lmlab.training.hardware import autocast, matmul_peak, resolve_device, synchronize
+from lmlab.training.memory import check_training_memory
 from lmlab.training.metrics import METRICS_FILE, MetricsLogger, plot_losses, truncate_metrics
 from lmlab.training.optim import build_optimizer, lr_at
 
@@ -163,7 +171,11 @@ def train(
     progress: show a progress bar (default: when stderr is a terminal).
 
     Raises LmlabError for bad input: missing/empty/non-UTF-8 corpus, an occupied run folder,
-    a changed config on resume, a corrupt checkpoint.
+    a changed config on resume, a corrupt checkpoint, a run whose estimated peak memory exceeds
+    the machine's (:mod:`lmlab.training.memory`), or more than ``train.max_skipped_steps``
+    consecutive steps with a non-finite loss or gradient (the last good state is checkpointed).
+    Ctrl-C and SIGTERM finish the step in progress, checkpoint, and raise Interrupted (exit code
+    130, 143) with the command that resumes; a second Ctrl-C stops at once, without checkpoint.
     """
     if time_budget is not None and not time_budget > 0:
         raise LmlabError(f"--time-budget must be a positive number of seconds, got {time_budget}")
@@ -180,7 +192,7 @@ def train(
     # ---- data and tokenizer
     corpus = load_corpus(cfg.data.corpus, cfg.data.val_fraction)
     if resuming:
-        tokenizer = load_tokenizer(run_dir / TOKENIZER_FILE)
+        tokenizer = load_run_tokenizer(run_dir, cfg)
     else:
         tokenizer = fit_tokenizer(corpus.splits, cfg.data.tokenizer)
         cfg.model.vocab_size = tokenizer.vocab_size
@@ -189,6 +201,7 @@ def train(
         cfg.validate()
     tc = cfg.train
     seq_len = tc.seq_len or cfg.model.max_seq_len
+    check_training_memory(cfg, dev)  # before any weight is allocated
     splits = build_token_cache(corpus, tokenizer, run_dir / "data")
     check_split_length(splits["train"], seq_len, "train")
     check_split_length(splits["val"], seq_len, "val")
@@ -249,6 +262,7 @@ def train(
     last_saved = start_step if resuming else -1
     evaluated_at = -1  # the step val_loss was last measured at
     expert_counts: torch.Tensor | None = None  # (MoE layers, E) tokens routed since the last log
+    skipped = 0  # consecutive steps skipped for a non-finite loss or gradient
 
     def elapsed() -> float:
         return elapsed_before + time.perf_counter() - t_start
@@ -257,6 +271,13 @@ def train(
         nonlocal last_ckpt_t, last_saved, paused
         t0 = time.perf_counter()
         if is_main and last_saved != step:
+            broken = first_nonfinite_param(model)  # never checkpoint broken weights
+            if broken is not None:
+                raise LmlabError(
+                    f"the weights hold non-finite values at step {step} (first: {broken}); they "
+                    f"were not checkpointed, {_last_checkpoint(run_dir)}. Lower train.lr, raise "
+                    "train.warmup_steps or check the data"
+                )
             state = {
                 "step": step,
                 "tokens": tokens_seen,
@@ -295,10 +316,54 @@ def train(
             )
         paused += time.perf_counter() - t0
 
+    def skip_step(step_loss: float, bad_grad: str | None) -> None:
+        """Log a skipped step; past train.max_skipped_steps in a row, checkpoint and stop."""
+        what = "loss" if not math.isfinite(step_loss) else "gradient"
+        if bad_grad is not None and what == "loss":
+            what = "loss and gradient"
+        reason = f"non-finite {what} (loss {step_loss})"
+        where = f"; first non-finite gradient: {bad_grad}" if bad_grad else ""
+        if logger is not None:
+            logger.log(
+                {
+                    "step": step,
+                    "tokens": tokens_seen,
+                    "elapsed_s": round(elapsed(), 3),
+                    "lr": lr,
+                    "skipped": reason,
+                    "first_nonfinite_grad": bad_grad,
+                    "consecutive_skips": skipped,
+                }
+            )
+        if skipped <= tc.max_skipped_steps:
+            if is_main:
+                print(
+                    f"warning: step {step} skipped: {reason}{where} ({skipped} in a row; the run "
+                    f"stops after train.max_skipped_steps={tc.max_skipped_steps})",
+                    file=sys.stderr,
+                )
+            return
+        broken = first_nonfinite_param(model)
+        if broken is None:  # weights and optimizer untouched since the last good step
+            checkpoint()
+            saved = (
+                f"the last good state is saved as checkpoint {ckpt_io.checkpoint_name(step)} in "
+                f"{run_dir / 'checkpoints'}"
+            )
+        else:
+            saved = f"the weights are non-finite (first: {broken}), {_last_checkpoint(run_dir)}"
+        raise LmlabError(
+            f"training stopped at step {step}: {skipped} steps in a row had a {reason}{where}, "
+            f"more than train.max_skipped_steps={tc.max_skipped_steps}; {saved}. Lower "
+            "train.lr, raise train.warmup_steps or check the data"
+        )
+
+    stops = StopSignals().install()  # Ctrl-C / SIGTERM: stop at the top of the next step
     try:
         if step == 0 and is_main:
             evaluate()
         while step < tc.max_steps:
+            stops.check()  # a pending Ctrl-C or SIGTERM stops here, between whole steps
             if time_budget is not None and time.perf_counter() - t_start >= time_budget:
                 stopped_early = True
                 break
@@ -320,20 +385,21 @@ def train(
                     aux_sum += float(aux.detach())
                     counts = torch.stack(output.expert_counts)
                     expert_counts = counts if expert_counts is None else expert_counts + counts
-            max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-            optimizer.step()
+            grad_norm, bad_grad = clip_gradients(model, tc.grad_clip)  # NaN/Inf: names the first
+            step_loss = loss_sum / tc.grad_accum_steps
+            finite = bad_grad is None and math.isfinite(step_loss)
+            if finite:
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
             tokens_seen += tokens_per_step
             window_tokens += tokens_per_step
-            train_loss = loss_sum / tc.grad_accum_steps
-            if not math.isfinite(train_loss):
-                checkpoint_msg = f"; the last checkpoint is in {run_dir / 'checkpoints'}"
-                raise LmlabError(
-                    f"training diverged: loss is {train_loss} at step {step}" + checkpoint_msg
-                )
-            if step % tc.log_every == 0 or step == tc.max_steps:
+            skipped = 0 if finite else skipped + 1
+            if finite:
+                train_loss = step_loss
+            else:  # the step is skipped (weights unchanged); too many in a row stops the run
+                skip_step(step_loss, bad_grad)
+            if finite and (step % tc.log_every == 0 or step == tc.max_steps):
                 synchronize(dev)
                 now = time.perf_counter()
                 window_s = max(now - window_t - paused, 1e-9)
@@ -363,7 +429,8 @@ def train(
                     )
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tok_s:,.0f}", refresh=False)
+                loss_text = f"{train_loss:.4f}" if train_loss is not None else "n/a"
+                bar.set_postfix(loss=loss_text, tok_s=f"{tok_s:,.0f}", refresh=False)
             if step % tc.eval_every == 0 and step < tc.max_steps:
                 evaluate()
             due = tc.checkpoint_every is not None and step % tc.checkpoint_every == 0
@@ -374,13 +441,26 @@ def train(
             train_seconds += max(time.perf_counter() - window_t - paused, 1e-9)
         evaluate()
         checkpoint()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated) as stop:
+        if isinstance(stop, ForcedStop):  # mid-step: this state is not one to checkpoint
+            again = (
+                f"continue with: lmlab train --resume {run_dir}"
+                if has_checkpoint(run_dir)
+                else "start it again"
+            )
+            raise Interrupted(
+                f"stopped at once during step {step + 1}, without a checkpoint of it; "
+                f"{_last_checkpoint(run_dir)}; {again}"
+            ) from None
         checkpoint()
+        term = isinstance(stop, Terminated)
         raise Interrupted(
-            f"interrupted at step {step}; checkpoint saved. Continue with: "
-            f"lmlab train --resume {run_dir}"
+            f"{'terminated (SIGTERM)' if term else 'interrupted'} at step {step}; checkpoint "
+            f"saved. Continue with: lmlab train --resume {run_dir}",
+            exit_code=143 if term else 130,
         ) from None
     finally:
+        stops.restore()
         if bar is not None:
             bar.close()
         if logger is not None:
@@ -400,6 +480,16 @@ def train(
         stopped_early,
         steps_run,
     )
+
+
+def _last_checkpoint(run_dir: Path) -> str:
+    """'the last good checkpoint is ...' for a message about weights that were not saved."""
+    if not has_checkpoint(run_dir):
+        return "and the run has no checkpoint yet"
+    try:
+        return f"the last good checkpoint is {ckpt_io.latest_checkpoint(run_dir)}"
+    except LmlabError:
+        return f"the last checkpoints are in {run_dir / 'checkpoints'}"
 
 
 def _progress_bar(total: int, initial: int, progress: bool | None) -> Any:

@@ -1,0 +1,110 @@
+"""Guards of the training loop: non-finite losses and gradients, and stop signals.
+
+NaN/Inf guard: after the backward pass the global gradient norm is computed once (the number
+gradient clipping needs anyway); a non-finite norm means some gradient is non-finite, and only then
+are the parameters scanned, in ``model.named_parameters()`` order, for the first one whose
+gradient holds a NaN or an Inf. The trainer then skips the optimizer step (gradients zeroed, the
+data position moves on) up to ``train.max_skipped_steps`` consecutive times.
+
+Stop signals: during training SIGINT (Ctrl-C) and SIGTERM are recorded by :class:`StopSignals`
+and acted on at the top of the next step: the loop checkpoints the last whole step and exits with
+the command that resumes.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def clip_gradients(model: nn.Module, max_norm: float) -> tuple[float, str | None]:
+    """Clip the global L2 gradient norm to ``max_norm`` (0 = no clipping) unless it is non-finite.
+
+    Returns (the norm before clipping, the name of the first parameter with a non-finite gradient
+    or None). Non-finite gradients are left as they are (the caller skips the step). With finite
+    gradients this is exactly ``torch.nn.utils.clip_grad_norm_`` (same operations, same bits).
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0, None
+    total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    norm = float(total)
+    if not math.isfinite(norm):
+        return norm, first_nonfinite_grad(model)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return norm, None
+
+
+def first_nonfinite_grad(model: nn.Module) -> str | None:
+    """Name of the first parameter (``named_parameters`` order) whose gradient has a NaN/Inf."""
+    for name, p in model.named_parameters():
+        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            return name
+    return None
+
+
+def first_nonfinite_param(model: nn.Module) -> str | None:
+    """Name of the first parameter whose value holds a NaN or an Inf (weights already broken)."""
+    for name, p in model.named_parameters():
+        if not bool(torch.isfinite(p.detach()).all()):
+            return name
+    return None
+
+
+class Terminated(BaseException):
+    """SIGTERM asked the training loop to stop (raised by :meth:`StopSignals.check`).
+
+    A BaseException, like KeyboardInterrupt, so that ``except Exception`` never swallows it."""
+
+
+class ForcedStop(KeyboardInterrupt):
+    """A second Ctrl-C while a stop was pending: raised at once, wherever the loop was, so the
+    state may be half a step and must not be checkpointed."""
+
+
+class StopSignals:
+    """SIGINT (Ctrl-C) and SIGTERM during training, acted on only between two steps.
+
+    The first signal is recorded; :meth:`check`, called at the top of every step, then raises
+    KeyboardInterrupt or :class:`Terminated`, so the checkpoint that follows holds whole steps
+    (an exception raised inside ``optimizer.step()`` would save half-updated weights, one raised
+    inside a library's queue could leave its writer thread unable to close). A second SIGINT
+    raises :class:`ForcedStop` at once, for a step that never ends.
+
+    Handlers are installed only in the main thread (the only one Python lets set them; elsewhere
+    this object does nothing) and :meth:`restore` puts the previous ones back.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def install(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise ForcedStop
+        if self.received is None:
+            self.received = signum
+
+    def check(self) -> None:
+        """Raise KeyboardInterrupt (SIGINT) or Terminated (SIGTERM) if one was received."""
+        if self.received == signal.SIGTERM:
+            raise Terminated
+        if self.received == signal.SIGINT:
+            raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        self._old.clear()

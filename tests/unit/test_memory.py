@@ -1,0 +1,168 @@
+"""Peak-memory estimate: exact parameter counts without allocation, the formula by hand, and a
+clear refusal when a run cannot fit."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import pytest
+import torch
+
+from lmlab.errors import LmlabError
+from lmlab.models import build_model
+from lmlab.nn import ATTENTION, BLOCK, FFN, NORM, POSITION
+from lmlab.training import memory
+from lmlab.training.memory import (
+    check_training_memory,
+    count_parameters,
+    estimate_training_memory,
+    format_bytes,
+)
+from tests.conftest import tiny_config
+
+CPU = torch.device("cpu")
+
+
+def cfg_with(vocab_size: int = 65, **model):
+    cfg = tiny_config(model=model) if model else tiny_config()
+    cfg.model.vocab_size = vocab_size
+    return cfg
+
+
+VARIANTS = (
+    [(f"position={k}", {"position": {"kind": k}}) for k in POSITION.names()]
+    + [(f"ffn={k}", {"ffn": {"kind": k}}) for k in FFN.names()]
+    + [(f"attention={k}", {"attention": {"n_heads": 4, "kind": k}}) for k in ATTENTION.names()]
+    + [(f"block={k}", {"block": {"kind": k}}) for k in BLOCK.names()]
+    + [(f"norm={k}", {"norm": {"kind": k}}) for k in NORM.names()]
+    + [
+        ("untied+biases", {"tie_embeddings": False, "attention": {"n_heads": 4, "bias": True}}),
+        ("gqa+qk_norm", {"attention": {"n_heads": 4, "n_kv_heads": 2, "qk_norm": True}}),
+        ("moe+shared", {"ffn": {"kind": "moe", "shared_expert": True, "n_experts": 4}}),
+        ("parallel", {"block": {"kind": "pre", "parallel": True}}),
+        ("wide-heads", {"attention": {"n_heads": 4, "head_dim": 16}}),
+    ]
+)
+
+
+@pytest.mark.parametrize("model", [v for _, v in VARIANTS], ids=[k for k, _ in VARIANTS])
+def test_the_meta_device_count_is_exact_for_every_variant(model):
+    cfg = cfg_with(**model)
+    real = sum(p.numel() for p in build_model(cfg.model).parameters())
+    assert count_parameters(cfg) == real  # tied weights once
+
+
+def test_the_estimate_by_hand_for_the_tiny_config():
+    cfg = cfg_with()  # fp32; B 4, T 32, L 2, D 32, H = K = 4, hd 8, F 128, V 65; sdpa
+    p = count_parameters(cfg)
+    est = estimate_training_memory(cfg)
+    assert (est.weights, est.gradients, est.optimizer, est.autocast) == (4 * p, 4 * p, 8 * p, 0)
+    tokens = 4 * 32
+    # norm inputs (fp32), then norm outputs, q k v, attention output twice, up + activation
+    layer = 8 * 32 + 4 * (2 * 32 + (3 * 4 + 2 * 4) * 8 + 2 * 128)
+    head = (4 + 4) * 32 + (4 + 8) * 65  # final norm in and out; logits, log-probs, gradient
+    assert est.activations == tokens * (2 * layer + head) == 689_664
+    assert est.total == 16 * p + 689_664
+    cfg.model.attention.backend = "math"  # materialised scores and probabilities: 2 H T each
+    assert estimate_training_memory(cfg).activations == 689_664 + tokens * 2 * 4 * (2 * 4 * 32)
+    cfg.model.attention.backend = "sdpa"
+    cfg.train.precision = "bf16"  # 2-byte activations (norm inputs stay fp32), weight copies
+    bf16 = estimate_training_memory(cfg)
+    assert bf16.autocast == 2 * p
+    layer = 8 * 32 + 2 * (2 * 32 + 20 * 8 + 2 * 128)
+    assert bf16.activations == tokens * (2 * layer + 6 * 32 + 10 * 65)
+
+
+def saved_activation_bytes(cfg) -> int:
+    """Bytes of the tensors autograd saves for backward in one training forward pass (weights
+    and their autocast copies excluded: they are the 4 P and 2 P terms)."""
+    model = build_model(cfg.model)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    shapes = {tuple(p.shape) for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and tuple(t.shape) not in shapes:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    x = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.model.max_seq_len))
+    bf16 = cfg.train.precision == "bf16"
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16),
+    ):
+        model(x, targets=x)
+    return sum(seen.values())
+
+
+SAVED = [
+    ("mlp-fp32", {}, {}),
+    ("mlp-bf16", {}, {"precision": "bf16"}),
+    ("swiglu", {"ffn": {"kind": "swiglu"}}, {}),
+    ("math-backend", {"attention": {"n_heads": 4, "backend": "math"}}, {}),
+    ("moe", {"ffn": {"kind": "moe", "n_experts": 4}}, {}),
+    ("mqa-bf16", {"attention": {"n_heads": 4, "n_kv_heads": 1}}, {"precision": "bf16"}),
+    ("post-norm", {"block": {"kind": "post"}}, {}),
+]
+
+
+@pytest.mark.parametrize("model, train", [v[1:] for v in SAVED], ids=[v[0] for v in SAVED])
+def test_the_activation_formula_matches_what_autograd_saves(model, train):
+    cfg = tiny_config(
+        model={"d_model": 64, "n_layers": 2, "max_seq_len": 32, **model},
+        train={"batch_size": 3, **train},
+    )
+    cfg.model.vocab_size = 65
+    ratio = estimate_training_memory(cfg).activations / saved_activation_bytes(cfg)
+    assert 0.85 < ratio < 1.15, ratio  # the formula adds the logits' backward-time gradient
+
+
+def test_gradient_accumulation_does_not_raise_the_peak_but_the_micro_batch_does():
+    cfg = cfg_with()
+    base = estimate_training_memory(cfg).activations
+    cfg.train.grad_accum_steps = 8
+    assert estimate_training_memory(cfg).activations == base
+    cfg.train.batch_size *= 2
+    assert estimate_training_memory(cfg).activations == 2 * base
+
+
+def test_a_run_that_does_not_fit_is_refused_with_what_to_reduce(monkeypatch):
+    monkeypatch.setattr(memory, "available_memory", lambda device: (1 << 20, "a test"))
+    big_batch = cfg_with()
+    big_batch.train.batch_size = 512
+    with pytest.raises(LmlabError) as e:
+        check_training_memory(big_batch, CPU)
+    msg = str(e.value)
+    est = estimate_training_memory(big_batch)
+    assert msg.startswith(f"this run needs about {format_bytes(est.total)} of memory at its peak")
+    assert "more than the 1.0 MiB available on cpu (a test)" in msg
+    assert "activations for batch 512 x 32 tokens" in msg and "reduce train.batch_size" in msg
+    big_model = cfg_with(d_model=512)
+    big_model.train.batch_size = 1
+    with pytest.raises(LmlabError, match=r"reduce the model \(model.d_model"):
+        check_training_memory(big_model, CPU)
+    monkeypatch.setattr(memory, "available_memory", lambda device: None)  # unknown: no check
+    assert check_training_memory(big_batch, CPU).total > 1 << 20
+
+
+def test_a_10_terabyte_config_is_refused_without_allocating_it():
+    cfg = cfg_with(d_model=16384, n_layers=200, attention={"n_heads": 128})
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    t0 = time.perf_counter()
+    with pytest.raises(LmlabError) as e:
+        check_training_memory(cfg, CPU)
+    assert time.perf_counter() - t0 < 30
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 1 << 20  # < 1 GiB
+    p = count_parameters(cfg)
+    assert p > 6 * 10**11
+    assert f"its {p:,} parameters need 16 bytes each" in str(e.value)
+    assert "TiB of memory at its peak" in str(e.value)
+
+
+def test_available_memory_on_cpu_reads_meminfo():
+    got = memory.available_memory(CPU)
+    assert got is not None and got[1] == "MemAvailable in /proc/meminfo"
+    assert 1 << 26 < got[0] < 1 << 50  # between 64 MiB and 1 PiB
