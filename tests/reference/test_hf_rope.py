@@ -12,6 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from lmlab.errors import LmlabError  # noqa: E402
+from lmlab.generation.generate import SamplingParams, generate_ids  # noqa: E402
 from lmlab.interop.hf import llama_model_config, llama_state_dict, rope_position_config  # noqa: E402
 from lmlab.interop.hf_neox import neox_model_config, neox_state_dict  # noqa: E402
 from lmlab.models import build_model  # noqa: E402
@@ -189,6 +190,11 @@ def test_gpt_neox_partial_rotary_matches_hf_full_and_cached(attention_bias: bool
         ref = hf_model(x).logits
         torch.testing.assert_close(ours(x).logits, ref, **TOL)
         torch.testing.assert_close(_ours_cached(ours, x, 9), ref, **TOL)
+        expected = hf_model.generate(
+            x[:1, :5], max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None
+        )[0, 5:].tolist()
+    greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
+    assert list(generate_ids(ours, x[0, :5].tolist(), greedy, 64)) == expected
 
 
 def test_gpt_neox_fused_qkv_is_split_per_head():
