@@ -363,3 +363,11 @@ def test_gradients_sync_only_on_the_last_micro_batch():
         with par.sync_gradients(micro == accum - 1):
             pass
     assert fsdp.calls == [False, False, True]
+
+
+def test_nproc_is_removed_from_the_command_each_rank_runs():
+    from lmlab.cli import _without_nproc
+
+    argv = ["train", "--nproc", "2", "--out", "r", "--nproc=4", "--set", "a=1", "--npr", "3"]
+    assert _without_nproc(argv) == ["train", "--out", "r", "--set", "a=1"]
+    assert _without_nproc(["train", "--no-progress"]) == ["train", "--no-progress"]

@@ -20,6 +20,12 @@ the trainer needs, and is a no-op in a plain single process:
 - a clean shutdown (wrapped model dropped, garbage collected, barrier, destroy_process_group).
 
 :func:`launch` is ``lmlab train --nproc N``: torchrun (``torch.distributed.run``) on this machine.
+
+``train()`` forms the process group when torchrun's variables are set and destroys it on return;
+if a process group already exists, it uses that one and leaves it open. A script that calls
+``train()`` more than once in the same torchrun process should form the group itself
+(``dist.init_process_group()``): torch resets its group counter when the group is destroyed, so
+a second group formed in the same process reuses the first one's rendezvous keys and can hang.
 """
 
 from __future__ import annotations
