@@ -92,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint; only --max-steps, --time-budget and --device may change",
     )
     t.add_argument(
+        "--nproc",
+        type=int,
+        metavar="N",
+        help="train in N processes on this machine through torchrun (DDP; FSDP2 with --set "
+        "train.parallel=fsdp), each with cores/N threads; the global batch is N x batch_size x "
+        "grad_accum_steps",
+    )
+    t.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -222,6 +230,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, overrides)
     elif args.config or overrides:  # checked against the run's own config by train()
         cfg = load_config(args.config or Path(args.resume) / "config.yaml", overrides)
+    if args.nproc is not None:  # torchrun starts N copies of this command without --nproc
+        from lmlab.training.distributed import launch
+
+        return launch(args.nproc, _without_nproc(args.argv))
     res = train(
         cfg,
         out=args.out,
@@ -231,6 +243,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         device=args.device,
         progress=args.progress,
     )
+    if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports
+        return 0
     val = f"{res.val_loss:.4f}" if res.val_loss is not None else "n/a"
     if res.steps_run == 0:
         print(
@@ -247,6 +261,22 @@ def cmd_train(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _without_nproc(argv: Sequence[str]) -> list[str]:
+    """``argv`` without ``--nproc N`` / ``--nproc=N`` (or an abbreviation argparse accepted;
+    argparse never takes a value that looks like an option, so such a token is the option)."""
+    out, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+            continue
+        name = token.split("=", 1)[0]
+        if len(name) >= 4 and "--nproc".startswith(name):
+            skip = "=" not in token
+            continue
+        out.append(token)
+    return out
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -366,7 +396,9 @@ COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     if args.command is None:
         parser.print_help()
         return 0
@@ -379,7 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LmlabError as e:
         if debug:
             raise
-        print(f"error: {e}", file=sys.stderr)
+        rank = os.environ.get("RANK", "0")  # under torchrun every rank may report the same
+        print(f"error{'' if rank == '0' else f' (rank {rank})'}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

@@ -198,6 +198,7 @@ class TrainConfig:
     precision: str = "bf16"  # bf16 (autocast) | fp32
     compile: bool = False  # torch.compile the model
     device: str = "auto"
+    parallel: str = "ddp"  # under torchrun: ddp (replicas) | fsdp (FSDP2 shards, DCP checkpoints)
 
 
 @dataclass
@@ -577,3 +578,4 @@ def validate_run_config(cfg: RunConfig) -> None:
         )
     _choice(t.precision, ["bf16", "fp32"], "train.precision")
     _choice(t.device, ["auto", "cpu", "cuda", "mps"], "train.device")
+    _choice(t.parallel, ["ddp", "fsdp"], "train.parallel")

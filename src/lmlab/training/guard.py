@@ -33,7 +33,8 @@ def clip_gradients(model: nn.Module, max_norm: float) -> tuple[float, str | None
     if not params:
         return 0.0, None
     total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    norm = float(total)
+    full = getattr(total, "full_tensor", None)  # FSDP2: a DTensor reduced over the shards
+    norm = float(full() if callable(full) else total)
     if not math.isfinite(norm):
         return norm, first_nonfinite_grad(model)
     if max_norm > 0:

@@ -4,6 +4,13 @@ One optimizer step = ``grad_accum_steps`` micro-batches of ``batch_size`` window
 tokens. Batches and dropout are pure functions of (seed, step, micro-batch, rank), so a run resumed
 from any checkpoint retraces the uninterrupted run exactly on the same machine and settings. The
 loop keeps ``rank``/``world_size`` explicit and writes files only where ``is_main``.
+
+Under torchrun every rank runs ``train()`` unchanged: :mod:`lmlab.training.distributed` forms the
+process group and replicates (DDP) or shards (FSDP2) the model. Rank r's micro-batch m is global
+micro-batch ``r * grad_accum_steps + m``, so the global batch is world_size x batch_size x
+grad_accum_steps sequences, the same windows one process draws with world_size times the
+accumulation. The logged loss is the mean over ranks; eval runs on every rank (its batches split
+between them, losses all-reduced); logs, plots and run files are written by rank 0.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from lmlab.models.build import build_model
 from lmlab.run import CONFIG_FILE, TOKENIZER_FILE, load_run_tokenizer, read_run_config
 from lmlab.training import checkpoint as ckpt_io
 from lmlab.training.checkpoint import has_checkpoint
+from lmlab.training.distributed import Parallel, session
 from lmlab.training.flops import flops_per_token
 from lmlab.training.guard import (
     ForcedStop,
@@ -65,12 +73,17 @@ class TrainResult:
 
 
 def prepare_run(
-    cfg: RunConfig | None, out: Path | None, resume: Path | None, max_steps: int | None
+    cfg: RunConfig | None,
+    out: Path | None,
+    resume: Path | None,
+    max_steps: int | None,
+    clean: bool = True,
 ) -> tuple[RunConfig, Path, bool]:
     """Resolve the config and run folder. Returns (config, run_dir, resuming).
 
     A folder counts as a run once it holds a checkpoint; a folder left by a run that failed or
-    was stopped before its first checkpoint is started afresh.
+    was stopped before its first checkpoint is started afresh (its stale files are removed when
+    ``clean``: by rank 0 only).
     """
     if resume is not None:
         if out is not None and Path(out).resolve() != Path(resume).resolve():
@@ -115,7 +128,7 @@ def prepare_run(
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise LmlabError(f"cannot create run folder {run_dir}: {e.strerror or e}") from None
-    for stale in (METRICS_FILE, "tb"):  # left by an attempt that never reached a checkpoint
+    for stale in (METRICS_FILE, "tb") if clean else ():  # left by an attempt with no checkpoint
         path = run_dir / stale
         if path.is_dir():
             shutil.rmtree(path)
@@ -135,20 +148,31 @@ def _window_loss(
 
 @torch.no_grad()
 def estimate_loss(
-    model: nn.Module, tokens: np.ndarray, cfg: RunConfig, dev: torch.device, seq_len: int
+    model: nn.Module,
+    tokens: np.ndarray,
+    cfg: RunConfig,
+    dev: torch.device,
+    seq_len: int,
+    par: Parallel | None = None,
 ) -> float:
     """Mean loss (nats/token) over ``train.eval_batches`` random windows; the same windows at
-    every call (a fixed generator), so successive values compare."""
+    every call (a fixed generator), so successive values compare. Collective under ``par``:
+    rank r scores batches r, r + W, ...; every rank runs the same number of forward passes (FSDP
+    gathers weights in each), the last padded with an uncounted repeat."""
+    rank, world = (par.rank, par.world_size) if par is not None else (0, 1)
+    n = cfg.train.eval_batches
     was_training = model.training
     model.eval()
     losses = []
-    for i in range(cfg.train.eval_batches):
-        x, y = sample_batch(
-            tokens, cfg.train.batch_size, seq_len, batch_rng(cfg.train.seed, 0, i, stream=1)
-        )
-        losses.append(float(_window_loss(model, x, y, dev, cfg.train.precision)))
+    for i in range(rank, -(-n // world) * world, world):
+        rng = batch_rng(cfg.train.seed, 0, min(i, n - 1), stream=1)
+        x, y = sample_batch(tokens, cfg.train.batch_size, seq_len, rng)
+        loss = float(_window_loss(model, x, y, dev, cfg.train.precision))
+        if i < n:
+            losses.append(loss)
     model.train(was_training)
-    return float(np.mean(losses))
+    total = float(np.sum(losses)) if losses else 0.0
+    return (par.sum([total])[0] if par is not None else total) / n
 
 
 def train(
@@ -159,8 +183,6 @@ def train(
     time_budget: float | None = None,
     device: str | None = None,
     progress: bool | None = None,
-    rank: int = 0,
-    world_size: int = 1,
 ) -> TrainResult:
     """Train a model and write its run folder (see :mod:`lmlab.run` for the layout).
 
@@ -170,6 +192,9 @@ def train(
     this many seconds of training (checkpoint written). device: overrides ``train.device``.
     progress: show a progress bar (default: when stderr is a terminal).
 
+    Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK set) every rank calls this with the same
+    arguments; see :mod:`lmlab.training.distributed`.
+
     Raises LmlabError for bad input: missing/empty/non-UTF-8 corpus, an occupied run folder,
     a changed config on resume, a corrupt checkpoint, a run whose estimated peak memory exceeds
     the machine's (:mod:`lmlab.training.memory`), or more than ``train.max_skipped_steps``
@@ -177,15 +202,29 @@ def train(
     Ctrl-C and SIGTERM finish the step in progress, checkpoint, and raise Interrupted (exit code
     130, 143) with the command that resumes; a second Ctrl-C stops at once, without checkpoint.
     """
+    with session() as par:
+        return _train(par, cfg, out, resume, max_steps, time_budget, device, progress)
+
+
+def _train(
+    par: Parallel,
+    cfg: RunConfig | None,
+    out: str | Path | None,
+    resume: str | Path | None,
+    max_steps: int | None,
+    time_budget: float | None,
+    device: str | None,
+    progress: bool | None,
+) -> TrainResult:
     if time_budget is not None and not time_budget > 0:
         raise LmlabError(f"--time-budget must be a positive number of seconds, got {time_budget}")
+    world_size, is_main = par.world_size, par.is_main
     cfg, run_dir, resuming = prepare_run(
-        cfg, Path(out) if out else None, Path(resume) if resume else None, max_steps
+        cfg, Path(out) if out else None, Path(resume) if resume else None, max_steps, is_main
     )
     if device is not None:
         cfg.train.device = device
-    dev = resolve_device(cfg.train.device)
-    is_main = rank == 0
+    dev = par.setup(resolve_device(cfg.train.device), cfg.train.parallel)
     if cfg.train.precision == "bf16" and dev.type == "mps":
         raise LmlabError("train.precision=bf16 autocast is not supported on mps; use fp32")
 
@@ -202,7 +241,8 @@ def train(
     tc = cfg.train
     seq_len = tc.seq_len or cfg.model.max_seq_len
     check_training_memory(cfg, dev)  # before any weight is allocated
-    splits = build_token_cache(corpus, tokenizer, run_dir / "data")
+    with par.main_first():
+        splits = build_token_cache(corpus, tokenizer, run_dir / "data")
     check_split_length(splits["train"], seq_len, "train")
     check_split_length(splits["val"], seq_len, "val")
     if is_main and not resuming:  # only now is the folder a run (see prepare_run)
@@ -211,12 +251,13 @@ def train(
 
     # ---- model and optimizer
     torch.manual_seed(tc.seed)
-    model = build_model(cfg.model).to(dev)
+    model = par.shard(build_model(cfg.model).to(dev))
     optimizer = build_optimizer(model, tc)
     start_step, tokens_seen, elapsed_before = 0, 0, 0.0
     if resuming:
         ckpt = ckpt_io.latest_checkpoint(run_dir)
-        state = ckpt_io.load_checkpoint(ckpt, model, optimizer)
+        state = par.load_checkpoint(ckpt, model, optimizer)
+        tc.grad_accum_steps = par.resume_grad_accum(state, tc.grad_accum_steps)
         start_step, tokens_seen = int(state["step"]), int(state["tokens"])
         elapsed_before = float(state.get("elapsed_s", 0.0))
         if tc.max_steps < start_step:
@@ -238,10 +279,10 @@ def train(
         if is_main:
             truncate_metrics(run_dir, start_step)
             save_config(cfg, run_dir / CONFIG_FILE)  # records an extended max_steps
-    fwd = torch.compile(model) if tc.compile else model
+    fwd = torch.compile(par.wrap(model)) if tc.compile else par.wrap(model)
     tokens_per_step = tc.batch_size * tc.grad_accum_steps * seq_len * world_size
     flops_tok = flops_per_token(model, cfg.model, seq_len, train=True)
-    peak = matmul_peak(dev, tc.precision) if is_main else float("nan")
+    peak = matmul_peak(dev, tc.precision) * world_size if is_main else float("nan")
     logger = (
         MetricsLogger(run_dir, purge_step=start_step if resuming else None) if is_main else None
     )
@@ -270,7 +311,7 @@ def train(
     def checkpoint() -> None:
         nonlocal last_ckpt_t, last_saved, paused
         t0 = time.perf_counter()
-        if is_main and last_saved != step:
+        if last_saved != step:
             broken = first_nonfinite_param(model)  # never checkpoint broken weights
             if broken is not None:
                 raise LmlabError(
@@ -285,8 +326,12 @@ def train(
                 "train_loss": train_loss,
                 "val_loss": val_loss,
                 "val_loss_step": evaluated_at if val_loss is not None else None,
+                "world_size": world_size,
+                "grad_accum_steps": tc.grad_accum_steps,
             }
-            ckpt_io.save_checkpoint(run_dir, step, model, optimizer, state, tc.keep_checkpoints)
+            par.save_checkpoint(
+                run_dir, step, model, optimizer, state, tc.keep_checkpoints, cfg.model
+            )
         last_ckpt_t, last_saved = time.perf_counter(), step
         paused += last_ckpt_t - t0
 
@@ -296,7 +341,7 @@ def train(
             return
         evaluated_at = step
         t0 = time.perf_counter()
-        val_loss = estimate_loss(model, splits["val"], cfg, dev, seq_len)
+        val_loss = estimate_loss(model, splits["val"], cfg, dev, seq_len, par)
         if logger is not None:
             logger.log(
                 {
@@ -360,11 +405,11 @@ def train(
 
     stops = StopSignals().install()  # Ctrl-C / SIGTERM: stop at the top of the next step
     try:
-        if step == 0 and is_main:
+        if step == 0:
             evaluate()
         while step < tc.max_steps:
             stops.check()  # a pending Ctrl-C or SIGTERM stops here, between whole steps
-            if time_budget is not None and time.perf_counter() - t_start >= time_budget:
+            if time_budget is not None and par.any(time.perf_counter() - t_start >= time_budget):
                 stopped_early = True
                 break
             lr = lr_at(step, tc)
@@ -372,22 +417,25 @@ def train(
                 group["lr"] = lr
             loss_sum, aux_sum = 0.0, 0.0
             for micro in range(tc.grad_accum_steps):
+                g = par.micro_index(micro, tc.grad_accum_steps)  # global micro-batch index
                 x, y = sample_batch(
-                    splits["train"], tc.batch_size, seq_len, batch_rng(tc.seed, step, micro, rank)
+                    splits["train"], tc.batch_size, seq_len, batch_rng(tc.seed, step, g)
                 )
-                torch.manual_seed(tc.seed * 1_000_003 + step * 1009 + micro * 31 + rank)
-                with autocast(dev, tc.precision):
-                    output = fwd(x.to(dev), targets=y.to(dev))
-                loss, aux = output.loss, output.aux_loss  # aux: MoE auxiliary losses or None
-                ((loss if aux is None else loss + aux) / tc.grad_accum_steps).backward()
+                torch.manual_seed(tc.seed * 1_000_003 + step * 1009 + g * 31)
+                with par.sync_gradients(micro == tc.grad_accum_steps - 1):
+                    with autocast(dev, tc.precision):
+                        output = fwd(x.to(dev), targets=y.to(dev))
+                    loss, aux = output.loss, output.aux_loss  # aux: MoE auxiliary losses or None
+                    ((loss if aux is None else loss + aux) / tc.grad_accum_steps).backward()
                 loss_sum += float(loss.detach())
                 if aux is not None:
                     aux_sum += float(aux.detach())
                     counts = torch.stack(output.expert_counts)
                     expert_counts = counts if expert_counts is None else expert_counts + counts
+            loss_sum, aux_sum = par.mean([loss_sum, aux_sum])  # over ranks
             grad_norm, bad_grad = clip_gradients(model, tc.grad_clip)  # NaN/Inf: names the first
             step_loss = loss_sum / tc.grad_accum_steps
-            finite = bad_grad is None and math.isfinite(step_loss)
+            finite = bad_grad is None and math.isfinite(step_loss)  # the same on every rank
             if finite:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -410,7 +458,7 @@ def train(
                 moe: dict[str, Any] = {}  # MoE: this step's aux loss, counts since the last log
                 if expert_counts is not None:
                     moe = {"aux_loss": aux_sum / tc.grad_accum_steps}
-                    moe["expert_counts"] = expert_counts.tolist()
+                    moe["expert_counts"] = par.sum_tensor(expert_counts).tolist()
                     expert_counts = None
                 if logger is not None:
                     logger.log(
@@ -434,7 +482,7 @@ def train(
             if step % tc.eval_every == 0 and step < tc.max_steps:
                 evaluate()
             due = tc.checkpoint_every is not None and step % tc.checkpoint_every == 0
-            timed = time.perf_counter() - last_ckpt_t >= tc.checkpoint_interval_s
+            timed = par.any(time.perf_counter() - last_ckpt_t >= tc.checkpoint_interval_s)
             if (due or timed) and step < tc.max_steps:  # the last one follows the final eval
                 checkpoint()
         if window_tokens:  # the last, partial tokens/s window
@@ -451,6 +499,11 @@ def train(
             raise Interrupted(
                 f"stopped at once during step {step + 1}, without a checkpoint of it; "
                 f"{_last_checkpoint(run_dir)}; {again}"
+            ) from None
+        if par.collective_checkpoints:  # peers may be inside a collective: no joint save
+            raise Interrupted(
+                f"interrupted at step {step}; continue from the last checkpoint with: "
+                f"lmlab train --resume {run_dir}"
             ) from None
         checkpoint()
         term = isinstance(stop, Terminated)

@@ -1,0 +1,44 @@
+"""One rank of a torchrun job used by the distributed tests: runs ``train()`` once per job.
+
+Usage: ``torchrun --nproc-per-node=2 _worker.py JOBS.json`` where JOBS.json is a list of
+``{"config": <RunConfig dict> | null, "out": dir | null, "resume": dir | null,
+"max_steps": int | null}``. The script forms the process group itself, because torch resets its
+group counter on destroy_process_group, and a second init in the same torchrun process reuses
+stale rendezvous keys (a hang); ``train()`` uses an existing group and leaves it open. The
+shutdown is the one train() does for a group it owns.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from lmlab.config import config_from_dict
+from lmlab.training.trainer import train
+
+faulthandler.dump_traceback_later(90, exit=True)  # a hung collective fails the test, with stacks
+
+
+def main(path: str) -> None:
+    dist.init_process_group("gloo")
+    for job in json.loads(Path(path).read_text()):
+        cfg = config_from_dict(job["config"]).validate() if job.get("config") else None
+        train(
+            cfg,
+            out=job.get("out"),
+            resume=job.get("resume"),
+            max_steps=job.get("max_steps"),
+            progress=False,
+        )
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
