@@ -98,8 +98,17 @@ def save_checkpoint(
     if optimizer is not None:
         save_file(optimizer_tensors(optimizer, model), str(tmp / OPTIMIZER_FILE))
     (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
-    for f in tmp.iterdir():
-        os.chmod(f, 0o644)  # safetensors creates 0600 files; a run folder is shareable
+    publish_checkpoint(tmp, final, keep)
+    return final
+
+
+def publish_checkpoint(tmp: Path, final: Path, keep: int) -> None:
+    """Make a fully written temporary checkpoint folder the latest one, atomically: fsync every
+    file, rename the folder into place, then replace ``latest``; prune to the newest ``keep``."""
+    root = final.parent
+    for f in sorted(tmp.rglob("*"), reverse=True):  # files before the folders holding them
+        if f.is_file():
+            os.chmod(f, 0o644)  # safetensors creates 0600 files; a run folder is shareable
         _fsync(f)
     _fsync(tmp)
     if final.exists():  # re-saving the same step (e.g. a resumed run that was already complete)
@@ -112,7 +121,6 @@ def save_checkpoint(
     os.replace(pointer, root / LATEST)
     _fsync(root)
     _prune(root, keep, final.name)
-    return final
 
 
 def _prune(root: Path, keep: int, current: str) -> None:

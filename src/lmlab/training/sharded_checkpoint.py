@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import shutil
 import warnings
 from collections.abc import Iterator, Mapping
@@ -43,12 +42,10 @@ from torch import nn
 from lmlab.config import ModelConfig
 from lmlab.errors import CheckpointError, LmlabError
 from lmlab.training.checkpoint import (
-    LATEST,
     MODEL_FILE,
     STATE_FILE,
-    _fsync,
-    _prune,
     checkpoint_name,
+    publish_checkpoint,
     read_trainer_state,
 )
 
@@ -214,21 +211,7 @@ def save_sharded_checkpoint(
         save_model(plain, str(tmp / MODEL_FILE))
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
         write_manifest(tmp)
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                os.chmod(f, 0o644)  # safetensors creates 0600 files; a run folder is shareable
-            _fsync(f)
-        _fsync(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync(root)
-        pointer = root / f".{LATEST}.tmp"
-        pointer.write_text(final.name + "\n")
-        _fsync(pointer)
-        os.replace(pointer, root / LATEST)
-        _fsync(root)
-        _prune(root, keep, final.name)
+        publish_checkpoint(tmp, final, keep)
     if distributed:
         dist.barrier()
     return final
