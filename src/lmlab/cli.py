@@ -22,6 +22,9 @@ lmlab: build, train, probe and compare Transformer language models.
   lmlab train                         train the default Mini-GPT on tinyshakespeare
   lmlab generate runs/minigpt --prompt "ROMEO:"
   lmlab eval runs/minigpt             loss, perplexity and bits per byte on the val split
+  lmlab train --config configs/llama.yaml --nproc 2     a preset, on 2 processes (DDP)
+  lmlab verify --config my.yaml       prove a model config correct (and equal to Hugging Face's)
+  lmlab inspect configs/mixtral.yaml  parameters per component, without building the model
   lmlab list                          every component variant a config can name
 """
 
