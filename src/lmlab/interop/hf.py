@@ -74,14 +74,6 @@ def rope_position_config(
     )
 
 
-def _rope_theta(hf: Any) -> float:
-    """The RoPE base of an HF config without context scaling (LmlabError if it has one)."""
-    position = rope_position_config(hf)
-    if position.scaling.kind != "none":
-        raise LmlabError(f"RoPE scaling {position.scaling.kind!r} is not read by this converter")
-    return position.rope_theta
-
-
 def llama_model_config(hf: Any) -> ModelConfig:
     """A ``LlamaConfig`` -> ModelConfig (RMSNorm, SwiGLU, RoPE half-split with the scaling of
     :func:`rope_position_config`, GQA, Pre-Norm)."""

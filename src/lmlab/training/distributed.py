@@ -280,13 +280,6 @@ class Parallel:
         if self.is_main:
             self.barrier()
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> float:
-        """Clip the global gradient norm to ``max_norm``; return the norm before clipping. With
-        FSDP2 the norm is a DTensor reduced over the shards."""
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        full = getattr(norm, "full_tensor", None)
-        return float(full() if callable(full) else norm)
-
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(
         self,
