@@ -188,18 +188,40 @@ def build_parser() -> argparse.ArgumentParser:
 
     ins = sub.add_parser(
         "inspect",
-        help="parameter counts of a config or run, without building it",
-        description="Parameters per component (tied weights counted once), total and "
-        "non-embedding, computed in closed form from the config: real-size models (e.g. "
-        "configs/llama.yaml with the overrides in its header) are inspected without being built.",
+        help="parameters, FLOPs per token, KV cache and training memory of a model",
+        description="Parameters per component (tied weights counted once; MoE total and active), "
+        "FLOPs per token (2 N + 4 L T d_attn forward, Kaplan et al. 2020 / PaLM; training = 3 x "
+        "forward), KV-cache bytes per token and for BATCH x CONTEXT, and the training-memory "
+        "estimate, in closed form: a config file or run folder is not built, so real sizes "
+        "(configs/llama.yaml with the overrides in its header) are inspected on a laptop. Any "
+        "other path is loaded (HF folder). Conventions: docs/inspect.md.",
+        epilog="example: lmlab inspect configs/llama.yaml --seq-len 2048 --batch 8 --context "
+        "4096 --dtype bf16",
     )
-    ins.add_argument("path", metavar="CONFIG_OR_RUN")
+    ins.add_argument("path", metavar="CONFIG_OR_MODEL")
     ins.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config field (repeatable)",
+        help="override a config field (repeatable; config files and run folders only)",
+    )
+    ins.add_argument(
+        "--seq-len",
+        type=int,
+        metavar="T",
+        help="tokens per sequence for the FLOPs' attention term and the training memory "
+        "(default: model.max_seq_len)",
+    )
+    ins.add_argument(
+        "--batch", type=int, default=1, help="sequences, for the KV cache and training memory"
+    )
+    ins.add_argument(
+        "--context", type=int, metavar="TOKENS", help="KV-cache tokens (default: max_seq_len)"
+    )
+    ins.add_argument(
+        "--dtype",
+        help="KV-cache element type: float32, bfloat16, float16, int8 (default: the parameters')",
     )
     ins.add_argument("--json", action="store_true", help="print one JSON object")
     ins.add_argument("--debug", action="store_true", help="show Python tracebacks on errors")
@@ -350,21 +372,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from lmlab.analysis.params import inspect_config
+    from lmlab.analysis.inspection import format_inspection, inspect_model
 
-    info = inspect_config(args.path, args.set)
-    if args.json:
-        print(json.dumps(info))
-        return 0
-    total = int(info["params_total"])
-    print(
-        f"{info['name']}: {total:,} parameters "
-        f"({int(info['params_non_embedding']):,} non-embedding)"
-    )
-    for name, n in info["components"].items():
-        print(f"  {name:<10} {n:>16,}  {100 * n / total:5.1f}%")
-    if info["vocab_note"]:
-        print(f"note: {info['vocab_note']}")
+    info = inspect_model(args.path, args.set, args.seq_len, args.batch, args.context, args.dtype)
+    print(json.dumps(info) if args.json else format_inspection(info))
     return 0
 
 

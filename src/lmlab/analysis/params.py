@@ -29,16 +29,30 @@ def _dense_ffn(cfg: ModelConfig, kind: str) -> int:
     return 2 * _linear(d, f, bias) + _linear(f, d, bias)  # swiglu / geglu: gate, up, down
 
 
-def attention_params(cfg: ModelConfig) -> int:
-    """One layer's q, k, v, o projections (+ biases) and QK/V-norm weights."""
+def attention_params_by_part(cfg: ModelConfig) -> dict[str, int]:
+    """One layer's attention by part: ``q``, ``k``, ``v``, ``o`` (weights + biases) and ``norms``
+    (QK-norm / V-norm RMSNorm weights over head_dim; HybridNorm turns both on)."""
     a, d, hd = cfg.attention, cfg.d_model, cfg.head_dim
     h, k = a.n_heads, cfg.n_kv_heads
     out_bias = a.bias if a.out_bias is None else a.out_bias
-    n = _linear(d, h * hd, a.bias) + 2 * _linear(d, k * hd, a.bias) + _linear(h * hd, d, out_bias)
     hybrid = cfg.block.kind == "hybrid"
-    n += 2 * hd if (a.qk_norm or hybrid) else 0  # RMSNorm weights over head_dim
-    n += hd if (a.v_norm or hybrid) else 0
-    return n
+    return {
+        "q": _linear(d, h * hd, a.bias),
+        "k": _linear(d, k * hd, a.bias),
+        "v": _linear(d, k * hd, a.bias),
+        "o": _linear(h * hd, d, out_bias),
+        "norms": (2 * hd if (a.qk_norm or hybrid) else 0) + (hd if (a.v_norm or hybrid) else 0),
+    }
+
+
+def attention_params(cfg: ModelConfig) -> int:
+    """One layer's q, k, v, o projections (+ biases) and QK/V-norm weights."""
+    return sum(attention_params_by_part(cfg).values())
+
+
+def expert_params(cfg: ModelConfig) -> int:
+    """One MoE expert (the dense FFN named by ``model.ffn.expert``, d_ff wide)."""
+    return _dense_ffn(cfg, cfg.ffn.expert)
 
 
 def ffn_params(cfg: ModelConfig) -> int:
@@ -46,8 +60,7 @@ def ffn_params(cfg: ModelConfig) -> int:
     f = cfg.ffn
     if f.kind != "moe":
         return _dense_ffn(cfg, f.kind)
-    expert = _dense_ffn(cfg, f.expert)
-    return cfg.d_model * f.n_experts + expert * (f.n_experts + int(f.shared_expert))
+    return cfg.d_model * f.n_experts + expert_params(cfg) * (f.n_experts + int(f.shared_expert))
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:

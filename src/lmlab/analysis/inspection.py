@@ -1,0 +1,226 @@
+"""``lmlab inspect``: parameters per component, FLOPs per token, KV cache and training memory.
+
+Everything is computed in closed form from a :class:`~lmlab.config.ModelConfig`
+(:mod:`lmlab.analysis.params`, :mod:`lmlab.analysis.costs`, :mod:`lmlab.training.memory`), so a
+config file or run folder is inspected without building the model, even at a size far beyond
+the machine. Conventions: docs/inspect.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lmlab.analysis import costs
+from lmlab.analysis.params import attention_params_by_part, count_params, expert_params
+from lmlab.config import ModelConfig, RunConfig, load_config
+from lmlab.errors import LmlabError
+from lmlab.training.memory import format_bytes
+
+SUPPORTED_KINDS = ("decoder",)
+
+
+def resolve_config(
+    path: str | Path, overrides: list[str] | None = None
+) -> tuple[str, RunConfig, int, str]:
+    """(name, run config, parameter dtype bytes, note) of a config file, a run folder or any
+    model :func:`lmlab.interop.load.load` accepts.
+
+    A config file or run folder is read without building anything (parameters are float32: 4
+    bytes). Other paths are loaded and give their model's ``cfg`` and parameter dtype. A config
+    without vocab_size is counted with its tokenizer's size (char: 256) and says so in the note.
+    Raises LmlabError (ConfigError) for a missing or bad path, or --set on a loaded model.
+    """
+    p = Path(path)
+    note = ""
+    if p.is_file() and p.suffix in (".yaml", ".yml") or (p / "config.yaml").is_file():
+        cfg = load_config(p / "config.yaml" if p.is_dir() else p, overrides)
+        nbytes = 4  # lmlab builds float32 parameters (bf16 only under autocast)
+        if cfg.model.vocab_size is None:
+            tok = cfg.data.tokenizer
+            cfg.model.vocab_size = tok.vocab_size if tok.kind == "bpe" else 256
+            note = (
+                f"vocab_size not set: counted with the {tok.kind} tokenizer's "
+                f"{cfg.model.vocab_size}"
+            )
+        return cfg.name, cfg, nbytes, note
+    if overrides:
+        raise LmlabError(
+            f"--set applies to a config file or an lmlab run folder, not to {p} (a loaded model)"
+        )
+    from lmlab.interop.load import load
+
+    model, _tok = load(p)
+    mcfg = getattr(model, "cfg", None)
+    if not isinstance(mcfg, ModelConfig):
+        raise LmlabError(f"{p}: the loaded model has no lmlab ModelConfig (model.cfg)")
+    param = next(model.parameters())
+    return p.name or str(p), RunConfig(name=p.name or str(p), model=mcfg), param.element_size(), ""
+
+
+def inspect_model(
+    path: str | Path,
+    overrides: list[str] | None = None,
+    seq_len: int | None = None,
+    batch: int = 1,
+    context: int | None = None,
+    dtype: str | None = None,
+) -> dict[str, Any]:
+    """The inspect report of ``path`` as one JSON-ready dict.
+
+    seq_len: tokens the FLOPs' attention term and the training-memory estimate use (default
+    model.max_seq_len); batch: sequences for the KV cache and training memory; context: tokens
+    in the KV cache (default max_seq_len); dtype: KV-cache element type (default the model's
+    parameter dtype). Counts are integers: parameters, FLOPs per token, bytes.
+
+    Keys: name, vocab_size, vocab_note, params_total, params_non_embedding, params_active,
+    components (sums to params_total), moe (or None), flops_per_token_forward,
+    flops_per_token_train, flops_seq_len, kv_cache_* and training_memory (see docs/inspect.md).
+    Raises LmlabError for a bad path or a value < 1, or a model kind it cannot count yet.
+    """
+    name, run_cfg, param_bytes, note = resolve_config(path, overrides)
+    cfg = run_cfg.model
+    if cfg.kind not in SUPPORTED_KINDS:
+        raise LmlabError(
+            f"inspect counts model.kind {', '.join(SUPPORTED_KINDS)} in closed form; "
+            f"{name} is {cfg.kind!r}"
+        )
+    seq = cfg.max_seq_len if seq_len is None else seq_len
+    ctx = cfg.max_seq_len if context is None else context
+    for flag, value in (("--seq-len", seq), ("--batch", batch), ("--context", ctx)):
+        if value < 1:
+            raise LmlabError(f"{flag} must be >= 1, got {value}")
+    kv_bytes = param_bytes if dtype is None else costs.dtype_bytes(dtype)
+    kv_dtype = dtype or {4: "float32", 2: "bfloat16/float16", 1: "int8"}.get(param_bytes, "?")
+
+    parts = count_params(cfg)
+    attn = attention_params_by_part(cfg)
+    L = cfg.n_layers
+    components = {
+        "embedding": parts["embedding"],
+        "position": parts["position"],
+        "attention_q": L * attn["q"],
+        "attention_k": L * attn["k"],
+        "attention_v": L * attn["v"],
+        "attention_o": L * attn["o"],
+        "attention_norms": L * attn["norms"],
+        "ffn": parts["ffn"],
+        "norms": parts["norms"],
+        "lm_head": parts["lm_head"],
+    }
+    f = cfg.ffn
+    moe = None
+    if f.kind == "moe":
+        e = expert_params(cfg)
+        moe = {
+            "n_experts": f.n_experts,
+            "top_k": f.top_k,
+            "shared_expert": f.shared_expert,
+            "params_per_expert": e,
+            "params_router": L * cfg.d_model * f.n_experts,
+            "params_experts": L * e * (f.n_experts + int(f.shared_expert)),
+        }
+    per_layer_token = 0 if L == 0 else costs.kv_cache_bytes_per_token(cfg, kv_bytes) // L
+    total_kv = costs.kv_cache_bytes(cfg, batch, ctx, kv_bytes)
+    linear = cfg.attention.kind == "linear"
+    mem = costs.training_memory(cfg, batch, seq, run_cfg.train)
+    return {
+        "name": name,
+        "kind": cfg.kind,
+        "vocab_size": cfg.vocab_size,
+        "vocab_note": note,
+        "tied_embeddings": cfg.tie_embeddings,
+        "params_total": parts["total"],
+        "params_non_embedding": parts["non_embedding"],
+        "params_active": costs.active_params(cfg),
+        "components": components,
+        "moe": moe,
+        "flops_seq_len": seq,
+        "flops_per_token_forward": costs.flops_per_token(cfg, seq),
+        "flops_per_token_train": costs.flops_per_token(cfg, seq, train=True),
+        "flops_matmul_params": costs.matmul_params(cfg),
+        "kv_cache_dtype": kv_dtype,
+        "kv_cache_dtype_bytes": kv_bytes,
+        "kv_cache_bytes_per_token": costs.kv_cache_bytes_per_token(cfg, kv_bytes),
+        "kv_cache_bytes_per_token_per_layer": per_layer_token,
+        "kv_cache_batch": batch,
+        "kv_cache_context": ctx,
+        "kv_cache_tokens_held": 0 if linear else costs.cached_tokens(cfg, ctx),
+        "kv_cache_bytes": total_kv,
+        "kv_cache_bytes_per_layer": 0 if L == 0 else total_kv // L,
+        "kv_cache_bounded": linear or cfg.attention.mask == "sliding_window",
+        "training_memory": {
+            "batch": batch,
+            "seq_len": seq,
+            "precision": run_cfg.train.precision,
+            "weights": mem.weights,
+            "gradients": mem.gradients,
+            "optimizer": mem.optimizer,
+            "autocast": mem.autocast,
+            "activations": mem.activations,
+            "total": mem.total,
+        },
+    }
+
+
+def _si(n: float) -> str:
+    """1.6e10 -> '16.0 G' (decimal prefixes, for FLOPs)."""
+    for unit in ("", "k", "M", "G", "T", "P"):
+        if abs(n) < 1000 or unit == "P":
+            return f"{n:.0f} {unit}" if unit == "" else f"{n:.2f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def format_inspection(info: dict[str, Any]) -> str:
+    """The human-readable table of :func:`inspect_model`'s dict."""
+    total = int(info["params_total"])
+    lines = [
+        f"{info['name']}: {total:,} parameters ({int(info['params_non_embedding']):,} "
+        "non-embedding)"
+    ]
+    lines.append(f"  {'component':<16} {'parameters':>16}  share")
+    for name, n in info["components"].items():
+        if n:
+            lines.append(f"  {name:<16} {n:>16,}  {100 * n / total:5.1f}%")
+    if info["tied_embeddings"]:
+        lines.append("  (lm_head is tied to the embedding: counted once)")
+    moe = info["moe"]
+    if moe:
+        lines.append(
+            f"MoE: {moe['n_experts']} experts of {moe['params_per_expert']:,} parameters, "
+            f"top_k {moe['top_k']}{' + a shared expert' if moe['shared_expert'] else ''}: "
+            f"{int(info['params_active']):,} active parameters per token of {total:,}"
+        )
+    seq = info["flops_seq_len"]
+    lines.append(
+        f"FLOPs per token at seq_len {seq}: forward {_si(info['flops_per_token_forward'])}FLOP, "
+        f"training {_si(info['flops_per_token_train'])}FLOP (2 N + 4 L T d_attn, "
+        f"N = {int(info['flops_matmul_params']):,}; training = 3 x forward)"
+    )
+    b, ctx = info["kv_cache_batch"], info["kv_cache_context"]
+    kv = (
+        f"KV cache ({info['kv_cache_dtype']}, {info['kv_cache_dtype_bytes']} B/element): "
+        f"{int(info['kv_cache_bytes_per_token']):,} B per token "
+        f"({int(info['kv_cache_bytes_per_token_per_layer']):,} per layer); "
+        f"batch {b} x {ctx} tokens: {format_bytes(info['kv_cache_bytes'])} "
+        f"({format_bytes(info['kv_cache_bytes_per_layer'])} per layer)"
+    )
+    if info["kv_cache_bounded"] and info["kv_cache_tokens_held"]:
+        kv += f"; bounded by the sliding window: holds {info['kv_cache_tokens_held']} tokens"
+    elif info["kv_cache_bounded"]:
+        kv += "; linear attention: a constant-size state, whatever the context"
+    lines.append(kv)
+    m = info["training_memory"]
+    terms = ", ".join(
+        f"{k} {format_bytes(m[k])}"
+        for k in ("weights", "gradients", "optimizer", "autocast", "activations")
+        if m[k]
+    )
+    lines.append(
+        f"training memory at batch {m['batch']} x {m['seq_len']} tokens ({m['precision']}, "
+        f"AdamW): {format_bytes(m['total'])} ({terms})"
+    )
+    if info["vocab_note"]:
+        lines.append(f"note: {info['vocab_note']}")
+    return "\n".join(lines)
