@@ -24,7 +24,8 @@ lmlab: build, train, probe and compare Transformer language models.
   lmlab eval runs/minigpt             loss, perplexity and bits per byte on the val split
   lmlab train --config configs/llama.yaml --nproc 2     a preset, on 2 processes (DDP)
   lmlab verify --config my.yaml       prove a model config correct (and equal to Hugging Face's)
-  lmlab inspect configs/mixtral.yaml  parameters per component, without building the model
+  lmlab inspect configs/mixtral.yaml  parameters, FLOPs, KV cache and memory, without building it
+  lmlab attention runs/minigpt --text "ROMEO:"   attention heatmaps and per-head diagnostics
   lmlab list                          every component variant a config can name
 """
 
@@ -226,6 +227,27 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--json", action="store_true", help="print one JSON object")
     ins.add_argument("--debug", action="store_true", help="show Python tracebacks on errors")
 
+    at = sub.add_parser(
+        "attention",
+        help="attention heatmaps and per-head entropy, distance and sink share on a text",
+        description="Run a model on --text with attention weights (math backend) and write "
+        "OUT/layer-LL.png: one grid per layer, one panel per head, tokens on both axes. Prints "
+        "per head: entropy (nats; max = uniform over the keys a query sees), mean attended "
+        "distance (tokens), share of attention on the first token (sink), mean largest weight, "
+        "and flags heads 'blurred' (entropy >= 0.9 x max) or 'collapsed' (largest weight >= 0.9 "
+        "on average). Layers and heads count from 0.",
+        epilog='example: lmlab attention runs/minigpt --text "ROMEO: But soft" --layer 0 '
+        "--out maps",
+    )
+    at.add_argument("model", metavar="MODEL", help="run folder or Hugging Face folder")
+    at.add_argument("--text", required=True, help="the text to run the model on")
+    at.add_argument("--layer", type=int, help="only this layer (default: all)")
+    at.add_argument("--head", type=int, help="only this head (default: all)")
+    at.add_argument("--out", default="attention", help="folder for the PNGs (default: attention)")
+    at.add_argument("--no-plot", action="store_true", help="print the numbers only")
+    at.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_common(at)
+
     ls = sub.add_parser(
         "list",
         help="list the component variants a config can choose",
@@ -379,6 +401,27 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_attention(args: argparse.Namespace) -> int:
+    from lmlab.analysis.attention_maps import attention_report, format_stats
+
+    report = attention_report(
+        args.model,
+        args.text,
+        layer=args.layer,
+        head=args.head,
+        out=None if args.no_plot else args.out,
+        device=args.device or "cpu",
+    )
+    if args.json:
+        print(json.dumps(report.as_dict(), ensure_ascii=False))
+        return 0
+    print(f"{len(report.tokens)} tokens: {' '.join(report.tokens)}")
+    print(format_stats(report.heads))
+    for f in report.files:
+        print(f"wrote {f}")
+    return 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     import lmlab.data.tokenizer  # noqa: F401  (registers tokenizers)
     import lmlab.interop.families  # noqa: F401
@@ -404,6 +447,7 @@ COMMANDS = {
     "generate": cmd_generate,
     "verify": cmd_verify,
     "inspect": cmd_inspect,
+    "attention": cmd_attention,
     "list": cmd_list,
 }
 

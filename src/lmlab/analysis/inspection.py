@@ -32,6 +32,8 @@ def resolve_config(
     Raises LmlabError (ConfigError) for a missing or bad path, or --set on a loaded model.
     """
     p = Path(path)
+    if not p.exists():
+        raise LmlabError(f"not found: {p}")
     note = ""
     if p.is_file() and p.suffix in (".yaml", ".yml") or (p / "config.yaml").is_file():
         cfg = load_config(p / "config.yaml" if p.is_dir() else p, overrides)
@@ -56,6 +58,27 @@ def resolve_config(
         raise LmlabError(f"{p}: the loaded model has no lmlab ModelConfig (model.cfg)")
     param = next(model.parameters())
     return p.name or str(p), RunConfig(name=p.name or str(p), model=mcfg), param.element_size(), ""
+
+
+def components(cfg: ModelConfig) -> dict[str, int]:
+    """Parameters by component over all layers, summing to the total (tied weights once):
+    embedding, position (learned table), attention_q/k/v/o (weights + biases), attention_norms
+    (QK/V-norm), ffn (MoE: router + every expert), norms (block and final), lm_head (0 if tied)."""
+    parts = count_params(cfg)
+    attn = attention_params_by_part(cfg)
+    L = cfg.n_layers
+    return {
+        "embedding": parts["embedding"],
+        "position": parts["position"],
+        "attention_q": L * attn["q"],
+        "attention_k": L * attn["k"],
+        "attention_v": L * attn["v"],
+        "attention_o": L * attn["o"],
+        "attention_norms": L * attn["norms"],
+        "ffn": parts["ffn"],
+        "norms": parts["norms"],
+        "lm_head": parts["lm_head"],
+    }
 
 
 def inspect_model(
@@ -94,20 +117,7 @@ def inspect_model(
     kv_dtype = dtype or {4: "float32", 2: "bfloat16/float16", 1: "int8"}.get(param_bytes, "?")
 
     parts = count_params(cfg)
-    attn = attention_params_by_part(cfg)
     L = cfg.n_layers
-    components = {
-        "embedding": parts["embedding"],
-        "position": parts["position"],
-        "attention_q": L * attn["q"],
-        "attention_k": L * attn["k"],
-        "attention_v": L * attn["v"],
-        "attention_o": L * attn["o"],
-        "attention_norms": L * attn["norms"],
-        "ffn": parts["ffn"],
-        "norms": parts["norms"],
-        "lm_head": parts["lm_head"],
-    }
     f = cfg.ffn
     moe = None
     if f.kind == "moe":
@@ -133,7 +143,7 @@ def inspect_model(
         "params_total": parts["total"],
         "params_non_embedding": parts["non_embedding"],
         "params_active": costs.active_params(cfg),
-        "components": components,
+        "components": components(cfg),
         "moe": moe,
         "flops_seq_len": seq,
         "flops_per_token_forward": costs.flops_per_token(cfg, seq),

@@ -1,0 +1,277 @@
+"""Attention maps: each head's weights on a text, with the numbers that diagnose it.
+
+Legend: H heads, Tq query tokens, Tk key tokens. Every function takes one layer's weights as a
+float tensor (H, Tq, Tk), rows summing to 1, with separate query and key labels, so decoder
+self-attention (Tq = Tk, causal) and encoder-decoder cross-attention (decoder queries x encoder
+keys) go through the same code.
+
+Per head, averaged over the query rows that see at least two keys (a row that sees one key has no
+choice: entropy 0 and all its weight on that key, which says nothing about the head; in a causal
+map that is the first row):
+
+- ``entropy``: -sum_j p_ij ln p_ij, in nats; ``entropy_max``: ln(n_i) for the n_i keys row i
+  sees, the entropy of a uniform row (the "uniform causal maximum" for a causal mask);
+- ``mean_distance``: sum_j p_ij |pos(query i) - pos(key j)|, in tokens (None for cross-attention,
+  whose query and key positions are not on one axis);
+- ``sink``: p_i0, the share of attention on the first key (the "attention sink" of Xiao et al.
+  2023, "Efficient Streaming Language Models with Attention Sinks");
+- ``max_weight``: max_j p_ij.
+
+A head is flagged **blurred** when entropy >= BLURRED_ENTROPY_RATIO (0.9) x entropy_max: it
+spreads its weight almost uniformly and so barely distinguishes tokens (too small a 1/sqrt(d_k)
+scale gone wrong, or an untrained head). It is flagged **collapsed** when max_weight >=
+COLLAPSED_MAX_WEIGHT (0.9): nearly one-hot rows, every query reading one token (unscaled scores
+saturating the softmax, or a head that only attends to the sink / to itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmlab.errors import LmlabError
+
+BLURRED_ENTROPY_RATIO = 0.9
+COLLAPSED_MAX_WEIGHT = 0.9
+
+
+@dataclass
+class HeadStats:
+    """The numbers of one head (see the module docstring for definitions and units)."""
+
+    layer: int
+    head: int
+    entropy: float  # nats, mean over rows seeing >= 2 keys
+    entropy_max: float  # nats, mean ln(keys seen) over the same rows
+    mean_distance: float | None  # tokens
+    sink: float  # share of attention on the first key, in [0, 1]
+    max_weight: float  # mean largest weight of a row, in [0, 1]
+    blurred: bool
+    collapsed: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def head_stats(
+    weights: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    query_positions: torch.Tensor | None = None,
+    key_positions: torch.Tensor | None = None,
+    distance: bool = True,
+    layer: int = 0,
+    heads: list[int] | None = None,
+) -> list[HeadStats]:
+    """Per-head statistics of one layer's attention weights.
+
+    weights (H, Tq, Tk) float, rows summing to 1 (masked keys 0); mask (Tq, Tk) bool, True = the
+    query may attend to the key (None: every key). query_positions (Tq,), key_positions (Tk,):
+    token positions for the distance (default: keys 0 .. Tk-1, queries the last Tq of them, as in
+    self-attention); ``distance=False`` (cross-attention) gives mean_distance None. ``heads``
+    names the heads in ``weights`` (default 0 .. H-1). Computed in float64.
+    Raises ValueError for weights that are not 3-D or a mask of another shape.
+    """
+    if weights.dim() != 3:
+        raise ValueError(f"weights must be (heads, T_query, T_key), got {tuple(weights.shape)}")
+    h, tq, tk = weights.shape
+    p = weights.detach().to("cpu", torch.float64)
+    if mask is None:
+        mask = torch.ones(tq, tk, dtype=torch.bool)
+    if tuple(mask.shape) != (tq, tk):
+        raise ValueError(f"mask must be (T_query, T_key) = {(tq, tk)}, got {tuple(mask.shape)}")
+    mask = mask.to("cpu", torch.bool)
+    n_seen = mask.sum(-1)  # (Tq,)
+    rows = n_seen >= 2
+    informative = bool(rows.any())
+    if not informative:  # every row sees at most one key: average over all rows instead
+        rows = n_seen >= 1
+    if query_positions is None:
+        query_positions = torch.arange(tk - tq, tk)
+    if key_positions is None:
+        key_positions = torch.arange(tk)
+    dist = (query_positions.double()[:, None] - key_positions.double()[None, :]).abs()  # (Tq, Tk)
+
+    plogp = torch.where(p > 0, p * torch.log(p.clamp_min(1e-300)), torch.zeros_like(p))
+    entropy = (-plogp.sum(-1))[:, rows].mean(-1)  # (H,)
+    entropy_max = torch.log(n_seen.clamp_min(1).double())[rows].mean()
+    mean_dist = (p * dist).sum(-1)[:, rows].mean(-1)
+    sink = p[:, :, 0][:, rows].mean(-1)
+    max_w = p.max(-1).values[:, rows].mean(-1)
+    names = list(range(h)) if heads is None else heads
+    out = []
+    for i in range(h):
+        e, em = float(entropy[i]), float(entropy_max)
+        out.append(
+            HeadStats(
+                layer=layer,
+                head=names[i],
+                entropy=e,
+                entropy_max=em,
+                mean_distance=float(mean_dist[i]) if distance else None,
+                sink=float(sink[i]),
+                max_weight=float(max_w[i]),
+                blurred=informative and em > 0 and e >= BLURRED_ENTROPY_RATIO * em,
+                collapsed=informative and float(max_w[i]) >= COLLAPSED_MAX_WEIGHT,
+            )
+        )
+    return out
+
+
+def token_label(raw: bytes) -> str:
+    """A readable axis label for a token's bytes: UTF-8 text with whitespace made visible
+    (space -> '␣', newline -> '\\n', tab -> '\\t'), or the bytes in hex ('<e4 b8>') for part of
+    a multi-byte character (a byte-level BPE token)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "<" + " ".join(f"{b:02x}" for b in raw) + ">"
+    return text.replace(" ", "␣").replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
+
+
+@dataclass
+class AttentionMaps:
+    """One forward pass's attention: per layer (H, Tq, Tk) float32 weights on the CPU, the
+    query and key labels, and the (Tq, Tk) bool mask (True = may attend; None = all keys)."""
+
+    weights: list[torch.Tensor]
+    query_labels: list[str]
+    key_labels: list[str]
+    mask: torch.Tensor | None
+    token_ids: list[int] = field(default_factory=list)
+
+
+def self_attention_maps(model: torch.nn.Module, tokenizer: Any, text: str) -> AttentionMaps:
+    """Run ``model`` on ``text`` with ``need_weights=True`` (the math backend, see
+    lmlab.nn.attention) and return every layer's self-attention weights for that one sequence.
+
+    Raises LmlabError for an empty text, a missing tokenizer, a text longer than
+    model.cfg.max_seq_len tokens, or a model that returns no weights.
+    """
+    if tokenizer is None:
+        raise LmlabError("this model has no tokenizer (no tokenizer.json), so --text cannot be encoded")
+    if not text:
+        raise LmlabError("--text is empty: give the text whose attention to show")
+    ids = tokenizer.encode(text)
+    cfg = model.cfg
+    if not ids:
+        raise LmlabError(f"--text {text!r} encodes to no tokens")
+    if len(ids) > cfg.max_seq_len:
+        raise LmlabError(
+            f"--text is {len(ids)} tokens, more than the model's context of {cfg.max_seq_len} "
+            "(model.max_seq_len); shorten it"
+        )
+    device = next(model.parameters()).device
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        out = model(x, need_weights=True)
+    model.train(was_training)
+    attns = getattr(out, "attentions", None)
+    if not attns or any(w is None for w in attns):
+        raise LmlabError(f"model.kind={cfg.kind} returned no attention weights")
+    weights = [w[0].float().cpu() for w in attns]  # (H, T, T)
+    from lmlab.nn.masks import MASKS
+
+    t = len(ids)
+    a = cfg.attention
+    mask = MASKS.get(a.mask, "model.attention.mask")(t, t, torch.device("cpu"), a.window)
+    labels = [token_label(tokenizer.token_bytes(i)) for i in ids]
+    return AttentionMaps(weights, labels, labels, mask, ids)
+
+
+def _select(n: int, index: int | None, what: str, flag: str) -> list[int]:
+    if index is None:
+        return list(range(n))
+    if not 0 <= index < n:
+        raise LmlabError(f"{flag} {index} is out of range: the model has {n} {what} (0..{n - 1})")
+    return [index]
+
+
+@dataclass
+class AttentionReport:
+    """What ``lmlab attention`` found: the tokens, per-head stats, and the PNG files written."""
+
+    tokens: list[str]
+    heads: list[HeadStats]
+    files: list[Path]
+    thresholds: dict[str, float]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "heads": [h.as_dict() for h in self.heads],
+            "files": [str(f) for f in self.files],
+            "thresholds": self.thresholds,
+        }
+
+
+def attention_report(
+    path: str | Path,
+    text: str,
+    layer: int | None = None,
+    head: int | None = None,
+    out: str | Path | None = "attention",
+    device: str = "cpu",
+) -> AttentionReport:
+    """Load the model at ``path`` (anything lmlab.interop.load.load accepts), run it on
+    ``text``, and compute per-head stats for the chosen layer(s) and head(s) (0-based; None:
+    all). Writes ``out/layer-LL.png`` (one grid per layer, one panel per head) unless ``out`` is
+    None. Raises LmlabError for a layer or head out of range and for bad text."""
+    from lmlab.interop.load import load
+    from lmlab.training.hardware import resolve_device
+
+    model, tokenizer = load(path, str(resolve_device(device)))
+    maps = self_attention_maps(model, tokenizer, text)
+    layers = _select(len(maps.weights), layer, "layers", "--layer")
+    n_heads = maps.weights[0].shape[0]
+    heads = _select(n_heads, head, "heads per layer", "--head")
+    stats: list[HeadStats] = []
+    files: list[Path] = []
+    for li in layers:
+        w = maps.weights[li][heads]
+        stats += head_stats(w, maps.mask, layer=li, heads=heads)
+    if out is not None:
+        from lmlab.analysis.attention_plot import plot_heads, save_figure
+
+        folder = Path(out)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise LmlabError(f"cannot create the output folder {folder}: {e.strerror}") from None
+        for li in layers:
+            fig = plot_heads(
+                maps.weights[li][heads],
+                maps.query_labels,
+                maps.key_labels,
+                heads=heads,
+                mask=maps.mask,
+                title=f"{Path(path).name}: layer {li}",
+            )
+            files.append(save_figure(fig, folder / f"layer-{li:02d}.png"))
+    thresholds = {
+        "blurred_entropy_ratio": BLURRED_ENTROPY_RATIO,
+        "collapsed_max_weight": COLLAPSED_MAX_WEIGHT,
+    }
+    return AttentionReport(maps.query_labels, stats, files, thresholds)
+
+
+def format_stats(stats: list[HeadStats]) -> str:
+    """A table: layer, head, entropy / uniform max (nats), mean distance (tokens), sink share,
+    mean max weight, and the flags."""
+    lines = [
+        f"{'layer':>5} {'head':>4} {'entropy':>8} {'max':>6} {'distance':>8} {'sink':>6} "
+        f"{'max_w':>6}  flag"
+    ]
+    for s in stats:
+        dist = "-" if s.mean_distance is None else f"{s.mean_distance:8.2f}"
+        flag = "blurred" if s.blurred else "collapsed" if s.collapsed else ""
+        lines.append(
+            f"{s.layer:>5} {s.head:>4} {s.entropy:8.3f} {s.entropy_max:6.3f} {dist:>8} "
+            f"{s.sink:6.3f} {s.max_weight:6.3f}  {flag}"
+        )
+    return "\n".join(lines)
+

@@ -1,0 +1,185 @@
+"""Attention heatmaps with matplotlib (Agg backend, no display needed).
+
+Legend: H heads, Tq query tokens (rows), Tk key tokens (columns). One figure per layer, a grid
+with one panel per head; token labels on both axes. Labels in scripts the default font lacks
+(Chinese, Japanese, Korean ...) are drawn with an installed font that has them, found through
+matplotlib's font manager; when none is installed, one warning is printed and the missing
+characters are written as their code points (U+4E2D) instead of empty boxes.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterable
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+BASE_FONT = "DejaVu Sans"  # matplotlib's bundled default
+# Fonts known to cover CJK, tried first; then every installed font is checked.
+CJK_FONTS = (
+    "Noto Sans CJK SC",
+    "Noto Sans CJK JP",
+    "Noto Sans SC",
+    "Source Han Sans SC",
+    "Source Han Sans",
+    "WenQuanYi Zen Hei",
+    "WenQuanYi Micro Hei",
+    "Droid Sans Fallback",
+    "AR PL UMing CN",
+    "SimHei",
+    "Microsoft YaHei",
+    "PingFang SC",
+    "Hiragino Sans GB",
+    "Arial Unicode MS",
+)
+# Fonts whose glyphs are placeholders (one box per Unicode block), not characters.
+PLACEHOLDER_FONTS = ("Last Resort",)
+_warned: set[str] = set()
+
+
+@cache
+def _charmap(path: str) -> frozenset[int]:
+    from matplotlib.ft2font import FT2Font
+
+    try:
+        return frozenset(FT2Font(path).get_charmap())
+    except (OSError, RuntimeError, ValueError):
+        return frozenset()
+
+
+def _font_path(family: str) -> str | None:
+    from matplotlib import font_manager
+
+    for entry in font_manager.fontManager.ttflist:
+        if entry.name == family:
+            return str(entry.fname)
+    return None
+
+
+def font_families(chars: Iterable[str], base: str = BASE_FONT) -> tuple[list[str], set[str]]:
+    """(font family list for matplotlib's per-glyph fallback, characters no font covers).
+
+    ``base`` first; if it lacks some of ``chars``, the first installed font (CJK_FONTS first,
+    then every font matplotlib knows) that covers them all is added after it.
+    """
+    base_path = _font_path(base)
+    have = _charmap(base_path) if base_path else frozenset()
+    missing = {c for c in set(chars) if not c.isspace() and ord(c) not in have}
+    if not missing:
+        return [base], set()
+    from matplotlib import font_manager
+
+    entries = font_manager.fontManager.ttflist
+    ranked = [e for name in CJK_FONTS for e in entries if e.name == name]
+    ranked += [e for e in entries if e.name not in CJK_FONTS and e.name != base]
+    ranked = [e for e in ranked if not str(e.name).startswith(PLACEHOLDER_FONTS)]
+    codes = {ord(c) for c in missing}
+    for entry in ranked:
+        if codes <= _charmap(str(entry.fname)):
+            return [base, str(entry.name)], set()
+    best = max(ranked, key=lambda e: len(codes & _charmap(str(e.fname))), default=None)
+    if best is not None and codes & _charmap(str(best.fname)):
+        uncovered = {c for c in missing if ord(c) not in _charmap(str(best.fname))}
+        return [base, str(best.name)], uncovered
+    return [base], missing
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        print(f"warning: {message}", file=sys.stderr)
+
+
+def printable_labels(labels: list[str], base: str = BASE_FONT) -> tuple[list[str], list[str]]:
+    """(labels to draw, font families): characters no installed font covers become 'U+XXXX',
+    with one warning per process naming what to install."""
+    families, uncovered = font_families("".join(labels), base)
+    if not uncovered:
+        return labels, families
+    _warn_once(
+        "font",
+        f"no installed font has {''.join(sorted(uncovered)[:8])!r} (e.g. CJK): those characters "
+        "are labelled by code point; install a CJK font (e.g. fonts-noto-cjk) for real glyphs",
+    )
+    out = ["".join(f"U+{ord(c):04X}" if c in uncovered else c for c in s) for s in labels]
+    return out, families
+
+
+def plot_heads(
+    weights: torch.Tensor,
+    query_labels: list[str],
+    key_labels: list[str],
+    heads: list[int] | None = None,
+    mask: torch.Tensor | None = None,
+    title: str = "",
+    max_cols: int = 4,
+) -> Figure:
+    """One figure, one heatmap panel per head: weights (H, Tq, Tk) float in [0, 1], rows =
+    queries (``query_labels``, Tq), columns = keys (``key_labels``, Tk). ``mask`` (Tq, Tk) bool,
+    True = may attend: forbidden cells are drawn grey. ``heads`` names the panels (default
+    0 .. H-1). Panel axes are labelled ``head N`` (``fig.axes`` also holds the colour bar).
+    Raises ValueError when the label counts do not match the weights."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    h, tq, tk = weights.shape
+    if len(query_labels) != tq or len(key_labels) != tk:
+        raise ValueError(
+            f"{len(query_labels)} query and {len(key_labels)} key labels for weights "
+            f"{tuple(weights.shape)}"
+        )
+    heads = list(range(h)) if heads is None else heads
+    qlab, families = printable_labels(query_labels)
+    klab, families2 = printable_labels(key_labels)
+    families = list(dict.fromkeys(families + families2))
+    ncols = min(h, max_cols)
+    nrows = math.ceil(h / ncols)
+    side = min(max(3.0, 0.22 * max(tq, tk) + 1.0), 14.0)  # inches per panel
+    fig = Figure(figsize=(side * ncols + 1.0, side * nrows + 0.6), layout="constrained")
+    w = weights.detach().float().cpu().numpy()
+    m = None if mask is None else ~mask.cpu().numpy()
+    vmax = float(w.max()) if w.size else 1.0
+    step_q, step_k = max(1, math.ceil(tq / 48)), max(1, math.ceil(tk / 48))
+    fontsize = 8 if max(tq, tk) <= 32 else 6
+    image = None
+    for i in range(h):
+        ax = fig.add_subplot(nrows, ncols, i + 1, label=f"head {heads[i]}")
+        data = w[i] if m is None else np.ma.masked_array(w[i], mask=m)
+        cmap = matplotlib.colormaps["viridis"].copy()
+        cmap.set_bad("#d0d0d0")
+        image = ax.imshow(data, cmap=cmap, vmin=0.0, vmax=vmax, interpolation="nearest")
+        ax.set_title(f"head {heads[i]}", fontsize=10)
+        ax.set_xticks(range(0, tk, step_k))
+        ax.set_xticklabels(klab[::step_k], rotation=90, fontsize=fontsize, family=families)
+        ax.set_yticks(range(0, tq, step_q))
+        ax.set_yticklabels(qlab[::step_q], fontsize=fontsize, family=families)
+        ax.set_xlabel("key", fontsize=8)
+        ax.set_ylabel("query", fontsize=8)
+    if image is not None:
+        fig.colorbar(image, ax=fig.axes, shrink=0.6, label="attention weight")
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def panel_count(fig: Figure) -> int:
+    """Heatmap panels in a figure from :func:`plot_heads` (the colour bar is not one)."""
+    return sum(1 for ax in fig.axes if ax.get_label().startswith("head "))
+
+
+def save_figure(fig: Figure, path: str | Path, dpi: int = 100) -> Path:
+    """Write ``fig`` as a PNG at ``path`` (parent folders created); returns the path."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=dpi)
+    return p
