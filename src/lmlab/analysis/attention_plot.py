@@ -151,12 +151,11 @@ def plot_heads(
     vmax = float(w.max()) if w.size else 1.0
     step_q, step_k = max(1, math.ceil(tq / 48)), max(1, math.ceil(tk / 48))
     fontsize = 8 if max(tq, tk) <= 32 else 6
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#d0d0d0")  # grey: masked
     image = None
     for i in range(h):
         ax = fig.add_subplot(nrows, ncols, i + 1, label=f"head {heads[i]}")
         data = w[i] if m is None else np.ma.masked_array(w[i], mask=m)
-        cmap = matplotlib.colormaps["viridis"].copy()
-        cmap.set_bad("#d0d0d0")
         image = ax.imshow(data, cmap=cmap, vmin=0.0, vmax=vmax, interpolation="nearest")
         ax.set_title(f"head {heads[i]}", fontsize=10)
         ax.set_xticks(range(0, tk, step_k))
