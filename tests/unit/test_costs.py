@@ -1,4 +1,4 @@
-"""FLOPs, KV-cache bytes and parameter breakdowns equal hand counts, built models and real caches."""
+"""FLOPs, KV-cache bytes and parameter breakdowns equal hand counts, built models, real caches."""
 
 from __future__ import annotations
 
@@ -166,7 +166,9 @@ def test_training_memory_is_the_trainers_estimate_at_the_given_batch_and_length(
 
     cfg = tiny_model_config(vocab_size=37)
     est = costs.training_memory(cfg, batch=3, seq_len=16)
-    ref = estimate_training_memory(RunConfig(model=cfg, train=TrainConfig(batch_size=3, seq_len=16)))
+    ref = estimate_training_memory(
+        RunConfig(model=cfg, train=TrainConfig(batch_size=3, seq_len=16))
+    )
     assert est == ref
     double = costs.training_memory(cfg, batch=6, seq_len=16)
     assert double.activations == 2 * est.activations and double.weights == est.weights

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from lmlab.config import ModelConfig
 from lmlab.errors import LmlabError
 
 BLURRED_ENTROPY_RATIO = 0.9
@@ -151,11 +152,15 @@ def self_attention_maps(model: torch.nn.Module, tokenizer: Any, text: str) -> At
     model.cfg.max_seq_len tokens, or a model that returns no weights.
     """
     if tokenizer is None:
-        raise LmlabError("this model has no tokenizer (no tokenizer.json), so --text cannot be encoded")
+        raise LmlabError(
+            "this model has no tokenizer (no tokenizer.json), so --text cannot be encoded"
+        )
     if not text:
         raise LmlabError("--text is empty: give the text whose attention to show")
     ids = tokenizer.encode(text)
-    cfg = model.cfg
+    cfg = getattr(model, "cfg", None)
+    if not isinstance(cfg, ModelConfig):
+        raise LmlabError("the model has no lmlab ModelConfig (model.cfg)")
     if not ids:
         raise LmlabError(f"--text {text!r} encodes to no tokens")
     if len(ids) > cfg.max_seq_len:
@@ -274,4 +279,3 @@ def format_stats(stats: list[HeadStats]) -> str:
             f"{s.sink:6.3f} {s.max_weight:6.3f}  {flag}"
         )
     return "\n".join(lines)
-

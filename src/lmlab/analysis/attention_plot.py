@@ -173,7 +173,7 @@ def plot_heads(
 
 def panel_count(fig: Figure) -> int:
     """Heatmap panels in a figure from :func:`plot_heads` (the colour bar is not one)."""
-    return sum(1 for ax in fig.axes if ax.get_label().startswith("head "))
+    return sum(1 for ax in fig.axes if str(ax.get_label()).startswith("head "))
 
 
 def save_figure(fig: Figure, path: str | Path, dpi: int = 100) -> Path:
