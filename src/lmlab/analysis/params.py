@@ -8,8 +8,6 @@ head_dim (hd), d_ff (F), vocab_size (V) and n_experts (E), and tests check them 
 
 from __future__ import annotations
 
-from typing import Any
-
 from lmlab.config import ModelConfig
 
 
@@ -82,32 +80,3 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     parts["non_embedding"] = parts["total"] - parts["embedding"]
     return parts
 
-
-def inspect_config(path: str, overrides: list[str] | None = None) -> dict[str, Any]:
-    """Parameter counts of a config file or run folder (nothing is built or allocated).
-
-    Returns ``{"name", "vocab_size", "vocab_note", "params_total", "params_non_embedding",
-    "components"}``. A char-level config has no vocabulary until trained: it is counted with
-    256 symbols and says so in ``vocab_note`` (override with ``model.vocab_size=N``).
-    """
-    from pathlib import Path
-
-    from lmlab.config import load_config
-
-    p = Path(path)
-    cfg = load_config(p / "config.yaml" if p.is_dir() else p, overrides)
-    note = ""
-    if cfg.model.vocab_size is None:
-        tok = cfg.data.tokenizer
-        cfg.model.vocab_size = tok.vocab_size if tok.kind == "bpe" else 256
-        note = f"vocab_size not set: counted with the {tok.kind} tokenizer's {cfg.model.vocab_size}"
-    parts = count_params(cfg.model)
-    components = {k: v for k, v in parts.items() if k not in ("total", "non_embedding")}
-    return {
-        "name": cfg.name,
-        "vocab_size": cfg.model.vocab_size,
-        "vocab_note": note,
-        "params_total": parts["total"],
-        "params_non_embedding": parts["non_embedding"],
-        "components": components,
-    }
