@@ -79,4 +79,3 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     parts["total"] = sum(parts.values())
     parts["non_embedding"] = parts["total"] - parts["embedding"]
     return parts
-
