@@ -410,7 +410,7 @@ def cmd_attention(args: argparse.Namespace) -> int:
         layer=args.layer,
         head=args.head,
         out=None if args.no_plot else args.out,
-        device=args.device or "cpu",
+        device=args.device or "auto",
     )
     if args.json:
         print(json.dumps(report.as_dict(), ensure_ascii=False))
