@@ -102,8 +102,11 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path: Path, model_ty
     assert ("lm_head.weight" in tensors) == (not model.cfg.tie_embeddings)
     _assert_hf_equals(tmp_path / "hf", model, res.hf_class)
     # the tokenizer loads with AutoTokenizer and encodes as lmlab's does
-    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
-    assert tok.encode("ABC!]", add_special_tokens=False) == CharTokenizer(CHARS).encode("ABC!]")
+    ours = CharTokenizer(CHARS).encode("ABC!]")
+    for cls in (transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast):
+        tok = cls.from_pretrained(str(tmp_path / "hf"))
+        assert tok.encode("ABC!]", add_special_tokens=False) == ours
+        assert tok.decode(ours) == "ABC!]"
 
 
 def test_the_default_minigpt_exports_as_gpt_neox(tmp_path: Path, capsys):
@@ -222,3 +225,46 @@ def test_an_imported_hf_model_evaluates_as_transformers_scores_it(tmp_path: Path
     expected = float(F.cross_entropy(logits, ids[0, 1:]))
     assert res.tokens == 29
     assert math.isclose(res.loss, expected, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"kind": "linear", "factor": 2.0},
+        {"kind": "dynamic_ntk", "factor": 2.0},
+        {"kind": "yarn", "factor": 4.0, "original_max_seq_len": 8, "beta_fast": 16.0},
+    ],
+    ids=lambda s: s["kind"],
+)
+def test_rope_scaling_exports_into_rope_parameters(tmp_path: Path, scaling: dict):
+    rope = {"kind": "rope", "rope_theta": 500.0, "scaling": scaling}
+    run, model = _lmlab_run(tmp_path, **{**FAMILIES["llama"], "position": rope})
+    res = export_model(run, tmp_path / "hf")
+    params = json.loads((tmp_path / "hf" / "config.json").read_text())["rope_parameters"]
+    hf_type = {"linear": "linear", "dynamic_ntk": "dynamic", "yarn": "yarn"}[scaling["kind"]]
+    assert params["rope_type"] == hf_type and params["factor"] == scaling["factor"]
+    assert res.max_abs_diff is not None
+    _assert_hf_equals(tmp_path / "hf", model, "LlamaForCausalLM", t=32)
+
+
+def test_a_bpe_tokenizer_exports_its_end_token(tmp_path: Path):
+    """A byte-level BPE run: AutoTokenizer knows <|endoftext|>, config.json and
+    generation_config.json name its id, and text round-trips through the HF tokenizer."""
+    from lmlab.config import TokenizerConfig
+    from lmlab.data.tokenizer import BPETokenizer
+
+    text = "To be, or not to be, that is the question. 生きるべきか 🙂\n" * 20
+    tok = BPETokenizer.train(text, TokenizerConfig(kind="bpe", vocab_size=300))
+    torch.manual_seed(0)
+    model = build_model(tiny_model_config(tok.vocab_size)).eval()
+    run = write_run(model, tok, tmp_path / "run")
+    res = export_model(run, tmp_path / "hf")
+    assert "tokenizes like lmlab" in res.verify_note
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert hf_tok.eos_token == "<|endoftext|>" and hf_tok.eos_token_id == tok.eos_id
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == tok.eos_id
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == tok.eos_id
+    sample = "not to be 生きる 🙂"
+    ids = hf_tok.encode(sample, add_special_tokens=False)
+    assert ids == tok.encode(sample) and hf_tok.decode(ids) == sample

@@ -85,12 +85,36 @@ def _common_checks(cfg: ModelConfig, c: _Checks) -> None:
 
 
 def _rope_checks(cfg: ModelConfig, c: _Checks, partial: bool = False) -> None:
-    """Half-split RoPE without context scaling (``partial``: any partial_rotary_factor)."""
-    p = cfg.position
+    """Half-split RoPE (``partial``: any partial_rotary_factor) with a context scaling Hugging
+    Face has (:data:`lmlab.interop.hf.HF_ROPE_TYPES`)."""
+    p, s = cfg.position, cfg.position.scaling
     c.require(p.kind == "rope", f"model.position.kind={p.kind}")
     c.require(not p.interleaved, "model.position.interleaved")
     c.require(partial or p.partial_rotary_factor == 1.0, "model.position.partial_rotary_factor")
-    c.require(p.scaling.kind == "none", f"model.position.scaling.kind={p.scaling.kind}")
+    c.require(s.kind in hf.HF_ROPE_TYPES.values(), f"model.position.scaling.kind={s.kind}")
+    if s.kind == "dynamic_ntk":  # HF rescales past max_position_embeddings
+        original = s.original_max_seq_len or cfg.max_seq_len
+        c.require(original == cfg.max_seq_len, "model.position.scaling.original_max_seq_len")
+    if s.kind == "yarn":  # HF reads mscale only with mscale_all_dim
+        c.require((s.mscale is None) == (s.mscale_all_dim is None), "model.position.scaling.mscale")
+
+
+def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    """``rope_parameters`` (transformers 5) of a RoPE model: the inverse of
+    :func:`lmlab.interop.hf.rope_position_config`."""
+    p, s = cfg.position, cfg.position.scaling
+    hf_type = {v: k for k, v in hf.HF_ROPE_TYPES.items()}.get(s.kind, "default")
+    params: dict[str, Any] = {"rope_type": hf_type, "rope_theta": p.rope_theta}
+    if hf_type != "default":
+        params["factor"] = s.factor
+    if hf_type == "yarn":
+        params["original_max_position_embeddings"] = s.original_max_seq_len or cfg.max_seq_len
+        params.update(beta_fast=s.beta_fast, beta_slow=s.beta_slow, truncate=s.truncate)
+        if s.attention_factor is not None:
+            params["attention_factor"] = s.attention_factor
+        if s.mscale is not None and s.mscale_all_dim is not None:
+            params.update(mscale=s.mscale, mscale_all_dim=s.mscale_all_dim)
+    return params
 
 
 def _llama_checks(cfg: ModelConfig, c: _Checks, ffn: str = "swiglu") -> None:
@@ -116,7 +140,7 @@ def _llama_kwargs(cfg: ModelConfig) -> dict[str, Any]:
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm.eps,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.position.rope_theta},
+        "rope_parameters": _rope_parameters(cfg),
         "bos_token_id": None,
         "eos_token_id": None,
         "pad_token_id": None,
@@ -233,8 +257,7 @@ def _neox_from(cfg: ModelConfig) -> dict[str, Any]:
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
         "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": p.rope_theta,
+            **_rope_parameters(cfg),
             "partial_rotary_factor": p.partial_rotary_factor,
         },
         "bos_token_id": None,
