@@ -119,7 +119,10 @@ def verify_hf_folder(
             f"transformers {type(hf_model).__name__} computes different logits from the lmlab "
             f"model (max |diff| {diff:.2e} > {ATOL:g}); nothing was written"
         )
-    note = f"transformers {type(hf_model).__name__} loads it: max |logit diff| {diff:.1e}"
+    note = (
+        f"transformers {type(hf_model).__name__} loads it: max |logit diff| {diff:.1e} "
+        f"(float32, allowed {ATOL:g})"
+    )
     if tokenizer is not None and hf_tok is not None:
         n = min(64, cfg.max_seq_len)
         sample = tokenizer.decode(
