@@ -187,7 +187,9 @@ def _hf_folder(tmp_path: Path, model_type: str) -> tuple[Path, torch.nn.Module]:
             tie_word_embeddings=False,
         ),
         "llama": transformers.LlamaConfig(**llama, tie_word_embeddings=True),
+        "mistral": transformers.MistralConfig(**llama, sliding_window=8),
         "mixtral": transformers.MixtralConfig(**llama, num_local_experts=4, sliding_window=None),
+        "qwen2": transformers.Qwen2Config(**llama, tie_word_embeddings=False),
         "qwen3": transformers.Qwen3Config(**llama, head_dim=16, tie_word_embeddings=False),
     }
     torch.manual_seed(0)
@@ -198,7 +200,9 @@ def _hf_folder(tmp_path: Path, model_type: str) -> tuple[Path, torch.nn.Module]:
     return folder, hf
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "gpt_neox", "llama", "mixtral", "qwen3"])
+@pytest.mark.parametrize(
+    "model_type", ["gpt2", "gpt_neox", "llama", "mistral", "mixtral", "qwen2", "qwen3"]
+)
 def test_hf_import_export_round_trip_gives_back_every_weight(tmp_path: Path, model_type: str):
     folder, hf = _hf_folder(tmp_path, model_type)
     import_model(folder, tmp_path / "run")
