@@ -27,6 +27,9 @@ lmlab: build, train, probe and compare Transformer language models.
   lmlab inspect configs/mixtral.yaml  parameters, FLOPs, KV cache and memory, without building it
   lmlab attention runs/minigpt --text "ROMEO:"   attention heatmaps and per-head diagnostics
   lmlab list                          every component variant a config can name
+  lmlab export runs/minigpt --format hf --out hf/minigpt    a Hugging Face folder (checked)
+  lmlab import hf/minigpt --out runs/imported               any loadable model as a run
+  lmlab train --init-from hf/minigpt --data my.txt          fine-tune a model on your text
 """
 
 
@@ -94,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RUN_DIR",
         help="continue a run from its latest "
         "checkpoint; only --max-steps, --time-budget and --device may change",
+    )
+    t.add_argument(
+        "--init-from",
+        metavar="PATH",
+        help="fine-tune: start from this model (run folder, Hugging Face folder, ...) with its "
+        "own config and tokenizer; the config's data and train sections apply",
     )
     t.add_argument(
         "--nproc",
@@ -248,6 +257,34 @@ def build_parser() -> argparse.ArgumentParser:
     at.add_argument("--json", action="store_true", help="print one JSON object")
     _add_common(at)
 
+    x = sub.add_parser(
+        "export",
+        help="write a model as a Hugging Face folder transformers loads",
+        description="Write config.json, model.safetensors, tokenizer.json (+ tokenizer_config."
+        "json, generation_config.json) for the Hugging Face family that computes exactly what "
+        "the model does (lmlab list hf_family). When transformers is installed the folder is "
+        "loaded back and its logits compared (float32, 1e-5) before it is put in place; a model "
+        "with no Hugging Face counterpart is refused, naming the component. Example: lmlab "
+        "export runs/minigpt --format hf --out hf/minigpt",
+    )
+    x.add_argument("model", metavar="RUN_OR_MODEL", help="a run folder or any loadable model")
+    x.add_argument("--format", default="hf", choices=["hf"], help="output format (default hf)")
+    x.add_argument("--out", required=True, help="folder to write (must be new or empty)")
+    x.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    x.add_argument("--debug", action="store_true", help="show Python tracebacks on errors")
+
+    im = sub.add_parser(
+        "import",
+        help="store any loadable model as an lmlab run folder",
+        description="Store a model lmlab can load (a Hugging Face folder, ...) as a run folder: "
+        "config.yaml, tokenizer.json and a step-0 checkpoint, so eval, generate and train "
+        "--init-from take it. Example: lmlab import hf/pythia-tiny --out runs/pythia-tiny",
+    )
+    im.add_argument("path", metavar="PATH", help="the model to import")
+    im.add_argument("--out", required=True, help="run folder to write (must be new or empty)")
+    im.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    im.add_argument("--debug", action="store_true", help="show Python tracebacks on errors")
+
     ls = sub.add_parser(
         "list",
         help="list the component variants a config can choose",
@@ -270,6 +307,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from lmlab.training.trainer import train
 
     overrides = list(args.set)
+    if args.init_from and (args.resume or any(o.startswith("model.") for o in overrides)):
+        raise LmlabError(
+            "--init-from takes the model (config and weights) from its PATH and starts a new "
+            "run: it cannot be combined with --resume or --set model.*"
+        )
     if args.data:
         overrides.append(f"data.corpus={json.dumps(args.data)}")
     cfg = None
@@ -289,6 +331,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         time_budget=args.time_budget,
         device=args.device,
         progress=args.progress,
+        init_from=args.init_from,
     )
     if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports
         return 0
@@ -422,6 +465,26 @@ def cmd_attention(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from lmlab.interop.export import export_model
+
+    res = export_model(args.model, args.out, format=args.format, force=args.force)
+    print(f"wrote {res.out} ({res.hf_class}): {', '.join(res.files)}")
+    print(f"check: {res.verify_note}")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from lmlab.interop.importer import import_model
+
+    res = import_model(args.path, args.out, force=args.force)
+    print(
+        f"wrote run {res.out}: {res.params:,} parameters, {res.tokenizer_kind} tokenizer of "
+        f"{res.vocab_size} tokens (lmlab eval {res.out}; lmlab train --init-from {res.out})"
+    )
+    return 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     import lmlab.data.tokenizer  # noqa: F401  (registers tokenizers)
     import lmlab.interop.families  # noqa: F401
@@ -449,6 +512,8 @@ COMMANDS = {
     "inspect": cmd_inspect,
     "attention": cmd_attention,
     "list": cmd_list,
+    "export": cmd_export,
+    "import": cmd_import,
 }
 
 

@@ -115,3 +115,34 @@ def mixtral_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
         )  # (E, D, F)
     out["lm_head.weight"] = sd["lm_head.weight"]
     return out
+
+
+def mixtral_checkpoint_state_dict(
+    sd: dict[str, torch.Tensor], cfg: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """lmlab -> the checkpoint-file layout (Mistral's release, what ``save_pretrained`` writes):
+    router -> ``block_sparse_moe.gate.weight`` (E, D); expert e's gate/up/down ->
+    ``block_sparse_moe.experts.{e}.w1`` (F, D) / ``w3`` (F, D) / ``w2`` (D, F); the rest as
+    Llama. ``lm_head.weight`` is always written. Raises LmlabError for a weight with no place."""
+    lmlab_to_w = {v: k for k, v in W_NAMES.items()}
+    names = {v: k for k, v in LLAMA_LAYER_KEYS.items()}
+    top = {v: k for k, v in LLAMA_KEYS.items()}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in sd.items():
+        if key in top:
+            out[top[key]] = value
+            continue
+        parts = key.split(".")  # layers.{i}.{module...}.weight
+        module = ".".join(parts[2:-1])
+        moe = f"model.layers.{parts[1]}.block_sparse_moe."
+        if module in names:
+            out[f"model.layers.{parts[1]}.{names[module]}.{parts[-1]}"] = value
+        elif module == "ffn.router":
+            out[moe + "gate.weight"] = value
+        elif module.startswith("ffn.experts.") and len(parts) == 7 and parts[5] in lmlab_to_w:
+            out[f"{moe}experts.{parts[4]}.{lmlab_to_w[parts[5]]}.weight"] = value
+        else:
+            raise LmlabError(f"lmlab weight {key!r} has no Mixtral counterpart")
+    if cfg.tie_embeddings and "lm_head.weight" not in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out

@@ -47,6 +47,38 @@ def read_hf_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
+def _check_shapes(
+    tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], folder: Path
+) -> None:
+    """Raise CheckpointError naming the first tensor whose shape differs from the one its
+    config.json implies (both shapes given)."""
+    for key, want in expected.items():
+        if key in tensors and tuple(tensors[key].shape) != tuple(want.shape):
+            raise CheckpointError(
+                f"{folder}: tensor {key} has shape {tuple(tensors[key].shape)} but config.json "
+                f"implies {tuple(want.shape)}"
+            )
+
+
+def not_a_model_file(p: Path) -> str:
+    """Why a plain file is not something ``load`` takes (looks at its first bytes)."""
+    with open(p, "rb") as fh:
+        head = fh.read(9)
+    if head[:4] == b"GGUF":
+        kind = "a GGUF file, which this lmlab version does not read yet"
+    elif len(head) == 9 and head[8:9] == b"{":  # 8-byte header length, then the JSON header
+        kind = (
+            "a bare safetensors file: lmlab needs the folder holding it with its config.json "
+            "(Hugging Face) or config.yaml (lmlab run)"
+        )
+    else:
+        kind = "neither a model folder, a safetensors file nor a GGUF file"
+    return (
+        f"{p} is {kind}; lmlab loads an lmlab run folder, a Hugging Face model folder "
+        "(config.json + model.safetensors) or a .gguf file"
+    )
+
+
 def load_hf_folder(folder: str | Path, device: str = "cpu") -> tuple[nn.Module, Tokenizer | None]:
     """Build the lmlab model of a Hugging Face folder and load its weights (strict).
 
@@ -68,8 +100,16 @@ def load_hf_folder(folder: str | Path, device: str = "cpu") -> tuple[nn.Module, 
             f"{raw.get('model_type')} config needs"
         ) from None
     model = build_model(cfg)
+    expected = family.from_state(model.state_dict(), cfg) if family.from_state else {}
+    _check_shapes(tensors, expected, p)
     state = family.to_state(tensors, cfg)
     missing, unexpected = model.load_state_dict(state, strict=False)
+    absent = sorted(k for k in expected if k not in tensors)
+    if missing and absent:
+        raise CheckpointError(
+            f"{p} lacks tensor {absent[0]} (shape {tuple(expected[absent[0]].shape)}), which its "
+            f"config.json needs" + (f" ({len(absent) - 1} more missing)" if len(absent) > 1 else "")
+        )
     if missing or unexpected:
         raise CheckpointError(
             f"{p} does not fit its config (missing {sorted(missing)[:5]}, unexpected "
@@ -101,6 +141,8 @@ def load(path: str | Path, device: str = "cpu") -> tuple[nn.Module, Tokenizer | 
         return load_hf_folder(p, device)
     if not p.exists():
         raise LmlabError(f"not found: {p}")
+    if p.is_file():
+        raise LmlabError(not_a_model_file(p))
     raise LmlabError(
         f"{p} is neither an lmlab run folder (config.yaml) nor a Hugging Face model folder "
         "(config.json + model.safetensors)"

@@ -47,6 +47,7 @@ from lmlab.training.guard import (
     first_nonfinite_param,
 )
 from lmlab.training.hardware import autocast, matmul_peak, resolve_device, synchronize
+from lmlab.training.init_from import start_from
 from lmlab.training.memory import check_training_memory
 from lmlab.training.metrics import METRICS_FILE, MetricsLogger, plot_losses, truncate_metrics
 from lmlab.training.optim import build_optimizer, lr_at
@@ -183,6 +184,7 @@ def train(
     time_budget: float | None = None,
     device: str | None = None,
     progress: bool | None = None,
+    init_from: str | Path | None = None,
 ) -> TrainResult:
     """Train a model and write its run folder (see :mod:`lmlab.run` for the layout).
 
@@ -190,7 +192,8 @@ def train(
     (default ``runs/<cfg.name>``). resume: a run folder to continue from its latest checkpoint.
     max_steps: overrides ``train.max_steps`` (extends a resumed run). time_budget: stop after
     this many seconds of training (checkpoint written). device: overrides ``train.device``.
-    progress: show a progress bar (default: when stderr is a terminal).
+    progress: show a progress bar (default: when stderr is a terminal). init_from: start a new
+    run from this model's weights, config and tokenizer (:mod:`lmlab.training.init_from`).
 
     Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK set) every rank calls this with the same
     arguments; see :mod:`lmlab.training.distributed`.
@@ -203,7 +206,7 @@ def train(
     130, 143) with the command that resumes; a second Ctrl-C stops at once, without checkpoint.
     """
     with session() as par:
-        return _train(par, cfg, out, resume, max_steps, time_budget, device, progress)
+        return _train(par, cfg, out, resume, max_steps, time_budget, device, progress, init_from)
 
 
 def _train(
@@ -215,7 +218,10 @@ def _train(
     time_budget: float | None,
     device: str | None,
     progress: bool | None,
+    init_from: str | Path | None = None,
 ) -> TrainResult:
+    if init_from is not None and resume is not None:
+        raise LmlabError("--init-from starts a new run and --resume continues one; give one")
     if time_budget is not None and not time_budget > 0:
         raise LmlabError(f"--time-budget must be a positive number of seconds, got {time_budget}")
     world_size, is_main = par.world_size, par.is_main
@@ -230,10 +236,14 @@ def _train(
 
     # ---- data and tokenizer
     corpus = load_corpus(cfg.data.corpus, cfg.data.val_fraction)
+    init_model: nn.Module | None = None  # --init-from: the loaded model, trained from
     if resuming:
         tokenizer = load_run_tokenizer(run_dir, cfg)
     else:
-        tokenizer = fit_tokenizer(corpus.splits, cfg.data.tokenizer)
+        if init_from is not None:
+            tokenizer, init_model = start_from(init_from, cfg)
+        else:
+            tokenizer = fit_tokenizer(corpus.splits, cfg.data.tokenizer)
         cfg.model.vocab_size = tokenizer.vocab_size
         cfg.train.lr_decay_steps = cfg.train.lr_decay_steps or cfg.train.max_steps
         cfg.train.seq_len = cfg.train.seq_len or cfg.model.max_seq_len
@@ -251,7 +261,7 @@ def _train(
 
     # ---- model and optimizer
     torch.manual_seed(tc.seed)
-    model = par.shard(build_model(cfg.model).to(dev))
+    model = par.shard((build_model(cfg.model) if init_model is None else init_model).to(dev))
     optimizer = build_optimizer(model, tc)
     start_step, tokens_seen, elapsed_before = 0, 0, 0.0
     if resuming:
