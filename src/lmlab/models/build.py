@@ -11,9 +11,9 @@ from lmlab.registry import Registry
 
 MODELS: Registry[type[nn.Module]] = Registry("model", "model.kind")
 MODELS.register("decoder", "Decoder-only causal language model (GPT).")(DecoderLM)
-MODELS.register(
-    "encoder_decoder", "Encoder-decoder sequence-to-sequence model (T5, BART)."
-)(EncoderDecoderLM)
+MODELS.register("encoder_decoder", "Encoder-decoder sequence-to-sequence model (T5, BART).")(
+    EncoderDecoderLM
+)
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:

@@ -142,8 +142,18 @@ class DecoderBlock(nn.Module):
 class PreNormDecoderBlock(DecoderBlock):
     """x + self_attn(norm(x)), x + cross_attn(norm(x), memory), x + ffn(norm(x)) (T5)."""
 
-    def forward(self, x, position, positions, memory, memory_mask=None, key_mask=None,
-                cache=None, cross_cache=None, need_weights=False):
+    def forward(
+        self,
+        x,
+        position,
+        positions,
+        memory,
+        memory_mask=None,
+        key_mask=None,
+        cache=None,
+        cross_cache=None,
+        need_weights=False,
+    ):
         a = self.attn(self.attn_norm(x), position, positions, key_mask, cache, need_weights)
         x = x + self.drop(a.out)
         c = self.cross_attn(self.cross_norm(x), memory, memory_mask, cross_cache, need_weights)
@@ -157,8 +167,18 @@ class PostNormDecoderBlock(DecoderBlock):
     """norm(x + self_attn(x)), norm(x + cross_attn(x, memory)), norm(x + ffn(x)) (Vaswani et
     al. 2017; BART)."""
 
-    def forward(self, x, position, positions, memory, memory_mask=None, key_mask=None,
-                cache=None, cross_cache=None, need_weights=False):
+    def forward(
+        self,
+        x,
+        position,
+        positions,
+        memory,
+        memory_mask=None,
+        key_mask=None,
+        cache=None,
+        cross_cache=None,
+        need_weights=False,
+    ):
         a = self.attn(x, position, positions, key_mask, cache, need_weights)
         x = self.attn_norm(x + self.drop(a.out))
         c = self.cross_attn(x, memory, memory_mask, cross_cache, need_weights)

@@ -202,7 +202,10 @@ class T5RelativePosition(PositionEncoding):
         queries = torch.arange(s - t, s, device=device)
         keys = torch.arange(s, device=device)
         buckets = relative_position_bucket(
-            keys[None, :] - queries[:, None], self.bidirectional, self.num_buckets, self.max_distance
+            keys[None, :] - queries[:, None],
+            self.bidirectional,
+            self.num_buckets,
+            self.max_distance,
         )  # (T, S)
         return self.relative_attention_bias(buckets).permute(2, 0, 1)  # (H, T, S)
 
