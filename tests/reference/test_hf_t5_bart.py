@@ -233,3 +233,37 @@ def test_relative_position_buckets_equal_t5s(bidirectional):
             rel, bidirectional=bidirectional, num_buckets=nb, max_distance=md
         )
         assert torch.equal(relative_position_bucket(rel, bidirectional, nb, md), ref)
+
+
+VERIFY_CONFIGS = {
+    "t5": {
+        "kind": "encoder_decoder",
+        "init": "normal",
+        "attention": {"n_heads": 4, "scaled": False},
+        "position": {"kind": "t5_relative", "num_buckets": 8, "max_distance": 16},
+        "norm": {"kind": "rmsnorm", "eps": 1e-6},
+        "ffn": {"kind": "gated", "activation": "gelu_tanh", "bias": False, "d_ff": 64},
+        "seq2seq": {"n_decoder_layers": 3, "scale_decoder_output": True},
+    },
+    "bart": {
+        "kind": "encoder_decoder",
+        "final_norm": False,
+        "attention": {"n_heads": 4, "bias": True},
+        "position": {"kind": "learned", "offset": 2},
+        "block": {"kind": "post"},
+        "ffn": {"kind": "mlp", "activation": "gelu", "d_ff": 64},
+        "seq2seq": {"embed_norm": True, "final_logits_bias": True, "scale_embedding": True},
+    },
+}
+
+
+@pytest.mark.parametrize("family", list(VERIFY_CONFIGS))
+def test_lmlab_verify_passes_on_encoder_decoder_configs_with_a_reference(family):
+    from lmlab.analysis.verify import verify_config
+    from tests.conftest import TINY, tiny_config
+
+    cfg = tiny_config(model={**TINY["model"], **VERIFY_CONFIGS[family]})
+    checks = {c.name: c for c in verify_config(cfg, family)}
+    assert {n: c.status for n, c in checks.items()} == dict.fromkeys(checks, "pass")
+    expected = "T5ForConditionalGeneration" if family == "t5" else "BartForConditionalGeneration"
+    assert expected in checks["reference"].detail

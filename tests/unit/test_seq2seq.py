@@ -199,3 +199,14 @@ def test_a_copy_task_trains_through_cross_attention(style):
     floor = 3 / 4 * math.log(8)
     assert sum(losses[:5]) / 5 > floor  # starts above the no-source floor
     assert sum(losses[-10:]) / 10 < 0.75 * floor, losses[-10:]
+
+
+@pytest.mark.parametrize("style", list(STYLES))
+@pytest.mark.parametrize("tied", [True, False])
+def test_closed_form_param_count_equals_the_built_model(style, tied):
+    from lmlab.analysis.params import count_params
+
+    m = make(STYLES[style], tie_embeddings=tied)
+    parts = count_params(m.cfg)
+    assert parts["total"] == m.num_params()
+    assert parts["non_embedding"] == m.num_params(non_embedding=True)

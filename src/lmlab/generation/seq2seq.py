@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lmlab.config import ModelConfig
 from lmlab.errors import LmlabError
 from lmlab.generation.generate import SamplingParams, _generator
 from lmlab.generation.sampling import next_token
@@ -72,6 +73,8 @@ def generate_seq2seq(
     params = params or SamplingParams()
     _check(model, sources, params)
     start = _special(model, "decoder_start_token_id")
+    assert start is not None  # _check raised otherwise
+    cfg: ModelConfig = model.cfg  # type: ignore[assignment]
     eos = _special(model, "eos_token_id")
     pad = _special(model, "pad_token_id")
     filler = start if pad is None else pad  # fed to finished rows; their outputs are unused
@@ -83,7 +86,7 @@ def generate_seq2seq(
     model.eval()
     try:
         memory = model.encode(src, mask)  # type: ignore[operator]  # (B, S, D)
-        n_new = min(params.max_new_tokens, model.cfg.max_seq_len - 1)  # type: ignore[union-attr]
+        n_new = min(params.max_new_tokens, cfg.max_seq_len - 1)
         gens = [_generator(params.seed, i) for i in range(b)]
         dec = torch.full((b, 1), start, dtype=torch.long, device=device)  # (B, T)
         cache = model.new_cache() if use_cache else None  # type: ignore[operator]

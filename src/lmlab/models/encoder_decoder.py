@@ -162,7 +162,7 @@ class EncoderDecoderLM(nn.Module):
         """An empty cache: one self-attention cache per decoder layer and one cross-attention
         cache per decoder layer (filled on the first call with the encoder output)."""
         attns = [layer.attn for layer in self.decoder.layers]
-        return EncoderDecoderCache([attn.new_cache() for attn in attns])  # type: ignore[operator]
+        return EncoderDecoderCache([attn.new_cache() for attn in attns])  # type: ignore[union-attr,operator]
 
     # ------------------------------------------------------------------------------ passes
 
