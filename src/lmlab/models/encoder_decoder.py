@@ -161,8 +161,8 @@ class EncoderDecoderLM(nn.Module):
     def new_cache(self) -> EncoderDecoderCache:
         """An empty cache: one self-attention cache per decoder layer and one cross-attention
         cache per decoder layer (filled on the first call with the encoder output)."""
-        attns = [layer.attn for layer in self.decoder.layers]
-        return EncoderDecoderCache([attn.new_cache() for attn in attns])  # type: ignore[union-attr,operator]
+        attns: list = [layer.attn for layer in self.decoder.layers]
+        return EncoderDecoderCache([attn.new_cache() for attn in attns])
 
     # ------------------------------------------------------------------------------ passes
 
