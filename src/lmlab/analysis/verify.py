@@ -55,9 +55,9 @@ def _model(cfg: ModelConfig, seed: int = 0) -> nn.Module:
 def _call(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, **kw: Any) -> Any:
     """``model(tokens)``; an encoder-decoder reads the random ``source`` (default: ``tokens``)
     and gets ``tokens`` as its decoder input (with a filled cache the source is not re-read)."""
+    source = kw.pop("source", None)
     if cfg.kind != "encoder_decoder":
         return model(tokens, **kw)
-    source = kw.pop("source", None)
     return model(tokens if source is None else source, decoder_input_ids=tokens, **kw)
 
 
