@@ -104,6 +104,47 @@ class Seq2SeqDecoder(nn.Module):
         self.layers = nn.ModuleList(block_cls(cfg, i) for i in range(n))
         self.final_norm = build_norm(cfg) if cfg.final_norm else nn.Identity()
 
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        memory: torch.Tensor | None,
+        source_mask: torch.Tensor | None,
+        key_mask: torch.Tensor | None,
+        cache: EncoderDecoderCache | None,
+        need_weights: bool,
+        hidden: bool,
+    ) -> tuple[
+        torch.Tensor, list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor | None]
+    ]:
+        """Token embeddings (B, T, D) at ``positions`` (T,) -> (output (B, T, D), hidden
+        states, self-attention weights, cross-attention weights (B, H, T, S) per layer)."""
+        x = self.drop(self.embed_norm(self.position.embed(x, positions)))
+        states: list[torch.Tensor] = []
+        attns: list[torch.Tensor | None] = []
+        cross: list[torch.Tensor | None] = []
+        for i, layer in enumerate(self.layers):
+            if hidden:
+                states.append(x)
+            x, w, c = layer(
+                x,
+                self.position,
+                positions,
+                memory,
+                source_mask,
+                key_mask,
+                cache.layers[i] if cache is not None else None,
+                cache.cross[i] if cache is not None else None,
+                need_weights,
+            )
+            if need_weights:
+                attns.append(w)
+                cross.append(c)
+        x = self.final_norm(x)
+        if hidden:
+            states.append(x)
+        return x, states, attns, cross
+
 
 class EncoderDecoderLM(nn.Module):
     """A sequence-to-sequence Transformer: T5-style (Pre-Norm, RMSNorm, relative position bias,
@@ -292,34 +333,11 @@ class EncoderDecoderLM(nn.Module):
                     f"got {tuple(decoder_attention_mask.shape)}"
                 )
             key_mask = decoder_attention_mask.bool()
-        dec = self.decoder
         positions = torch.arange(past, past + t, device=ids.device)  # (T,)
         x = self.embed(ids) * self.embed_scale  # (B, T, D)
-        x = dec.drop(dec.embed_norm(dec.position.embed(x, positions)))
-        states: list[torch.Tensor] = []
-        attns: list[torch.Tensor | None] = []
-        cross: list[torch.Tensor | None] = []
-        for i, layer in enumerate(dec.layers):
-            if hidden:
-                states.append(x)
-            x, w, c = layer(
-                x,
-                dec.position,
-                positions,
-                memory,
-                source_mask,
-                key_mask,
-                cache.layers[i] if cache is not None else None,
-                cache.cross[i] if cache is not None else None,
-                need_weights,
-            )
-            if need_weights:
-                attns.append(w)
-                cross.append(c)
-        x = dec.final_norm(x)
-        if hidden:
-            states.append(x)
-        return x, states, attns, cross
+        return self.decoder(
+            x, positions, memory, source_mask, key_mask, cache, need_weights, hidden
+        )
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Distinct parameters (tied weights counted once); ``non_embedding`` leaves out the
