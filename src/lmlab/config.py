@@ -66,6 +66,9 @@ class PositionConfig:
     interleaved: bool = False  # rope: pair channels (2i, 2i+1) (GPT-J); False: (i, i+r/2) (Llama)
     partial_rotary_factor: float = 1.0  # rope: rotate only the first int(hd * this) channels
     scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)  # rope only
+    offset: int = 0  # learned only: table rows before position 0 (BART: 2)
+    num_buckets: int = 32  # t5_relative: relative-distance buckets per direction set (T5: 32)
+    max_distance: int = 128  # t5_relative: distances >= this share the last bucket (T5: 128)
 
 
 @dataclass
@@ -83,7 +86,7 @@ class FFNConfig:
 
     kind: str = "mlp"
     d_ff: int | None = None  # None: 4 * d_model (per expert for moe)
-    activation: str = "gelu"  # mlp only; swiglu and geglu fix their gate activation
+    activation: str = "gelu"  # mlp and gated; swiglu and geglu fix their gate activation
     bias: bool = True
     # d_ff = None only: take 2/3 of 4*d_model (a gated FFN then has the MLP's parameter count,
     # Shazeer 2020; Llama), rounded up to a multiple of multiple_of.
@@ -108,6 +111,20 @@ class BlockConfig:
 
 
 @dataclass
+class Seq2SeqConfig:
+    """model.kind=encoder_decoder only (T5, BART): decoder depth, special ids, BART/T5 options."""
+
+    n_decoder_layers: int | None = None  # None: n_layers (the encoder's depth)
+    pad_token_id: int | None = None  # fills -100 targets in decoder inputs; None: not set
+    decoder_start_token_id: int | None = None  # first decoder input (T5: pad, BART: eos)
+    eos_token_id: int | None = None  # generation stops here
+    scale_embedding: bool = False  # token embeddings * sqrt(d_model) (Vaswani et al. 2017)
+    embed_norm: bool = False  # a norm after embeddings + positions (BART layernorm_embedding)
+    final_logits_bias: bool = False  # a (V,) buffer added to the logits (BART)
+    scale_decoder_output: bool = False  # decoder output * d_model**-0.5 before the head (T5)
+
+
+@dataclass
 class ModelConfig:
     """A Transformer language model. ``vocab_size`` None means: take it from the tokenizer."""
 
@@ -126,6 +143,7 @@ class ModelConfig:
     norm: NormConfig = field(default_factory=NormConfig)
     ffn: FFNConfig = field(default_factory=FFNConfig)
     block: BlockConfig = field(default_factory=BlockConfig)
+    seq2seq: Seq2SeqConfig = field(default_factory=Seq2SeqConfig)  # kind=encoder_decoder only
 
     @property
     def head_dim(self) -> int:
@@ -430,6 +448,7 @@ def _validate_position(m: ModelConfig) -> None:
     p, s = m.position, m.position.scaling
     ROPE_SCALING.get(s.kind, "model.position.scaling.kind")
     default = PositionConfig()
+    _validate_position_tables(m)
     if p.kind != "rope":
         for name in ("interleaved", "partial_rotary_factor", "scaling"):
             if getattr(p, name) != getattr(default, name):
@@ -476,6 +495,56 @@ def _validate_position(m: ModelConfig) -> None:
         _positive(s.mscale_all_dim, f"{where}.mscale_all_dim")
         if (s.mscale is None) != (s.mscale_all_dim is None):
             raise ConfigError(f"{where}.mscale and {where}.mscale_all_dim must be set together")
+
+
+def _validate_position_tables(m: ModelConfig) -> None:
+    """learned's offset and t5_relative's buckets: each applies to its own kind only."""
+    p, default = m.position, PositionConfig()
+    owner = {"offset": "learned", "num_buckets": "t5_relative", "max_distance": "t5_relative"}
+    for name, kind in owner.items():
+        if p.kind != kind and getattr(p, name) != getattr(default, name):
+            raise ConfigError(f"model.position.{name} applies to kind={kind} only, not {p.kind}")
+    _positive(p.offset, "model.position.offset", allow_zero=True)
+    if p.kind == "t5_relative":
+        if p.num_buckets < 4 or p.num_buckets % 2:
+            raise ConfigError(
+                f"model.position.num_buckets must be even and >= 4, got {p.num_buckets}"
+            )
+        if p.max_distance <= p.num_buckets // 2:
+            raise ConfigError(
+                f"model.position.max_distance ({p.max_distance}) must exceed num_buckets / 2 "
+                f"({p.num_buckets // 2}): half the buckets hold exact distances below it"
+            )
+        if m.attention.kind != "softmax":
+            raise ConfigError(
+                "model.position.kind=t5_relative adds a bias to attention scores: it needs "
+                f"model.attention.kind=softmax, not {m.attention.kind}"
+            )
+
+
+def _validate_seq2seq(m: ModelConfig) -> None:
+    """model.seq2seq applies to kind=encoder_decoder, which has its own block and mask rules."""
+    s = m.seq2seq
+    if m.kind != "encoder_decoder":
+        if s != Seq2SeqConfig():
+            raise ConfigError(
+                f"model.seq2seq applies to model.kind=encoder_decoder only, not {m.kind}"
+            )
+        return
+    _positive(s.n_decoder_layers, "model.seq2seq.n_decoder_layers")
+    for name in ("pad_token_id", "decoder_start_token_id", "eos_token_id"):
+        value = getattr(s, name)
+        _positive(value, f"model.seq2seq.{name}", allow_zero=True)
+        if value is not None and m.vocab_size is not None and value >= m.vocab_size:
+            raise ConfigError(
+                f"model.seq2seq.{name} ({value}) must be < model.vocab_size ({m.vocab_size})"
+            )
+    _choice(m.block.kind, ["pre", "post"], "model.block.kind (encoder_decoder)")
+    if m.block.parallel:
+        raise ConfigError("model.block.parallel is not supported by model.kind=encoder_decoder")
+    _choice(m.attention.kind, ["softmax"], "model.attention.kind (encoder_decoder)")
+    _choice(m.attention.mask, ["causal"], "model.attention.mask (encoder_decoder: the decoder's)")
+    _choice(m.ffn.kind, [k for k in ("mlp", "swiglu", "geglu", "gated")], "model.ffn.kind")
 
 
 def validate_run_config(cfg: RunConfig) -> None:
@@ -539,6 +608,7 @@ def validate_run_config(cfg: RunConfig) -> None:
             f"model.attention.n_kv_heads ({m.n_kv_heads})"
         )
     _validate_position(m)
+    _validate_seq2seq(m)
 
     d = cfg.data
     from lmlab.data.tokenizer import TOKENIZERS

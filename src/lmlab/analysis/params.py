@@ -61,6 +61,15 @@ def ffn_params(cfg: ModelConfig) -> int:
     return cfg.d_model * f.n_experts + expert_params(cfg) * (f.n_experts + int(f.shared_expert))
 
 
+def position_params(cfg: ModelConfig) -> int:
+    """One position module: a learned (max_seq_len + offset, D) table or T5's (buckets, H)."""
+    if cfg.position.kind == "learned":
+        return (cfg.max_seq_len + cfg.position.offset) * cfg.d_model
+    if cfg.position.kind == "t5_relative":
+        return cfg.position.num_buckets * cfg.attention.n_heads
+    return 0
+
+
 def count_params(cfg: ModelConfig) -> dict[str, int]:
     """Parameters by component, plus ``total`` and ``non_embedding`` (total minus the token
     embedding; a tied LM head is the same matrix). Raises ValueError without vocab_size."""
@@ -70,12 +79,21 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     norms_per_layer = 1 if cfg.block.kind == "hybrid" else 2
     parts = {
         "embedding": v * d,
-        "position": cfg.max_seq_len * d if cfg.position.kind == "learned" else 0,
+        "position": position_params(cfg),
         "attention": L * attention_params(cfg),
         "ffn": L * ffn_params(cfg),
         "norms": L * norms_per_layer * _norm(cfg) + (_norm(cfg) if cfg.final_norm else 0),
         "lm_head": 0 if cfg.tie_embeddings else v * d,
     }
+    if cfg.kind == "encoder_decoder":  # T5 / BART: a second stack with cross-attention
+        s, n = cfg.seq2seq, cfg.seq2seq.n_decoder_layers or L
+        stack_norms = 2 * (_norm(cfg) if s.embed_norm else 0) + 2 * (
+            _norm(cfg) if cfg.final_norm else 0
+        )
+        parts["position"] *= 2  # the encoder's table and the decoder's
+        parts["attention"] += 2 * n * attention_params(cfg)  # self- and cross-attention
+        parts["ffn"] += n * ffn_params(cfg)
+        parts["norms"] = (2 * L + 3 * n) * _norm(cfg) + stack_norms
     parts["total"] = sum(parts.values())
     parts["non_embedding"] = parts["total"] - parts["embedding"]
     return parts

@@ -18,6 +18,7 @@ import importlib
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_model, save_model
@@ -51,31 +52,44 @@ def _model(cfg: ModelConfig, seed: int = 0) -> nn.Module:
     return build_model(cfg).eval()
 
 
+def _call(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, **kw: Any) -> Any:
+    """``model(tokens)``; an encoder-decoder reads the random ``source`` (default: ``tokens``)
+    and gets ``tokens`` as its decoder input (with a filled cache the source is not re-read)."""
+    source = kw.pop("source", None)
+    if cfg.kind != "encoder_decoder":
+        return model(tokens, **kw)
+    return model(tokens if source is None else source, decoder_input_ids=tokens, **kw)
+
+
 def check_causality(cfg: ModelConfig, x: torch.Tensor) -> tuple[bool, str]:
     model = _model(cfg)
     t = x.shape[1] // 2
     y = x.clone()
     y[:, t:] = torch.randint(0, cfg.vocab_size or 2, y[:, t:].shape)
-    with torch.no_grad():
-        d = _max_diff(model(x).logits[:, :t], model(y).logits[:, :t])
+    with torch.no_grad():  # an encoder-decoder keeps its source x: only the decoder input changes
+        a = _call(model, cfg, x, source=x).logits[:, :t]
+        d = _max_diff(a, _call(model, cfg, y, source=x).logits[:, :t])
     return d <= ATOL, f"max |change| at positions < {t}: {d:.1e}"
 
 
 def check_kv_cache(cfg: ModelConfig, x: torch.Tensor) -> tuple[bool, str]:
     model = _model(cfg)
     with torch.no_grad():
-        full = model(x).logits
+        full = _call(model, cfg, x, source=x).logits
         cache = model.new_cache()  # type: ignore[operator]
         split = x.shape[1] // 2
-        parts = [model(x[:, :split], cache=cache).logits]
-        parts += [model(x[:, i : i + 1], cache=cache).logits for i in range(split, x.shape[1])]
+        parts = [_call(model, cfg, x[:, :split], source=x, cache=cache).logits]
+        parts += [
+            _call(model, cfg, x[:, i : i + 1], source=x, cache=cache).logits
+            for i in range(split, x.shape[1])
+        ]
     d = _max_diff(torch.cat(parts, 1), full)
     return d <= ATOL, f"max |cached - full|: {d:.1e}"
 
 
 def check_gradients(cfg: ModelConfig, x: torch.Tensor) -> tuple[bool, str]:
     model = _model(cfg).train()
-    model(x, targets=x).loss.backward()
+    model(x, targets=x).loss.backward()  # an encoder-decoder: source x, target x
     bad = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.isfinite().all()]
     return not bad, f"{len(bad)} parameters without a finite gradient" + (
         f": {bad[0]}" if bad else ""
@@ -88,7 +102,7 @@ def check_state_dict(cfg: ModelConfig, x: torch.Tensor) -> tuple[bool, str]:
         save_model(model, f"{tmp}/m.safetensors")
         load_model(other, f"{tmp}/m.safetensors")
     with torch.no_grad():
-        d = _max_diff(model(x).logits, other(x).logits)
+        d = _max_diff(_call(model, cfg, x).logits, _call(other, cfg, x).logits)
     return d == 0.0, f"max |reloaded - original|: {d:.1e}"
 
 
@@ -97,7 +111,7 @@ def check_reference(cfg: ModelConfig, x: torch.Tensor) -> tuple[bool | None, str
     reasons = []
     for name in HF_FAMILIES.names():
         family = HF_FAMILIES.get(name)
-        if family.from_config is None:
+        if family.from_config is None or family.model_kind != cfg.kind:
             continue
         try:
             kwargs = family.from_config(cfg)
@@ -119,7 +133,11 @@ def check_reference(cfg: ModelConfig, x: torch.Tensor) -> tuple[bool | None, str
         ours = build_model(ours_cfg).eval()
         ours.load_state_dict(family.to_state(hf_model.state_dict(), ours_cfg), strict=True)
         with torch.no_grad():
-            d = _max_diff(ours(x).logits, hf_model(x).logits)
+            if cfg.kind == "encoder_decoder":
+                ref = hf_model(input_ids=x, decoder_input_ids=x).logits
+            else:
+                ref = hf_model(x).logits
+            d = _max_diff(_call(ours, ours_cfg, x).logits, ref)
         return d <= ATOL, f"vs transformers {family.hf_class}: max |diff| {d:.1e}"
     return None, "no Hugging Face counterpart (" + "; ".join(reasons[:2]) + ")"
 
@@ -138,6 +156,12 @@ def verify_config(cfg: RunConfig, label: str, seq_len: int = 16) -> list[Check]:
     mcfg = copy.deepcopy(cfg.model)
     mcfg.vocab_size = mcfg.vocab_size or 256
     mcfg.dropout = 0.0
+    if mcfg.kind == "encoder_decoder":  # ids for teacher forcing; any in-vocabulary ids do
+        s = mcfg.seq2seq
+        s.pad_token_id = 0 if s.pad_token_id is None else s.pad_token_id
+        s.decoder_start_token_id = (
+            s.pad_token_id if s.decoder_start_token_id is None else (s.decoder_start_token_id)
+        )
     # longer than a sliding window, so the window is in play
     t = min(max(seq_len, (mcfg.attention.window or 0) + 8), mcfg.max_seq_len)
     torch.manual_seed(1234)

@@ -6,10 +6,14 @@ from torch import nn
 
 from lmlab.config import ModelConfig
 from lmlab.models.decoder import DecoderLM
+from lmlab.models.encoder_decoder import EncoderDecoderLM
 from lmlab.registry import Registry
 
 MODELS: Registry[type[nn.Module]] = Registry("model", "model.kind")
 MODELS.register("decoder", "Decoder-only causal language model (GPT).")(DecoderLM)
+MODELS.register("encoder_decoder", "Encoder-decoder sequence-to-sequence model (T5, BART).")(
+    EncoderDecoderLM
+)
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from lmlab.nn.attention import ATTENTION
+from lmlab.nn.cross_attention import CrossAttention
 from lmlab.nn.ffn import build_ffn
-from lmlab.nn.kv_cache import LayerCache
+from lmlab.nn.kv_cache import CrossAttentionCache, LayerCache
 from lmlab.nn.norm import build_norm
 from lmlab.registry import Registry
 
@@ -94,3 +95,93 @@ class HybridNormBlock(Block):
         x = x + self.drop(a.out)
         x = self.ffn_norm(x + self.drop(self.ffn(x)))
         return x, a.weights
+
+
+# ----------------------------------------------------------------------------- decoder layers
+# An encoder-decoder's decoder layer has three sublayers: causal self-attention, cross-attention
+# over the encoder output, FFN (Vaswani et al. 2017, Fig. 1). Its encoder layer is a Block above
+# with a bidirectional mask. S_src: source tokens; memory (B, S_src, D) is the encoder output.
+
+DECODER_BLOCK: Registry[type[DecoderBlock]] = Registry("decoder_block", "model.block.kind")
+
+
+class DecoderBlock(nn.Module):
+    """attn_norm, attn (causal self-attention), cross_norm, cross_attn, ffn_norm, ffn."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.attn_norm = build_norm(cfg)
+        self.attn = ATTENTION.get(cfg.attention.kind, "model.attention.kind")(cfg, layer_idx)
+        self.cross_norm = build_norm(cfg)
+        self.cross_attn = CrossAttention(cfg, layer_idx)
+        self.ffn_norm = build_norm(cfg)
+        self.ffn = build_ffn(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        position: PositionEncoding,
+        positions: torch.Tensor,
+        memory: torch.Tensor | None,
+        memory_mask: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
+        cross_cache: CrossAttentionCache | None = None,
+        need_weights: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """x (B, T, D) -> (x (B, T, D), self-attention weights (B, H, T, S) or None,
+        cross-attention weights (B, H, T, S_src) or None).
+
+        ``memory_mask`` (B, S_src) bool, True = real source token; ``key_mask`` (B, S) the
+        decoder's own padding mask; ``cache`` / ``cross_cache``: this layer's decoding state."""
+        raise NotImplementedError
+
+
+@DECODER_BLOCK.register("pre")
+class PreNormDecoderBlock(DecoderBlock):
+    """x + self_attn(norm(x)), x + cross_attn(norm(x), memory), x + ffn(norm(x)) (T5)."""
+
+    def forward(
+        self,
+        x,
+        position,
+        positions,
+        memory,
+        memory_mask=None,
+        key_mask=None,
+        cache=None,
+        cross_cache=None,
+        need_weights=False,
+    ):
+        a = self.attn(self.attn_norm(x), position, positions, key_mask, cache, need_weights)
+        x = x + self.drop(a.out)
+        c = self.cross_attn(self.cross_norm(x), memory, memory_mask, cross_cache, need_weights)
+        x = x + self.drop(c.out)
+        x = x + self.drop(self.ffn(self.ffn_norm(x)))
+        return x, a.weights, c.weights
+
+
+@DECODER_BLOCK.register("post")
+class PostNormDecoderBlock(DecoderBlock):
+    """norm(x + self_attn(x)), norm(x + cross_attn(x, memory)), norm(x + ffn(x)) (Vaswani et
+    al. 2017; BART)."""
+
+    def forward(
+        self,
+        x,
+        position,
+        positions,
+        memory,
+        memory_mask=None,
+        key_mask=None,
+        cache=None,
+        cross_cache=None,
+        need_weights=False,
+    ):
+        a = self.attn(x, position, positions, key_mask, cache, need_weights)
+        x = self.attn_norm(x + self.drop(a.out))
+        c = self.cross_attn(x, memory, memory_mask, cross_cache, need_weights)
+        x = self.cross_norm(x + self.drop(c.out))
+        x = self.ffn_norm(x + self.drop(self.ffn(x)))
+        return x, a.weights, c.weights

@@ -73,6 +73,16 @@ class GeGLU(GatedMLP):
     activation = "gelu"
 
 
+@FFN.register("gated")
+class GatedActivationMLP(GatedMLP):
+    """down(act(gate(x)) * up(x)) with act = ``model.ffn.activation`` (Shazeer 2020): ReGLU with
+    relu, T5 v1.1's gated-gelu with gelu_tanh (Raffel et al. 2020)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.activation = cfg.ffn.activation
+        super().__init__(cfg)
+
+
 def build_ffn(cfg: ModelConfig) -> nn.Module:
     """The FFN named by ``cfg.ffn.kind``."""
     return FFN.get(cfg.ffn.kind, "model.ffn.kind")(cfg)

@@ -155,3 +155,52 @@ class KVCache:
     def nbytes(self) -> int:
         """Memory held by all layers' caches, in bytes."""
         return sum(layer.nbytes() for layer in self.layers)
+
+
+class CrossAttentionCache:
+    """One cross-attention layer's keys and values of the encoder output, each (B, K, S_src, hd).
+
+    Computed once, on the first decoding step, and read unchanged by every later step: the
+    encoder output does not change while the decoder generates (Vaswani et al. 2017, sec. 3.2.3).
+    """
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def filled(self) -> bool:
+        return self.k is not None
+
+    def set(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the projected encoder output (B, K, S_src, hd); raises RuntimeError if filled."""
+        if self.filled:
+            raise RuntimeError("a cross-attention cache is filled once per source batch")
+        self.k, self.v = k, v
+
+    def nbytes(self) -> int:
+        """Memory held by the cached keys and values, in bytes."""
+        return _nbytes(self.k, self.v)
+
+
+class EncoderDecoderCache(KVCache):
+    """An encoder-decoder model's decoding state: ``layers`` (the decoder self-attention caches,
+    as in :class:`KVCache`), ``cross`` (one :class:`CrossAttentionCache` per decoder layer) and
+    ``source_mask`` (B, S_src) bool, True = real source token, stored with the cross cache so
+    later steps need only the new decoder tokens.
+
+    ``seq_len`` counts decoder tokens; ``nbytes`` covers both kinds of cache.
+    """
+
+    def __init__(self, layers: int | Sequence[LayerCache]) -> None:
+        super().__init__(layers)
+        self.cross = [CrossAttentionCache() for _ in self.layers]
+        self.source_mask: torch.Tensor | None = None
+
+    @property
+    def cross_filled(self) -> bool:
+        """Whether the encoder output's keys and values are cached (every layer at once)."""
+        return bool(self.cross) and all(c.filled for c in self.cross)
+
+    def nbytes(self) -> int:
+        return super().nbytes() + sum(c.nbytes() for c in self.cross)

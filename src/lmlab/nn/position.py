@@ -92,7 +92,9 @@ class LearnedPosition(PositionEncoding):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
-        self.weight = nn.Parameter(torch.zeros(cfg.max_seq_len, cfg.d_model))
+        # BART keeps ``offset`` = 2 unused rows before position 0: row p + offset is position p
+        self.offset = cfg.position.offset
+        self.weight = nn.Parameter(torch.zeros(cfg.max_seq_len + self.offset, cfg.d_model))
         nn.init.normal_(self.weight, std=cfg.init_std)
 
     def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -102,7 +104,7 @@ class LearnedPosition(PositionEncoding):
                 f"position {int(positions.max())} is past model.max_seq_len={self.max_seq_len}: "
                 "learned positions have no embedding there"
             )
-        return x + self.weight[positions].to(x.dtype)
+        return x + self.weight[positions + self.offset].to(x.dtype)
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:
@@ -147,6 +149,65 @@ class ALiBiPosition(PositionEncoding):
         keys = torch.arange(s, device=positions.device)
         distance = (queries[:, None] - keys[None, :]).abs().float()  # (T, S)
         return -self.slopes[:, None, None] * distance  # (H, T, S)
+
+
+def relative_position_bucket(
+    relative_position: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int
+) -> torch.Tensor:
+    """Key position minus query position (int64, any shape) -> bucket ids in [0, num_buckets)
+    (Raffel et al. 2020, T5, section 2.1; the Mesh TensorFlow bucketing).
+
+    Bidirectional: half the buckets for keys after the query (positive distances), half for keys
+    at or before it. Causal: only keys at or before the query (positive distances clamp to 0).
+    Within one direction's n buckets, distances below n/2 get a bucket each; larger ones share
+    n/2 logarithmically wider buckets up to ``max_distance``, beyond which all share the last.
+    """
+    n = num_buckets
+    bucket = torch.zeros_like(relative_position)
+    if bidirectional:
+        n //= 2
+        bucket = bucket + (relative_position > 0).long() * n
+        distance = relative_position.abs()
+    else:
+        distance = (-relative_position).clamp_min(0)  # how far back the key lies
+    exact = n // 2
+    # log-spaced: exact + log(d / exact) / log(max_distance / exact) * (n - exact), in float32
+    log_ratio = torch.log(distance.float() / exact) / math.log(max_distance / exact)
+    far = (exact + (log_ratio * (n - exact)).long()).clamp_max(n - 1)
+    return bucket + torch.where(distance < exact, distance, far)
+
+
+@POSITION.register("t5_relative")
+class T5RelativePosition(PositionEncoding):
+    """A learned per-head scalar added to each score, chosen by the bucketed key - query
+    distance (Raffel et al. 2020, T5). One (num_buckets, H) table serves every layer.
+
+    Buckets are bidirectional when ``model.attention.mask`` is bidirectional (an encoder) and
+    causal otherwise (a decoder). Distances count key slots, as ALiBi does, so the bias is right
+    for a cache and for a left-padded row. T5 adds no embedding and no 1/sqrt(d_k) scaling
+    (``model.attention.scaled: false``).
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        p = cfg.position
+        self.bidirectional = cfg.attention.mask == "bidirectional"
+        self.num_buckets, self.max_distance = p.num_buckets, p.max_distance
+        self.relative_attention_bias = nn.Embedding(p.num_buckets, cfg.attention.n_heads)
+
+    def score_bias(self, positions: torch.Tensor, s: int) -> torch.Tensor:
+        """Queries in the last T of S key slots -> (H, T, S) bias, the table's dtype."""
+        t = positions.shape[-1]
+        device = self.relative_attention_bias.weight.device
+        queries = torch.arange(s - t, s, device=device)
+        keys = torch.arange(s, device=device)
+        buckets = relative_position_bucket(
+            keys[None, :] - queries[:, None],
+            self.bidirectional,
+            self.num_buckets,
+            self.max_distance,
+        )  # (T, S)
+        return self.relative_attention_bias(buckets).permute(2, 0, 1)  # (H, T, S)
 
 
 def rotary_dim(head_dim: int, partial_rotary_factor: float) -> int:

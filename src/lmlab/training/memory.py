@@ -47,7 +47,7 @@ import torch
 from lmlab.config import RunConfig
 from lmlab.errors import LmlabError
 
-GATED_FFNS = ("swiglu", "geglu")
+GATED_FFNS = ("swiglu", "geglu", "gated")
 
 
 @dataclass

@@ -1,0 +1,349 @@
+"""Encoder-decoder Transformer (Vaswani et al. 2017; T5, Raffel et al. 2020; BART, Lewis et al.
+2020): the encoder reads the source bidirectionally, the decoder generates the target causally
+and reads the encoder output through cross-attention in every layer.
+
+Legend: B batch, S source tokens, T decoder tokens (new ones; cached + new when cached), D
+d_model, H heads, V vocab_size. The encoder and the decoder share the token embedding (and the
+LM head when ``tie_embeddings``); each has its own position module (T5: its own relative-bias
+table with bidirectional / causal buckets; BART: its own learned table). Encoder layers are the
+:data:`~lmlab.nn.block.BLOCK` of ``model.block.kind`` with a bidirectional mask; decoder layers
+the :data:`~lmlab.nn.block.DECODER_BLOCK` of the same kind (self-attention, cross-attention, FFN).
+
+Training on (source, target) pairs: ``model(input_ids=src, attention_mask=src_mask,
+targets=tgt)`` where ``tgt`` ends with EOS and is padded with -100; the decoder input is
+``tgt`` shifted right behind ``model.seq2seq.decoder_start_token_id`` (:meth:`shift_right`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmlab.config import ModelConfig
+from lmlab.errors import LmlabError
+from lmlab.models.init import INIT
+from lmlab.models.output import ModelOutput
+from lmlab.nn.block import BLOCK, DECODER_BLOCK
+from lmlab.nn.kv_cache import EncoderDecoderCache
+from lmlab.nn.norm import build_norm
+from lmlab.nn.position import POSITION
+
+
+@dataclass
+class Seq2SeqOutput(ModelOutput):
+    """:class:`ModelOutput` of an encoder-decoder. ``logits`` (B, T, V), ``loss``, ``cache`` (an
+    :class:`EncoderDecoderCache`), ``hidden_states`` and ``attentions`` are the decoder's
+    (self-attention weights (B, H, T, T_total)). Added:
+
+    cross_attentions: per decoder layer, (B, H, T, S) weights of each decoder token over the
+    source tokens (rows sum to 1 over real source tokens) when ``need_weights``;
+    encoder_last_hidden_state: (B, S, D), the encoder output (None when a filled cache made the
+    encoder unnecessary); encoder_hidden_states: the encoder's residual stream entering each
+    layer plus its output; encoder_attentions: per encoder layer (B, H, S, S).
+    """
+
+    cross_attentions: list[torch.Tensor | None] = field(default_factory=list)
+    encoder_last_hidden_state: torch.Tensor | None = None
+    encoder_hidden_states: list[torch.Tensor] = field(default_factory=list)
+    encoder_attentions: list[torch.Tensor | None] = field(default_factory=list)
+
+
+def _with_mask(cfg: ModelConfig, mask: str) -> ModelConfig:
+    return dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, mask=mask))
+
+
+class Seq2SeqEncoder(nn.Module):
+    """Positions -> embedding norm -> dropout -> N bidirectional blocks -> final norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        cfg = _with_mask(cfg, "bidirectional")
+        self.position = POSITION.get(cfg.position.kind, "model.position.kind")(cfg)
+        self.embed_norm = build_norm(cfg) if cfg.seq2seq.embed_norm else nn.Identity()
+        self.drop = nn.Dropout(cfg.dropout)
+        block_cls = BLOCK.get(cfg.block.kind, "model.block.kind")
+        self.layers = nn.ModuleList(block_cls(cfg, i) for i in range(cfg.n_layers))
+        self.final_norm = build_norm(cfg) if cfg.final_norm else nn.Identity()
+
+    def forward(
+        self, x: torch.Tensor, key_mask: torch.Tensor | None, need_weights: bool, hidden: bool
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor | None]]:
+        """Token embeddings (B, S, D) -> (output (B, S, D), hidden states, attention weights)."""
+        positions = torch.arange(x.shape[1], device=x.device)  # (S,)
+        x = self.drop(self.embed_norm(self.position.embed(x, positions)))
+        states: list[torch.Tensor] = []
+        attns: list[torch.Tensor | None] = []
+        for layer in self.layers:
+            if hidden:
+                states.append(x)
+            x, w = layer(x, self.position, positions, key_mask, None, need_weights)
+            if need_weights:
+                attns.append(w)
+        x = self.final_norm(x)
+        if hidden:
+            states.append(x)
+        return x, states, attns
+
+
+class Seq2SeqDecoder(nn.Module):
+    """Positions -> embedding norm -> dropout -> N decoder blocks -> final norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        cfg = _with_mask(cfg, "causal")
+        n = cfg.seq2seq.n_decoder_layers or cfg.n_layers
+        self.position = POSITION.get(cfg.position.kind, "model.position.kind")(cfg)
+        self.embed_norm = build_norm(cfg) if cfg.seq2seq.embed_norm else nn.Identity()
+        self.drop = nn.Dropout(cfg.dropout)
+        block_cls = DECODER_BLOCK.get(cfg.block.kind, "model.block.kind")
+        self.layers = nn.ModuleList(block_cls(cfg, i) for i in range(n))
+        self.final_norm = build_norm(cfg) if cfg.final_norm else nn.Identity()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        memory: torch.Tensor | None,
+        source_mask: torch.Tensor | None,
+        key_mask: torch.Tensor | None,
+        cache: EncoderDecoderCache | None,
+        need_weights: bool,
+        hidden: bool,
+    ) -> tuple[
+        torch.Tensor, list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor | None]
+    ]:
+        """Token embeddings (B, T, D) at ``positions`` (T,) -> (output (B, T, D), hidden
+        states, self-attention weights, cross-attention weights (B, H, T, S) per layer)."""
+        x = self.drop(self.embed_norm(self.position.embed(x, positions)))
+        states: list[torch.Tensor] = []
+        attns: list[torch.Tensor | None] = []
+        cross: list[torch.Tensor | None] = []
+        for i, layer in enumerate(self.layers):
+            if hidden:
+                states.append(x)
+            x, w, c = layer(
+                x,
+                self.position,
+                positions,
+                memory,
+                source_mask,
+                key_mask,
+                cache.layers[i] if cache is not None else None,
+                cache.cross[i] if cache is not None else None,
+                need_weights,
+            )
+            if need_weights:
+                attns.append(w)
+                cross.append(c)
+        x = self.final_norm(x)
+        if hidden:
+            states.append(x)
+        return x, states, attns, cross
+
+
+class EncoderDecoderLM(nn.Module):
+    """A sequence-to-sequence Transformer: T5-style (Pre-Norm, RMSNorm, relative position bias,
+    unscaled attention) or BART-style (Post-Norm, LayerNorm, learned positions) by config."""
+
+    final_logits_bias: torch.Tensor | None
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.vocab_size is None:
+            raise LmlabError("model.vocab_size is not set (it normally comes from the tokenizer)")
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed_scale = math.sqrt(cfg.d_model) if cfg.seq2seq.scale_embedding else 1.0
+        self.encoder = Seq2SeqEncoder(cfg)
+        self.decoder = Seq2SeqDecoder(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # T5 with tied embeddings rescales the decoder output before the shared matrix
+        self.output_scale = cfg.d_model**-0.5 if cfg.seq2seq.scale_decoder_output else 1.0
+        bias = torch.zeros(1, cfg.vocab_size) if cfg.seq2seq.final_logits_bias else None
+        self.register_buffer("final_logits_bias", bias)  # BART: a fixed (1, V) logit offset
+        self.reset_parameters()
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def reset_parameters(self) -> None:
+        """Initialise every weight with the scheme named by ``model.init`` (see models/init.py)."""
+        INIT.get(self.cfg.init, "model.init")(self, self.cfg)
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def _special(self, name: str) -> int:
+        value = getattr(self.cfg.seq2seq, name)
+        if value is None:
+            raise LmlabError(f"model.seq2seq.{name} is not set (the tokenizer normally gives it)")
+        return int(value)
+
+    def shift_right(self, targets: torch.Tensor) -> torch.Tensor:
+        """Target ids (B, T) int64 (-100 = ignored) -> decoder input ids (B, T): the
+        decoder start token, then targets[:, :-1] with -100 replaced by the pad id (teacher
+        forcing: position t reads target t-1 and predicts target t). Raises LmlabError when
+        ``model.seq2seq.decoder_start_token_id`` or ``pad_token_id`` is unset."""
+        start, pad = self._special("decoder_start_token_id"), self._special("pad_token_id")
+        shifted = torch.full_like(targets, start)
+        shifted[:, 1:] = targets[:, :-1]
+        return shifted.masked_fill(shifted == -100, pad)
+
+    def _check_length(self, n: int, side: str) -> None:
+        if n > self.cfg.max_seq_len:
+            raise LmlabError(
+                f"the {side} has {n} tokens, more than the context model.max_seq_len="
+                f"{self.cfg.max_seq_len}"
+            )
+
+    def new_cache(self) -> EncoderDecoderCache:
+        """An empty cache: one self-attention cache per decoder layer and one cross-attention
+        cache per decoder layer (filled on the first call with the encoder output)."""
+        attns: list = [layer.attn for layer in self.decoder.layers]
+        return EncoderDecoderCache([attn.new_cache() for attn in attns])
+
+    # ------------------------------------------------------------------------------ passes
+
+    def _encode(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        need_weights: bool = False,
+        hidden: bool = False,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor | None]]:
+        b, s = input_ids.shape
+        self._check_length(s, "source")
+        if attention_mask is not None and attention_mask.shape != (b, s):
+            raise ValueError(
+                f"attention_mask must be (B, S) = {(b, s)}, got {tuple(attention_mask.shape)}"
+            )
+        key_mask = None if attention_mask is None else attention_mask.bool()
+        x = self.embed(input_ids) * self.embed_scale  # (B, S, D)
+        return self.encoder(x, key_mask, need_weights, hidden)
+
+    def encode(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Source ids (B, S) int64, attention_mask (B, S) (1 = real token, 0 = padding) -> the
+        encoder output (B, S, D). Raises LmlabError for a source longer than max_seq_len."""
+        return self._encode(input_ids, attention_mask)[0]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.Tensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        cache: EncoderDecoderCache | None = None,
+        need_weights: bool = False,
+        output_hidden_states: bool = False,
+        last_only: bool = False,
+        encoder_hidden_states: torch.Tensor | None = None,
+    ) -> Seq2SeqOutput:
+        """Source ids (B, S) and decoder ids (B, T) int64 -> Seq2SeqOutput, logits (B, T, V)
+        (or (B, 1, V) with ``last_only``).
+
+        attention_mask (B, S): 1 = real source token, 0 = padding (hidden from the encoder's
+        self-attention and from every cross-attention). targets (B, T) int64, -100 ignored: the
+        loss is the mean cross-entropy in nats/token (float32); without ``decoder_input_ids``
+        they are :meth:`shift_right` ed into them. decoder_attention_mask (B, cached + T): 1 =
+        real decoder token (the causal mask applies anyway). ``cache``: from :meth:`new_cache`;
+        the first call fills its cross-attention part from the encoder output, later calls
+        need only ``decoder_input_ids`` (the source is neither needed nor re-encoded).
+        ``encoder_hidden_states`` (B, S, D): an encoder output computed earlier (skips the
+        encoder). Raises LmlabError without decoder inputs or a source, ValueError for a mask
+        of the wrong shape.
+        """
+        if decoder_input_ids is None:
+            if targets is None:
+                raise LmlabError("an encoder-decoder forward needs decoder_input_ids or targets")
+            decoder_input_ids = self.shift_right(targets)
+        enc_states: list[torch.Tensor] = []
+        enc_attns: list[torch.Tensor | None] = []
+        memory = encoder_hidden_states
+        source_mask = None if attention_mask is None else attention_mask.bool()
+        if cache is not None and cache.cross_filled:
+            source_mask = cache.source_mask  # the cross-attention K/V already hold the source
+        elif memory is None:
+            if input_ids is None:
+                raise LmlabError("an encoder-decoder forward needs input_ids (the source)")
+            memory, enc_states, enc_attns = self._encode(
+                input_ids, attention_mask, need_weights, output_hidden_states
+            )
+        if cache is not None and not cache.cross_filled:
+            cache.source_mask = source_mask
+
+        x, hidden, attns, cross = self._decode(
+            decoder_input_ids,
+            memory,
+            source_mask,
+            decoder_attention_mask,
+            cache,
+            need_weights,
+            output_hidden_states,
+        )
+        if last_only:
+            x = x[:, -1:, :]
+        logits = self.lm_head(x * self.output_scale)  # (B, T, V)
+        if self.final_logits_bias is not None:
+            logits = logits + self.final_logits_bias
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100
+            )
+        return Seq2SeqOutput(
+            logits,
+            loss,
+            cache,
+            hidden,
+            attns,
+            cross_attentions=cross,
+            encoder_last_hidden_state=memory,
+            encoder_hidden_states=enc_states,
+            encoder_attentions=enc_attns,
+        )
+
+    def _decode(
+        self,
+        ids: torch.Tensor,
+        memory: torch.Tensor | None,
+        source_mask: torch.Tensor | None,
+        decoder_attention_mask: torch.Tensor | None,
+        cache: EncoderDecoderCache | None,
+        need_weights: bool,
+        hidden: bool,
+    ) -> tuple[
+        torch.Tensor, list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor | None]
+    ]:
+        """Decoder ids (B, T) -> (final hidden (B, T, D), hidden states, self weights, cross
+        weights)."""
+        b, t = ids.shape
+        past = cache.seq_len if cache is not None else 0
+        self._check_length(past + t, "decoder input")
+        key_mask = None
+        if decoder_attention_mask is not None:
+            if decoder_attention_mask.shape != (b, past + t):
+                raise ValueError(
+                    f"decoder_attention_mask must be (B, cached + new tokens) = {(b, past + t)}, "
+                    f"got {tuple(decoder_attention_mask.shape)}"
+                )
+            key_mask = decoder_attention_mask.bool()
+        positions = torch.arange(past, past + t, device=ids.device)  # (T,)
+        x = self.embed(ids) * self.embed_scale  # (B, T, D)
+        return self.decoder(
+            x, positions, memory, source_mask, key_mask, cache, need_weights, hidden
+        )
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Distinct parameters (tied weights counted once); ``non_embedding`` leaves out the
+        token embedding (and a tied LM head, which is the same matrix)."""
+        seen = {id(p): p for p in self.parameters()}
+        n = sum(p.numel() for p in seen.values())
+        if non_embedding:
+            n -= self.embed.weight.numel()
+        return n

@@ -1,0 +1,97 @@
+"""Cross-attention: decoder queries attend over the encoder output (Vaswani et al. 2017, sec. 3.2.3
+"encoder-decoder attention"; T5's EncDecAttention, BART's encoder_attn).
+
+Legend: B batch, T decoder (query) tokens, S source (key) tokens, D d_model, H heads, K kv heads,
+hd head_dim. Queries come from the decoder stream x (B, T, D); keys and values from the encoder
+output ``memory`` (B, S, D), projected once per source batch and kept in a
+:class:`~lmlab.nn.kv_cache.CrossAttentionCache`. There is no structural mask (every query sees
+every source token) and no position encoding; the source padding mask (B, S) hides padding keys.
+The projections, QK-norm, backends and GQA are those of :mod:`lmlab.nn.attention`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from lmlab.errors import LmlabError
+from lmlab.nn.attention import (
+    Attention,
+    AttentionOutput,
+    attention_math,
+    attention_sdpa,
+    repeat_kv,
+)
+from lmlab.nn.kv_cache import CrossAttentionCache
+from lmlab.nn.masks import combine_masks
+
+if TYPE_CHECKING:
+    from lmlab.config import ModelConfig
+
+
+class CrossAttention(Attention):
+    """softmax(Q K^T * scale) V with Q = x W_q (decoder) and K, V = memory W_k, memory W_v
+    (encoder output); scale 1/sqrt(hd), or 1 with ``model.attention.scaled: false`` (T5)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
+        super().__init__(cfg, layer_idx)
+        self.scale = 1.0 / math.sqrt(self.head_dim) if cfg.attention.scaled else 1.0
+        self.backend = cfg.attention.backend
+
+    def memory_kv(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encoder output (B, S, D) -> k, v (B, K, S, hd), k normalised (QK-norm) and v too
+        (V-norm) when configured."""
+        b, s, _ = memory.shape
+        k = self.k_norm(self.k_proj(memory).view(b, s, self.n_kv_heads, self.head_dim))
+        v = self.v_norm(self.v_proj(memory).view(b, s, self.n_kv_heads, self.head_dim))
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor | None,
+        memory_mask: torch.Tensor | None = None,
+        cache: CrossAttentionCache | None = None,
+        need_weights: bool = False,
+    ) -> AttentionOutput:
+        """x (B, T, D), memory (B, S, D) -> AttentionOutput(out (B, T, D), weights (B, H, T, S)
+        or None).
+
+        ``memory_mask`` (B, S) bool, True = real source token; a row without any real source
+        token outputs 0. ``cache``: read when filled (``memory`` may then be None), else filled
+        from ``memory``. ``need_weights`` switches to the math backend for this call. Raises
+        LmlabError when neither a filled cache nor ``memory`` is given.
+        """
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)).transpose(1, 2)
+        if cache is not None and cache.filled:
+            assert cache.k is not None and cache.v is not None
+            k, v = cache.k, cache.v
+        elif memory is None:
+            raise LmlabError("cross-attention needs the encoder output or a filled cache")
+        else:
+            k, v = self.memory_kv(memory)  # (B, K, S, hd)
+            if cache is not None:
+                cache.set(k, v)
+        s = k.shape[2]
+        rep = self.n_heads // self.n_kv_heads
+        k, v = repeat_kv(k, rep), repeat_kv(v, rep)  # (B, H, S, hd)
+        dropout_p = self.dropout if self.training else 0.0
+        mask: torch.Tensor | None = None
+        empty: torch.Tensor | None = None
+        if memory_mask is not None:
+            if memory_mask.shape != (b, s):
+                raise ValueError(
+                    f"the source mask must be (B, S) = {(b, s)}, got {tuple(memory_mask.shape)}"
+                )
+            every = torch.ones(t, s, dtype=torch.bool, device=x.device)  # no structural mask
+            mask, empty = combine_masks(every, memory_mask.bool())  # (B, 1, T, S)
+        math_path = need_weights or self.backend == "math"
+        attend = attention_math if math_path else attention_sdpa
+        y, w = attend(q, k, v, mask, self.scale, dropout_p)
+        if empty is not None:  # a source of padding only: output 0, not NaN
+            y = y.masked_fill(empty, 0.0)
+            w = None if w is None else w.masked_fill(empty, 0.0)
+        return AttentionOutput(self.merge_heads(y), w if need_weights else None)
