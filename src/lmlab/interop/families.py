@@ -52,6 +52,7 @@ def _common_attention(cfg: ModelConfig, family: str) -> None:
     _require(not a.v_norm, family, "model.attention.v_norm")
     _require(cfg.final_norm, family, "model.final_norm=false")
     _require(cfg.block.kind == "pre", family, f"model.block.kind={cfg.block.kind}")
+    _require(cfg.block.residual, family, "model.block.residual=false")
 
 
 def _llama_from(cfg: ModelConfig, family: str = "Llama", ffn: str = "swiglu") -> dict[str, Any]:
