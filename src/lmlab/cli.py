@@ -133,6 +133,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--max-tokens", type=int, help="score only the first N tokens")
     e.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
+    e.add_argument(
+        "--lengths",
+        metavar="L1,L2,...",
+        help="length extrapolation: perplexity at each context length (non-overlapping windows "
+        "over the same text), printed as a table and plotted, e.g. --lengths 128,256,512,1024; "
+        "RUN may then be anything lmlab.load accepts",
+    )
+    e.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="with --lengths: the PNG to write (default: eval_lengths.png in the current folder)",
+    )
+    e.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="inference-time override of the model's position scaling, e.g. --set "
+        "model.position.scaling.kind=ntk --set model.position.scaling.factor=4 (repeatable; "
+        "implies --lengths at the trained context if --lengths is not given)",
+    )
     e.add_argument("--json", action="store_true", help="print one JSON object")
     _add_common(e)
 
@@ -285,6 +306,8 @@ def _without_nproc(argv: Sequence[str]) -> list[str]:
 def cmd_eval(args: argparse.Namespace) -> int:
     from lmlab.evaluation.evaluate import evaluate
 
+    if args.lengths or args.set:
+        return _eval_lengths(args)
     res = evaluate(
         args.run,
         split=args.split,
@@ -299,6 +322,36 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         for k, v in res.as_dict().items():
             print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
+    return 0
+
+
+def _eval_lengths(args: argparse.Namespace) -> int:
+    from lmlab.evaluation.lengths import eval_lengths, format_lengths, plot_lengths
+
+    if args.stride is not None:
+        raise LmlabError("--stride cannot be combined with --lengths (windows do not overlap)")
+    res = eval_lengths(
+        args.run,
+        args.lengths,  # None (--set alone): the trained context
+        args.set,
+        split=args.split,
+        data=args.data,
+        max_tokens=args.max_tokens,
+        device=args.device or "auto",
+        batch_size=args.batch_size,
+    )
+    label = " ".join([res.position, *res.overrides])
+    plot = plot_lengths(
+        {label: [(r.length, r.loss) for r in res.rows]},
+        args.plot or "eval_lengths.png",
+        res.trained_len,
+        title=f"{Path(res.model).name}: loss vs context length",
+    )
+    if args.json:
+        print(json.dumps({**res.as_dict(), "plot": str(plot)}))
+    else:
+        print(format_lengths(res))
+        print(f"plot: {plot}")
     return 0
 
 
