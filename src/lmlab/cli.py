@@ -25,6 +25,9 @@ lmlab: build, train, probe and compare Transformer language models.
   lmlab train --config configs/llama.yaml --nproc 2     a preset, on 2 processes (DDP)
   lmlab verify --config my.yaml       prove a model config correct (and equal to Hugging Face's)
   lmlab inspect configs/mixtral.yaml  parameters per component, without building the model
+  lmlab compare experiments/positions.yaml   train variants x seeds, report.md + plots
+  lmlab eval runs/minigpt --lengths 128,256,512 --set model.position.scaling.kind=ntk
+                                      perplexity per context length (length extrapolation)
   lmlab list                          every component variant a config can name
 """
 
@@ -225,6 +228,34 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--json", action="store_true", help="print one JSON object")
     ins.add_argument("--debug", action="store_true", help="show Python tracebacks on errors")
 
+    c = sub.add_parser(
+        "compare",
+        help="train the variants of an experiment over seeds and write a comparison report",
+        description="Train every variant x seed of an experiment YAML (a base config, named "
+        "variants of dotted overrides, seeds, one budget: steps, tokens or time_s) one after "
+        "another into OUT/<variant>/seed-<s>/, measure each run, and write OUT/report.md "
+        "(mean +/- std over seeds, perplexity, params, tokens/s, KV-cache bytes, decode "
+        "tokens/s, loss per eval length, whether each difference exceeds seed noise) and PNG "
+        "plots. Re-running the same command continues a stopped comparison; finished runs are "
+        "not re-trained. Example: lmlab compare experiments/attention_heads.yaml",
+    )
+    c.add_argument("experiment", metavar="EXPERIMENT.yaml")
+    c.add_argument(
+        "--out", help="output folder (default: runs/compare/<name>, <name>-smoke with --smoke)"
+    )
+    c.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every variant 2 steps, the first seed, a tiny eval: checks the experiment runs",
+    )
+    c.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the trainer's progress bar (default: when stderr is a terminal)",
+    )
+    _add_common(c)
+
     ls = sub.add_parser(
         "list",
         help="list the component variants a config can choose",
@@ -421,6 +452,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from lmlab.experiments.compare import compare
+
+    res = compare(
+        args.experiment,
+        out=args.out,
+        smoke=args.smoke,
+        device=args.device,
+        progress=args.progress,
+    )
+    print(res.report.read_text(encoding="utf-8"))
+    return 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     import lmlab.data.tokenizer  # noqa: F401  (registers tokenizers)
     import lmlab.interop.families  # noqa: F401
@@ -446,6 +491,7 @@ COMMANDS = {
     "generate": cmd_generate,
     "verify": cmd_verify,
     "inspect": cmd_inspect,
+    "compare": cmd_compare,
     "list": cmd_list,
 }
 
