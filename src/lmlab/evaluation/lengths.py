@@ -186,9 +186,10 @@ def eval_lengths(
     batch_size: int = 8,
 ) -> LengthsResult:
     """Perplexity of the model at ``path`` (anything :func:`lmlab.load` accepts) at each context
-    length (None: only the trained context ``max_seq_len``), on a run's corpus split or on ``data`` (a UTF-8 text file; needed for a model folder
-    that is not an lmlab run). ``overrides``: ``model.position.scaling.*=value`` items applied at
-    inference. ``max_tokens``: keep the first N tokens of the text.
+    length (None: only the trained context ``max_seq_len``), on a run's corpus split or on
+    ``data`` (a UTF-8 text file; needed for a model folder that is not an lmlab run).
+    ``overrides``: ``model.position.scaling.*=value`` items applied at inference.
+    ``max_tokens``: keep the first N tokens of the text.
 
     Raises LmlabError for bad lengths or overrides, a model without tokenizer, a missing text."""
     from lmlab.interop.load import load

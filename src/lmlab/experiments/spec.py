@@ -46,8 +46,17 @@ import yaml
 from lmlab.config import RunConfig, config_from_dict
 from lmlab.errors import ConfigError, LmlabError
 
-TOP_LEVEL = ("name", "claim", "description", "base", "variants", "seeds", "budget", "eval")
-TOP_LEVEL += ("decode_tokens",)
+TOP_LEVEL = (
+    "name",
+    "claim",
+    "description",
+    "base",
+    "variants",
+    "seeds",
+    "budget",
+    "eval",
+    "decode_tokens",
+)
 BUDGET_KINDS = ("steps", "tokens", "time_s")
 EVAL_FIELDS = ("lengths", "max_tokens", "inference", "batch_size")
 
@@ -81,7 +90,8 @@ class Budget:
 
 @dataclass
 class InferenceVariant:
-    """A trained variant evaluated again with inference-time overrides (``model.position.scaling.*``)."""
+    """A trained variant evaluated again with inference-time overrides
+    (``model.position.scaling.*``)."""
 
     variant: str
     overrides: list[str]
