@@ -150,6 +150,17 @@ def train_tokens_per_s(records: list[dict[str, Any]]) -> float | None:
     return tokens / seconds if seconds > 0 else None
 
 
+def expert_load(records: list[dict[str, Any]]) -> float | None:
+    """MoE routing balance at the end of training: max / mean tokens per expert in the last
+    logged window, averaged over MoE layers (1.0 = perfectly balanced, n_experts = one expert
+    takes everything); None without MoE layers."""
+    last = next((r["expert_counts"] for r in reversed(records) if "expert_counts" in r), None)
+    if not last:
+        return None
+    ratios = [max(c) / (sum(c) / len(c)) for c in last if sum(c) > 0]
+    return float(np.mean(ratios)) if ratios else None
+
+
 def _diverged(run: Path, error: LmlabError) -> bool:
     """Whether a training error is the divergence guard (non-finite loss, gradient or weights)."""
     records = read_metrics(run)
@@ -188,6 +199,7 @@ def measure_run(
         if "val_loss" in r
     ]
     summary["tokens_per_s"] = train_tokens_per_s(records)
+    summary["expert_load"] = expert_load(records)
     try:
         loaded = load_run(run, device)
     except CheckpointError:  # diverged before its first checkpoint: nothing to measure

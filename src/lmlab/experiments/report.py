@@ -187,6 +187,8 @@ def write_report(exp: Experiment, out: Path, summaries: list[dict[str, Any]]) ->
     ref_name = next(iter(exp.variants))
     head = ["variant", "val loss (nats/token)", "perplexity", "params", "train tokens/s"]
     head += ["KV cache bytes/token", "decode tokens/s", "steps"]
+    moe = any(r.get("expert_load") is not None for r in summaries)
+    head += ["expert load max/mean"] if moe else []
     head += [f"loss @{n}" for n in lengths]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, inference, runs in rows:
@@ -207,9 +209,11 @@ def write_report(exp: Experiment, out: Path, summaries: list[dict[str, Any]]) ->
                 "-".join(str(s) for s in (steps[:1] + steps[-1:] if len(steps) > 1 else steps))
                 or "n/a",
             ]
+            if moe:
+                cells.append(_fmt(_mean_of(runs, "expert_load"), ".2f"))
         else:
             base = exp.eval.inference[name].variant
-            cells = [f"`{name}` (`{base}` at inference)", "", "", "", "", "", "", ""]
+            cells = [f"`{name}` (`{base}` at inference)"] + [""] * (len(head) - 1 - len(lengths))
         for n in lengths:
             lv = _length_losses(runs, n, inference)
             finite = _finite(lv)
@@ -263,6 +267,12 @@ def write_report(exp: Experiment, out: Path, summaries: list[dict[str, Any]]) ->
             f" loss @L: the val split in non-overlapping windows of L tokens "
             f"({exp.eval.max_tokens or 'all'} tokens)."
             if lengths
+            else ""
+        )
+        + (
+            " expert load: tokens of the busiest expert / mean tokens per expert in the last "
+            "logged training window, averaged over MoE layers (1 = balanced)."
+            if moe
             else ""
         ),
         "",
