@@ -289,6 +289,8 @@ def compare(
         run = run_dir(out_dir, variant, seed)
         cfg = exp.config(variant, seed)
         label = f"[{i}/{len(pairs)}] {variant} seed {seed}"
+        if has_checkpoint(run):
+            _check_run_config(run, cfg, variant, seed, exp)
         summary = _read_summary(run)
         if summary is not None and summary.get("measure_key") == key:
             log(f"{label}: done before, skipped")
@@ -319,6 +321,37 @@ def compare(
     result.plots = write_report(exp, out_dir, result.summaries)
     log(f"report: {result.report}")
     return result
+
+
+def _check_run_config(run: Path, cfg: Any, variant: str, seed: int, exp: Experiment) -> None:
+    """Refuse a run folder trained from another config than its variant's now (an edited
+    experiment file): its results would be reported under the wrong name."""
+    from dataclasses import replace
+
+    from lmlab.config import diff_configs
+    from lmlab.run import read_run_config
+
+    saved = read_run_config(run)
+    t, m = cfg.train, cfg.model
+    probe = replace(
+        cfg,
+        name=saved.name,
+        train=replace(
+            t,
+            lr_decay_steps=t.lr_decay_steps or saved.train.lr_decay_steps,
+            seq_len=t.seq_len or saved.train.seq_len,
+            max_steps=saved.train.max_steps,
+            device=saved.train.device,
+        ),
+        model=replace(m, vocab_size=m.vocab_size or saved.model.vocab_size),
+    )
+    changed = diff_configs(saved, probe)
+    if changed:
+        raise LmlabError(
+            f"{variant} seed {seed}: {run} was trained with another config than the experiment "
+            f"now gives this variant ({', '.join(changed)} differ); restore the experiment file "
+            "or choose another --out"
+        )
 
 
 def _train_one(

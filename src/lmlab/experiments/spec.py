@@ -136,13 +136,14 @@ class Experiment:
         except ConfigError as e:
             raise ConfigError(f"{self._where()}: variant {variant!r}: {e}") from None
         cfg.train.max_steps = self.budget.steps_for(cfg)
-        if self.is_smoke:  # val loss at steps 0 and 2, from one batch
+        if self.is_smoke:  # 2 sequences per step; val loss at steps 0 and 2, from one batch
+            cfg.train.batch_size = min(cfg.train.batch_size, 2)
             cfg.train.eval_batches, cfg.train.eval_every = 1, 2
         return cfg
 
     def smoke(self) -> Experiment:
-        """The CI version: every variant 2 steps, the first seed, one eval batch, one window per
-        eval length, 4 decode tokens."""
+        """The CI version: every variant 2 steps of 2 sequences, the first seed, one eval batch,
+        one window per eval length, 4 decode tokens."""
         lengths = self.eval.lengths
         ev = dataclasses.replace(
             self.eval, max_tokens=(max(lengths) + 1) if lengths else None, batch_size=1
