@@ -281,6 +281,8 @@ def plot_lengths(
     if trained_len:
         ax.axvline(trained_len, ls="--", color="gray", lw=1, label=f"trained ({trained_len})")
     ax.set_xscale("log", base=2)
+    ticks = sorted({n for points in curves.values() for n, _ in points})
+    ax.set_xticks(ticks, [str(n) for n in ticks])
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(title)
