@@ -26,6 +26,9 @@ lmlab: build, train, probe and compare Transformer language models.
   lmlab verify --config my.yaml       prove a model config correct (and equal to Hugging Face's)
   lmlab inspect configs/mixtral.yaml  parameters, FLOPs, KV cache and memory, without building it
   lmlab attention runs/minigpt --text "ROMEO:"   attention heatmaps and per-head diagnostics
+  lmlab compare experiments/positions.yaml   train variants x seeds, report.md + plots
+  lmlab eval runs/minigpt --lengths 128,256,512 --set model.position.scaling.kind=ntk
+                                      perplexity per context length (length extrapolation)
   lmlab list                          every component variant a config can name
   lmlab export runs/minigpt --format hf --out hf/minigpt    a Hugging Face folder (checked)
   lmlab import hf/minigpt --out runs/imported               any loadable model as a run
@@ -143,6 +146,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--max-tokens", type=int, help="score only the first N tokens")
     e.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
+    e.add_argument(
+        "--lengths",
+        metavar="L1,L2,...",
+        help="length extrapolation: perplexity at each context length (non-overlapping windows "
+        "over the same text), printed as a table and plotted, e.g. --lengths 128,256,512,1024; "
+        "RUN may then be anything lmlab.load accepts",
+    )
+    e.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="with --lengths: the PNG to write (default: eval_lengths.png in the current folder)",
+    )
+    e.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="inference-time override of the model's position scaling, e.g. --set "
+        "model.position.scaling.kind=ntk --set model.position.scaling.factor=4 (repeatable; "
+        "implies --lengths at the trained context if --lengths is not given)",
+    )
     e.add_argument("--json", action="store_true", help="print one JSON object")
     _add_common(e)
 
@@ -285,6 +309,34 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--force", action="store_true", help="replace a non-empty --out")
     im.add_argument("--debug", action="store_true", help="show Python tracebacks on errors")
 
+    c = sub.add_parser(
+        "compare",
+        help="train the variants of an experiment over seeds and write a comparison report",
+        description="Train every variant x seed of an experiment YAML (a base config, named "
+        "variants of dotted overrides, seeds, one budget: steps, tokens or time_s) one after "
+        "another into OUT/<variant>/seed-<s>/, measure each run, and write OUT/report.md "
+        "(mean +/- std over seeds, perplexity, params, tokens/s, KV-cache bytes, decode "
+        "tokens/s, loss per eval length, whether each difference exceeds seed noise) and PNG "
+        "plots. Re-running the same command continues a stopped comparison; finished runs are "
+        "not re-trained. Example: lmlab compare experiments/attention_heads.yaml",
+    )
+    c.add_argument("experiment", metavar="EXPERIMENT.yaml")
+    c.add_argument(
+        "--out", help="output folder (default: runs/compare/<name>, <name>-smoke with --smoke)"
+    )
+    c.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every variant 2 steps, the first seed, a tiny eval: checks the experiment runs",
+    )
+    c.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the trainer's progress bar (default: when stderr is a terminal)",
+    )
+    _add_common(c)
+
     ls = sub.add_parser(
         "list",
         help="list the component variants a config can choose",
@@ -372,6 +424,8 @@ def _without_nproc(argv: Sequence[str]) -> list[str]:
 def cmd_eval(args: argparse.Namespace) -> int:
     from lmlab.evaluation.evaluate import evaluate
 
+    if args.lengths or args.set:
+        return _eval_lengths(args)
     res = evaluate(
         args.run,
         split=args.split,
@@ -386,6 +440,36 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         for k, v in res.as_dict().items():
             print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
+    return 0
+
+
+def _eval_lengths(args: argparse.Namespace) -> int:
+    from lmlab.evaluation.lengths import eval_lengths, format_lengths, plot_lengths
+
+    if args.stride is not None:
+        raise LmlabError("--stride cannot be combined with --lengths (windows do not overlap)")
+    res = eval_lengths(
+        args.run,
+        args.lengths,  # None (--set alone): the trained context
+        args.set,
+        split=args.split,
+        data=args.data,
+        max_tokens=args.max_tokens,
+        device=args.device or "auto",
+        batch_size=args.batch_size,
+    )
+    label = " ".join([res.position, *res.overrides])
+    plot = plot_lengths(
+        {label: [(r.length, r.loss) for r in res.rows]},
+        args.plot or "eval_lengths.png",
+        res.trained_len,
+        title=f"{Path(res.model).name}: loss vs context length",
+    )
+    if args.json:
+        print(json.dumps({**res.as_dict(), "plot": str(plot)}))
+    else:
+        print(format_lengths(res))
+        print(f"plot: {plot}")
     return 0
 
 
@@ -485,6 +569,20 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from lmlab.experiments.compare import compare
+
+    res = compare(
+        args.experiment,
+        out=args.out,
+        smoke=args.smoke,
+        device=args.device,
+        progress=args.progress,
+    )
+    print(res.report.read_text(encoding="utf-8"))
+    return 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     import lmlab.data.tokenizer  # noqa: F401  (registers tokenizers)
     import lmlab.interop.families  # noqa: F401
@@ -511,6 +609,7 @@ COMMANDS = {
     "verify": cmd_verify,
     "inspect": cmd_inspect,
     "attention": cmd_attention,
+    "compare": cmd_compare,
     "list": cmd_list,
     "export": cmd_export,
     "import": cmd_import,

@@ -108,6 +108,7 @@ class BlockConfig:
 
     kind: str = "pre"
     parallel: bool = False  # attention and FFN side by side on the same input (GPT-J, NeoX)
+    residual: bool = True  # False drops the skip connections: x = branch(x) (an ablation)
 
 
 @dataclass

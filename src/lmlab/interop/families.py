@@ -83,6 +83,7 @@ def _common_checks(cfg: ModelConfig, c: _Checks) -> None:
     c.require(not a.v_norm, "model.attention.v_norm")
     c.require(cfg.final_norm, "model.final_norm=false")
     c.require(cfg.block.kind == "pre", f"model.block.kind={cfg.block.kind}")
+    c.require(cfg.block.residual, "model.block.residual=false")
 
 
 def _rope_checks(cfg: ModelConfig, c: _Checks, partial: bool = False) -> None:

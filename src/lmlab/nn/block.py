@@ -36,6 +36,12 @@ class Block(nn.Module):
         self.ffn = build_ffn(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         self.parallel = cfg.block.parallel
+        self.residual = cfg.block.residual
+
+    def add(self, x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+        """The residual connection x + branch (He et al. 2016); only branch with
+        ``block.residual: false``, the ablation that removes the skip path."""
+        return x + branch if self.residual else branch
 
     def forward(
         self,
@@ -63,9 +69,9 @@ class PreNormBlock(Block):
     def forward(self, x, position, positions, key_mask=None, cache=None, need_weights=False):
         a = self.attn(self.attn_norm(x), position, positions, key_mask, cache, need_weights)
         if self.parallel:
-            return x + self.drop(a.out) + self.drop(self.ffn(self.ffn_norm(x))), a.weights
-        x = x + self.drop(a.out)
-        x = x + self.drop(self.ffn(self.ffn_norm(x)))
+            return self.add(x, self.drop(a.out) + self.drop(self.ffn(self.ffn_norm(x)))), a.weights
+        x = self.add(x, self.drop(a.out))
+        x = self.add(x, self.drop(self.ffn(self.ffn_norm(x))))
         return x, a.weights
 
 
@@ -75,8 +81,8 @@ class PostNormBlock(Block):
 
     def forward(self, x, position, positions, key_mask=None, cache=None, need_weights=False):
         a = self.attn(x, position, positions, key_mask, cache, need_weights)
-        x = self.attn_norm(x + self.drop(a.out))
-        x = self.ffn_norm(x + self.drop(self.ffn(x)))
+        x = self.attn_norm(self.add(x, self.drop(a.out)))
+        x = self.ffn_norm(self.add(x, self.drop(self.ffn(x))))
         return x, a.weights
 
 
@@ -92,8 +98,8 @@ class HybridNormBlock(Block):
 
     def forward(self, x, position, positions, key_mask=None, cache=None, need_weights=False):
         a = self.attn(x, position, positions, key_mask, cache, need_weights)
-        x = x + self.drop(a.out)
-        x = self.ffn_norm(x + self.drop(self.ffn(x)))
+        x = self.add(x, self.drop(a.out))
+        x = self.ffn_norm(self.add(x, self.drop(self.ffn(x))))
         return x, a.weights
 
 

@@ -1,0 +1,1 @@
+"""Experiments: train variants of a base config over seeds, then compare them (lmlab compare)."""
