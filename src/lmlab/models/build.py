@@ -6,10 +6,14 @@ from torch import nn
 
 from lmlab.config import ModelConfig
 from lmlab.models.decoder import DecoderLM
+from lmlab.models.encoder import EncoderLM
 from lmlab.registry import Registry
 
 MODELS: Registry[type[nn.Module]] = Registry("model", "model.kind")
 MODELS.register("decoder", "Decoder-only causal language model (GPT).")(DecoderLM)
+MODELS.register("encoder", "Encoder-only masked language model (BERT, Devlin et al. 2019).")(
+    EncoderLM
+)
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
