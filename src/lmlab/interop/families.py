@@ -16,7 +16,7 @@ import torch
 
 from lmlab.config import ModelConfig
 from lmlab.errors import LmlabError
-from lmlab.interop import hf, hf_mistral, hf_mixtral, hf_neox
+from lmlab.interop import hf, hf_bert, hf_mistral, hf_mixtral, hf_neox
 from lmlab.registry import Registry
 
 
@@ -34,6 +34,8 @@ class HFFamily:
     to_config: Callable[[Any], ModelConfig]
     to_state: Callable[[dict[str, torch.Tensor], ModelConfig], dict[str, torch.Tensor]]
     from_config: Callable[[ModelConfig], dict[str, Any]] | None = None
+    # Adjusts the config to what the tensors hold (e.g. BERT with or without pooler / MLM head).
+    fit_config: Callable[[ModelConfig, dict[str, torch.Tensor]], ModelConfig] | None = None
 
 
 HF_FAMILIES: Registry[HFFamily] = Registry("hf_family")
@@ -263,6 +265,18 @@ HF_FAMILIES.register("gpt_neox", "GPT-NeoX / Pythia: LayerNorm, partial RoPE, pa
         hf_neox.neox_model_config,
         lambda sd, cfg: hf_neox.neox_state_dict(sd, cfg.attention.n_heads, cfg.tie_embeddings),
         _neox_from,
+    )
+)
+HF_FAMILIES.register(
+    "bert", "BERT: post-norm bidirectional encoder, MLM head (Devlin et al. 2019)."
+)(
+    HFFamily(
+        "bert",
+        "BertForMaskedLM",
+        "BertConfig",
+        hf_bert.bert_model_config,
+        hf_bert.bert_state_dict,
+        fit_config=hf_bert.fit_bert_config,
     )
 )
 

@@ -67,6 +67,8 @@ def load_hf_folder(folder: str | Path, device: str = "cpu") -> tuple[nn.Module, 
             f"{p / 'config.json'} lacks {getattr(e, 'name', None) or e!s}, which a "
             f"{raw.get('model_type')} config needs"
         ) from None
+    if family.fit_config is not None:
+        cfg = family.fit_config(cfg, tensors)
     model = build_model(cfg)
     state = family.to_state(tensors, cfg)
     missing, unexpected = model.load_state_dict(state, strict=False)
