@@ -431,6 +431,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     import lmlab.models  # noqa: F401
     import lmlab.models.init  # noqa: F401
     import lmlab.nn  # noqa: F401
+    import lmlab.training.objectives  # noqa: F401
     from lmlab.registry import families
 
     regs = families()

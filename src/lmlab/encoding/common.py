@@ -5,24 +5,24 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from lmlab.data.tokenizer import Tokenizer
 from lmlab.errors import LmlabError
 from lmlab.interop.load import load
+from lmlab.models.encoder import EncoderLM
 from lmlab.training.hardware import resolve_device
 
 
 def load_encoder(
     path: str | Path, command: str, device: str = "auto"
-) -> tuple[nn.Module, Tokenizer]:
+) -> tuple[EncoderLM, Tokenizer]:
     """``(model, tokenizer)`` of any path :func:`lmlab.interop.load.load` accepts, in eval mode.
 
     Raises LmlabError when the path is not a model, the model is not an encoder
     (``model.kind=encoder``), or it has no tokenizer."""
     model, tokenizer = load(path, str(resolve_device(device)))
-    kind = getattr(model.cfg, "kind", "decoder")
-    if kind != "encoder":
+    if not isinstance(model, EncoderLM):
+        kind = getattr(getattr(model, "cfg", None), "kind", type(model).__name__)
         raise LmlabError(
             f"{command} needs an encoder model (model.kind=encoder, e.g. BERT); {path} holds a "
             f"{kind} model"
@@ -40,7 +40,7 @@ def encode_batch(
 
     Raises LmlabError for an empty text or one longer than ``max_len`` tokens."""
     rows = [tokenizer.encode_for_model(t) for t in texts]
-    for text, ids in zip(texts, rows, strict=True):
+    for text, ids in zip(texts, rows, strict=True):  # ids: list[int]
         if not text.strip():
             raise LmlabError("--text is empty")
         if len(ids) > max_len:
@@ -50,9 +50,9 @@ def encode_batch(
             )
     width = max(len(r) for r in rows)
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        input_ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
         mask[i, : len(r)] = 1
-    return ids.to(device), mask.to(device)
+    return input_ids.to(device), mask.to(device)

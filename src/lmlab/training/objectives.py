@@ -18,6 +18,7 @@ here; it may ignore the token cache and read its own data in ``__init__``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -41,7 +42,7 @@ class Objective:
     model_kinds: ClassVar[tuple[str, ...]] = ("decoder",)  # model.kind values it trains
 
     def __init__(
-        self, cfg: RunConfig, tokenizer: Tokenizer, splits: dict[str, np.ndarray], seq_len: int
+        self, cfg: RunConfig, tokenizer: Tokenizer, splits: Mapping[str, np.ndarray], seq_len: int
     ) -> None:
         self.cfg, self.tokenizer, self.splits, self.seq_len = cfg, tokenizer, splits, seq_len
 
@@ -93,7 +94,7 @@ class MaskedLM(Objective):
     model_kinds = ("encoder",)
 
     def __init__(
-        self, cfg: RunConfig, tokenizer: Tokenizer, splits: dict[str, np.ndarray], seq_len: int
+        self, cfg: RunConfig, tokenizer: Tokenizer, splits: Mapping[str, np.ndarray], seq_len: int
     ) -> None:
         super().__init__(cfg, tokenizer, splits, seq_len)
         self.mask_prob = cfg.train.mask_prob
@@ -201,7 +202,7 @@ def objective_name(cfg: RunConfig) -> str:
 
 
 def build_objective(
-    cfg: RunConfig, tokenizer: Tokenizer, splits: dict[str, np.ndarray], seq_len: int
+    cfg: RunConfig, tokenizer: Tokenizer, splits: Mapping[str, np.ndarray], seq_len: int
 ) -> Objective:
     """The objective named by ``cfg.train.objective`` for this run's tokenizer and data."""
     return OBJECTIVES.get(objective_name(cfg), "train.objective")(cfg, tokenizer, splits, seq_len)
