@@ -346,6 +346,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     params.validate()
     run = load_run(args.run, args.device or "auto")
+    if run.config.model.kind == "encoder":
+        raise LmlabError(
+            f"generate needs a decoder model; {args.run} is an encoder (masked LM): use "
+            f"lmlab fill-mask {args.run} --text '... [MASK] ...'"
+        )
     prompts = args.prompt or ["\n"]
     out = sys.stdout
     if len(prompts) > 1:  # one batch; each completion printed as its own block

@@ -94,7 +94,7 @@ def inspect_config(path: str, overrides: list[str] | None = None) -> dict[str, A
     note = ""
     if cfg.model.vocab_size is None:
         tok = cfg.data.tokenizer
-        cfg.model.vocab_size = tok.vocab_size if tok.kind == "bpe" else 256
+        cfg.model.vocab_size = tok.vocab_size if tok.kind in ("bpe", "wordlevel") else 256
         note = f"vocab_size not set: counted with the {tok.kind} tokenizer's {cfg.model.vocab_size}"
     parts = count_params(cfg.model)
     components = {k: v for k, v in parts.items() if k not in ("total", "non_embedding")}

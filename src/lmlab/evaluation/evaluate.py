@@ -212,6 +212,8 @@ def evaluate(
     if max_tokens is not None:
         ids = ids[:max_tokens]
     if run.config.model.kind == "encoder":  # a masked LM: accuracy and perplexity on masks
+        if stride is not None:
+            raise LmlabError("--stride applies to decoder runs; an encoder run is scored whole")
         return score_masked(run.model, run.tokenizer, ids, run.config, batch_size)
     return score_tokens(
         run.model,
