@@ -65,3 +65,15 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("runs") / "tiny"
     train(tiny_config(train={"max_steps": 30}), out=out, progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def encoder_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny BERT trained for 20 mlm steps on tinyshakespeare (shared; do not modify it)."""
+    from tests_helpers_encoder import encoder_run_config
+
+    from lmlab.training.trainer import train
+
+    out = tmp_path_factory.mktemp("runs") / "bert"
+    train(encoder_run_config(max_steps=20), out=out, progress=False)
+    return out

@@ -33,6 +33,10 @@ lmlab: build, train, probe and compare Transformer language models.
   lmlab export runs/minigpt --format hf --out hf/minigpt    a Hugging Face folder (checked)
   lmlab import hf/minigpt --out runs/imported               any loadable model as a run
   lmlab train --init-from hf/minigpt --data my.txt          fine-tune a model on your text
+
+  lmlab train --config configs/bert-mini.yaml           a BERT (masked LM) on the same corpus
+  lmlab fill-mask runs/bert-mini --text "To be, or not to be, that is the [MASK]."
+  lmlab embed MODEL_DIR --text "A man plays a guitar." --text "Someone plays music." --json
 """
 
 
@@ -337,6 +341,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_common(c)
 
+    fm = sub.add_parser(
+        "fill-mask",
+        help="top-k fills of each [MASK] in a text, with probabilities (encoder models)",
+        description="Predict the masked tokens of a text with an encoder (BERT-style) model: "
+        "any run folder or model folder lmlab.load accepts. The mask may be written [MASK] or "
+        "as the tokenizer spells it (e.g. <mask>); several masks are filled independently.",
+    )
+    fm.add_argument("model", metavar="MODEL")
+    fm.add_argument("--text", required=True, help="text with one or more [MASK] tokens")
+    fm.add_argument("--top-k", type=int, default=5, help="fills shown per mask (default 5)")
+    fm.add_argument("--json", action="store_true", help="print a JSON list per mask")
+    _add_common(fm)
+
+    em = sub.add_parser(
+        "embed",
+        help="sentence embeddings of texts (encoder models)",
+        description="Embed texts with an encoder model: the pooling and normalisation its "
+        "folder declares (sentence-transformers modules.json), else mean pooling over the real "
+        "tokens. Prints one line per text, or a JSON list of lists with --json.",
+    )
+    em.add_argument("model", metavar="MODEL")
+    em.add_argument("--text", action="append", required=True, help="a text (repeatable)")
+    em.add_argument("--json", action="store_true", help="print a JSON list of lists")
+    _add_common(em)
+
     ls = sub.add_parser(
         "list",
         help="list the component variants a config can choose",
@@ -489,6 +518,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     params.validate()
     run = load_run(args.run, args.device or "auto")
+    if run.config.model.kind == "encoder":
+        raise LmlabError(
+            f"generate needs a decoder model; {args.run} is an encoder (masked LM): use "
+            f"lmlab fill-mask {args.run} --text '... [MASK] ...'"
+        )
     prompts = args.prompt or ["\n"]
     out = sys.stdout
     if len(prompts) > 1:  # one batch; each completion printed as its own block
@@ -583,12 +617,42 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fill_mask(args: argparse.Namespace) -> int:
+    from lmlab.encoding.fill_mask import fill_mask
+
+    masks = fill_mask(args.model, args.text, args.top_k, args.device or "auto")
+    if args.json:
+        print(json.dumps([[vars(f) for f in fills] for fills in masks], ensure_ascii=False))
+        return 0
+    for i, fills in enumerate(masks):
+        if len(masks) > 1:
+            print(f"mask {i + 1}:")
+        for f in fills:
+            print(f"{f.probability:8.4f}  {f.token!r:<16} {f.text}")
+    return 0
+
+
+def cmd_embed(args: argparse.Namespace) -> int:
+    from lmlab.encoding.embed import embed
+
+    vectors = embed(args.model, args.text, args.device or "auto").tolist()
+    if args.json:
+        print(json.dumps(vectors))
+        return 0
+    for text, v in zip(args.text, vectors, strict=True):
+        head = ", ".join(f"{x:.4f}" for x in v[:6])
+        norm = sum(x * x for x in v) ** 0.5
+        print(f"{text[:40]!r}: dim {len(v)}, norm {norm:.4f}, [{head}, ...]")
+    return 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     import lmlab.data.tokenizer  # noqa: F401  (registers tokenizers)
     import lmlab.interop.families  # noqa: F401
     import lmlab.models  # noqa: F401
     import lmlab.models.init  # noqa: F401
     import lmlab.nn  # noqa: F401
+    import lmlab.training.objectives  # noqa: F401
     from lmlab.registry import families
 
     regs = families()
@@ -613,6 +677,8 @@ COMMANDS = {
     "list": cmd_list,
     "export": cmd_export,
     "import": cmd_import,
+    "fill-mask": cmd_fill_mask,
+    "embed": cmd_embed,
 }
 
 

@@ -146,6 +146,12 @@ class ModelConfig:
     block: BlockConfig = field(default_factory=BlockConfig)
     seq2seq: Seq2SeqConfig = field(default_factory=Seq2SeqConfig)  # kind=encoder_decoder only
 
+    # kind=encoder only (BERT, Devlin et al. 2019): segment (token-type) embeddings, 0 for none;
+    # the pooler (dense + tanh on the first token); the masked-LM head over the vocabulary.
+    type_vocab_size: int = 2
+    pooler: bool = True
+    mlm_head: bool = True
+
     @property
     def head_dim(self) -> int:
         return self.attention.head_dim or self.d_model // self.attention.n_heads
@@ -172,8 +178,12 @@ class ModelConfig:
 class TokenizerConfig:
     """char: one token per Unicode character of the corpus. bpe: byte-level BPE (train split)."""
 
-    kind: str = "char"
-    vocab_size: int = 2048  # bpe only (includes the 256 byte tokens and <|endoftext|>)
+    kind: str = "char"  # char | bpe | wordlevel (whole words and punctuation, for MLM)
+    vocab_size: int = 2048  # bpe and wordlevel (bpe: includes the 256 byte tokens, specials)
+    # Named set of special tokens (lmlab.data.tokenizer.SPECIAL_TOKEN_SETS): bert ([PAD] [UNK]
+    # [CLS] [SEP] [MASK]) or seq2seq (<pad> <unk> <s> </s>); None: char none, bpe only
+    # <|endoftext|>, wordlevel bert.
+    special_tokens: str | None = None
 
 
 @dataclass
@@ -218,6 +228,11 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model
     device: str = "auto"
     parallel: str = "ddp"  # under torchrun: ddp (replicas) | fsdp (FSDP2 shards, DCP checkpoints)
+    # training objective (lmlab.training.objectives): clm | mlm; None: the model kind's own
+    # (decoder clm, encoder mlm)
+    objective: str | None = None
+    mask_prob: float = 0.15  # mlm: fraction of (non-special) tokens selected for prediction
+    whole_word_mask: bool = False  # mlm: select whole words (all their tokens) at once
 
 
 @dataclass
@@ -548,6 +563,22 @@ def _validate_seq2seq(m: ModelConfig) -> None:
     _choice(m.ffn.kind, [k for k in ("mlp", "swiglu", "geglu", "gated")], "model.ffn.kind")
 
 
+def _validate_encoder(m: ModelConfig) -> None:
+    """The encoder-only fields: set only with kind=encoder, which needs bidirectional attention."""
+    default = ModelConfig()
+    if m.kind != "encoder":
+        for name in ("type_vocab_size", "pooler", "mlm_head"):
+            if getattr(m, name) != getattr(default, name):
+                raise ConfigError(f"model.{name} applies to model.kind=encoder only, not {m.kind}")
+        return
+    _positive(m.type_vocab_size, "model.type_vocab_size", allow_zero=True)
+    if m.attention.mask != "bidirectional":
+        raise ConfigError(
+            f"model.kind=encoder needs model.attention.mask=bidirectional (every token sees the "
+            f"whole sequence), got {m.attention.mask!r}"
+        )
+
+
 def validate_run_config(cfg: RunConfig) -> None:
     """Cross-field checks; every message names the dotted field and the allowed values."""
     from lmlab import nn as lnn  # registers every component
@@ -611,10 +642,20 @@ def validate_run_config(cfg: RunConfig) -> None:
     _validate_position(m)
     _validate_seq2seq(m)
 
+    _validate_encoder(m)
+
     d = cfg.data
     from lmlab.data.tokenizer import TOKENIZERS
 
     TOKENIZERS.get(d.tokenizer.kind, "data.tokenizer.kind")
+    if d.tokenizer.special_tokens is not None:
+        from lmlab.data.tokenizer import SPECIAL_TOKEN_SETS
+
+        _choice(
+            d.tokenizer.special_tokens, list(SPECIAL_TOKEN_SETS), "data.tokenizer.special_tokens"
+        )
+        if d.tokenizer.kind == "char":
+            raise ConfigError("data.tokenizer.special_tokens needs kind bpe or wordlevel, not char")
     if d.tokenizer.kind == "bpe" and d.tokenizer.vocab_size < 258:
         raise ConfigError(
             f"data.tokenizer.vocab_size must be >= 258 for bpe (256 bytes + <|endoftext|> + 1 "
@@ -650,3 +691,12 @@ def validate_run_config(cfg: RunConfig) -> None:
     _choice(t.precision, ["bf16", "fp32"], "train.precision")
     _choice(t.device, ["auto", "cpu", "cuda", "mps"], "train.device")
     _choice(t.parallel, ["ddp", "fsdp"], "train.parallel")
+    from lmlab.training.objectives import OBJECTIVES, objective_name
+
+    name = objective_name(cfg)
+    if t.objective is not None or name in OBJECTIVES.names():  # a kind's default may come later
+        OBJECTIVES.get(name, "train.objective").validate_config(cfg)
+    if name != "mlm":
+        for name in ("mask_prob", "whole_word_mask"):
+            if getattr(t, name) != getattr(TrainConfig(), name):
+                raise ConfigError(f"train.{name} applies to train.objective=mlm only")

@@ -240,9 +240,9 @@ def test_a_start_that_failed_before_any_checkpoint_can_be_redone(tmp_path: Path,
 
 
 def test_interrupt_saves_a_checkpoint_and_says_how_to_resume(tmp_path: Path, capsys, monkeypatch):
-    import lmlab.training.trainer as trainer
+    import lmlab.training.objectives as objectives  # the clm objective draws the batches
 
-    real, calls = trainer.sample_batch, []
+    real, calls = objectives.sample_batch, []
 
     def interrupt_on_fifth(*args, **kwargs):
         calls.append(1)
@@ -251,13 +251,13 @@ def test_interrupt_saves_a_checkpoint_and_says_how_to_resume(tmp_path: Path, cap
         return real(*args, **kwargs)
 
     trainer_eval_batches = 2  # the step-0 evaluation draws 2 batches first
-    monkeypatch.setattr(trainer, "sample_batch", interrupt_on_fifth)
+    monkeypatch.setattr(objectives, "sample_batch", interrupt_on_fifth)
     out = tmp_path / "run"
     code, _, err = run_cli(capsys, "train", "--out", str(out), "--max-steps", "20", *TINY_SET)
     assert code == 130
     assert "interrupted at step 4; checkpoint saved" in err and f"--resume {out}" in err
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-000004"
-    monkeypatch.setattr(trainer, "sample_batch", real)
+    monkeypatch.setattr(objectives, "sample_batch", real)
     assert run_cli(capsys, "train", "--resume", str(out), "--max-steps", "6")[0] == 0
 
 

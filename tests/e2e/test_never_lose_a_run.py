@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import lmlab.training.objectives as objectives
 import lmlab.training.trainer as trainer
 from lmlab.cli import main
 from lmlab.training.metrics import read_metrics
@@ -91,7 +92,7 @@ def test_resume_with_dropout_is_bit_identical(tmp_path: Path):
 def signal_during(monkeypatch, call: int, *signals: int) -> None:
     """Send ``signals`` to this process from inside the ``call``-th batch draw (the step-0
     evaluation draws 2 batches first, so call 7 is step 5's batch)."""
-    real, calls = trainer.sample_batch, []
+    real, calls = objectives.sample_batch, []
 
     def sample_batch(*args, **kwargs):
         calls.append(1)
@@ -100,7 +101,7 @@ def signal_during(monkeypatch, call: int, *signals: int) -> None:
                 os.kill(os.getpid(), sig)  # the handler runs right here
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(trainer, "sample_batch", sample_batch)
+    monkeypatch.setattr(objectives, "sample_batch", sample_batch)
 
 
 @pytest.mark.parametrize(

@@ -91,8 +91,8 @@ def test_load_a_hugging_face_folder(tmp_path: Path, family: str):
 def test_load_refuses_unknown_folders(tmp_path: Path):
     with pytest.raises(lmlab.errors.LmlabError, match="neither an lmlab run folder"):
         lmlab.load(tmp_path)
-    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
-    with pytest.raises(lmlab.errors.LmlabError, match="model_type 'bert' is not supported"):
+    (tmp_path / "config.json").write_text('{"model_type": "mamba"}')  # bert is supported now
+    with pytest.raises(lmlab.errors.LmlabError, match="model_type 'mamba' is not supported"):
         lmlab.load(tmp_path)
 
 

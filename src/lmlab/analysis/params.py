@@ -94,6 +94,14 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
         parts["attention"] += 2 * n * attention_params(cfg)  # self- and cross-attention
         parts["ffn"] += n * ffn_params(cfg)
         parts["norms"] = (2 * L + 3 * n) * _norm(cfg) + stack_norms
+    if cfg.kind == "encoder":  # BERT: segments, embedding norm, pooler, MLM head (Devlin 2019)
+        post = cfg.block.kind == "post"
+        final = _norm(cfg) if cfg.final_norm and not post else 0
+        parts["norms"] = L * norms_per_layer * _norm(cfg) + _norm(cfg) + final
+        parts["token_type"] = cfg.type_vocab_size * d
+        parts["pooler"] = _linear(d, d, True) if cfg.pooler else 0
+        head = _linear(d, d, True) + _norm(cfg) + v if cfg.mlm_head else 0
+        parts["lm_head"] = head + (v * d if cfg.mlm_head and not cfg.tie_embeddings else 0)
     parts["total"] = sum(parts.values())
     parts["non_embedding"] = parts["total"] - parts["embedding"]
     return parts

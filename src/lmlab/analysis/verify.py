@@ -61,7 +61,9 @@ def _call(model: nn.Module, cfg: ModelConfig, tokens: torch.Tensor, **kw: Any) -
     return model(tokens if source is None else source, decoder_input_ids=tokens, **kw)
 
 
-def check_causality(cfg: ModelConfig, x: torch.Tensor) -> tuple[bool, str]:
+def check_causality(cfg: ModelConfig, x: torch.Tensor) -> tuple[bool | None, str]:
+    if cfg.kind == "encoder":
+        return None, "an encoder attends both ways by design (model.attention.mask=bidirectional)"
     model = _model(cfg)
     t = x.shape[1] // 2
     y = x.clone()
@@ -72,7 +74,9 @@ def check_causality(cfg: ModelConfig, x: torch.Tensor) -> tuple[bool, str]:
     return d <= ATOL, f"max |change| at positions < {t}: {d:.1e}"
 
 
-def check_kv_cache(cfg: ModelConfig, x: torch.Tensor) -> tuple[bool, str]:
+def check_kv_cache(cfg: ModelConfig, x: torch.Tensor) -> tuple[bool | None, str]:
+    if cfg.kind == "encoder":
+        return None, "an encoder reads the whole sequence at once: it has no KV cache"
     model = _model(cfg)
     with torch.no_grad():
         full = _call(model, cfg, x, source=x).logits
@@ -89,7 +93,11 @@ def check_kv_cache(cfg: ModelConfig, x: torch.Tensor) -> tuple[bool, str]:
 
 def check_gradients(cfg: ModelConfig, x: torch.Tensor) -> tuple[bool, str]:
     model = _model(cfg).train()
-    model(x, targets=x).loss.backward()  # an encoder-decoder: source x, target x
+    out = _call(model, cfg, x, targets=x, output_hidden_states=True)
+    loss = out.loss
+    if getattr(model, "pooler", None) is not None:  # BERT's pooler is off the MLM loss path
+        loss = loss + model.pool(out.hidden_states[-1]).sum()  # type: ignore[operator]
+    loss.backward()
     bad = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.isfinite().all()]
     return not bad, f"{len(bad)} parameters without a finite gradient" + (
         f": {bad[0]}" if bad else ""

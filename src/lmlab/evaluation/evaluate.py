@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmlab.config import RunConfig
 from lmlab.data.corpus import load_corpus, read_text
 from lmlab.data.tokenizer import Tokenizer
 from lmlab.errors import DataError, LmlabError
@@ -116,6 +117,70 @@ def token_byte_lengths(tokenizer: Tokenizer) -> np.ndarray:
     )
 
 
+MLM_EVAL_SEED = 0  # the masking of `lmlab eval` on an encoder run: the same at every call
+
+
+@dataclass
+class MaskedEvalResult:
+    """Masked-LM scores of one text (fixed masking): loss in nats per masked token, perplexity
+    = exp(loss), accuracy = share of masked tokens whose argmax prediction is the original."""
+
+    loss: float
+    perplexity: float
+    accuracy: float
+    masked_tokens: int
+    tokens: int
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "loss": self.loss,
+            "perplexity": self.perplexity,
+            "masked_accuracy": self.accuracy,
+            "masked_tokens": self.masked_tokens,
+            "tokens": self.tokens,
+        }
+
+
+@torch.no_grad()
+def score_masked(
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    ids: np.ndarray,
+    cfg: RunConfig,
+    batch_size: int = 8,
+    seed: int = MLM_EVAL_SEED,
+) -> MaskedEvalResult:
+    """Masked-LM loss and accuracy over ``ids`` (N,) int cut into non-overlapping windows of the
+    model's context (framed [CLS] ... [SEP] as in training), masked as the run's mlm objective
+    masks (``train.mask_prob``, 80/10/10, whole words if set) with a generator seeded ``seed``.
+    Raises DataError if the text fills no window."""
+    from lmlab.training.objectives import MaskedLM
+
+    seq_len = cfg.model.max_seq_len
+    objective = MaskedLM(cfg, tokenizer, {}, seq_len)
+    inner = seq_len - (2 if objective.frame else 0)
+    n = len(ids) // inner
+    if n == 0:
+        raise DataError(f"need at least {inner} tokens to score a masked LM, got {len(ids)}")
+    rows = np.asarray(ids[: n * inner], dtype=np.int64).reshape(n, inner)
+    if objective.frame:
+        cls_col, sep_col = (np.full((n, 1), i, dtype=np.int64) for i in objective.frame)
+        rows = np.concatenate([cls_col, rows, sep_col], axis=1)
+    rng = np.random.default_rng(seed)
+    device = next(model.parameters()).device
+    nats, correct, count = 0.0, 0, 0
+    for i in range(0, n, batch_size):
+        batch = objective.mask(rows[i : i + batch_size], rng)
+        x, y = batch["input_ids"].to(device), batch["targets"].to(device)
+        logits = model(x).logits.float()
+        sel = y >= 0
+        nats += float(F.cross_entropy(logits[sel], y[sel], reduction="sum"))
+        correct += int((logits[sel].argmax(-1) == y[sel]).sum())
+        count += int(sel.sum())
+    loss = nats / count
+    return MaskedEvalResult(loss, math.exp(min(loss, 700.0)), correct / count, count, n * inner)
+
+
 def evaluate(
     run_dir: str,
     split: str = "val",
@@ -124,10 +189,11 @@ def evaluate(
     max_tokens: int | None = None,
     device: str = "auto",
     batch_size: int = 8,
-) -> EvalResult:
+) -> EvalResult | MaskedEvalResult:
     """Score a run's latest checkpoint on its corpus split (``val`` or ``test``) or on ``data``
     (a UTF-8 text file scored whole). ``max_tokens`` keeps the first N tokens.
 
+    An encoder run (masked LM) is scored by :func:`score_masked` (``stride`` does not apply).
     Raises LmlabError for a run without checkpoint, a split the corpus lacks, or bad text.
     """
     if max_tokens is not None and max_tokens < 2:
@@ -145,6 +211,10 @@ def evaluate(
     ids = np.asarray(run.tokenizer.encode(text), dtype=np.int64)
     if max_tokens is not None:
         ids = ids[:max_tokens]
+    if run.config.model.kind == "encoder":  # a masked LM: accuracy and perplexity on masks
+        if stride is not None:
+            raise LmlabError("--stride applies to decoder runs; an encoder run is scored whole")
+        return score_masked(run.model, run.tokenizer, ids, run.config, batch_size)
     return score_tokens(
         run.model,
         ids,

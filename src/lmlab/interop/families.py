@@ -16,7 +16,7 @@ import torch
 
 from lmlab.config import ModelConfig
 from lmlab.errors import LmlabError
-from lmlab.interop import hf, hf_bart, hf_mistral, hf_mixtral, hf_neox, hf_t5
+from lmlab.interop import hf, hf_bart, hf_bert, hf_mistral, hf_mixtral, hf_neox, hf_t5
 from lmlab.registry import Registry
 
 
@@ -51,6 +51,9 @@ class HFFamily:
         None
     )
     model_kind: str = "decoder"  # the lmlab model.kind it maps onto
+
+    # Adjusts the config to what the tensors hold (e.g. BERT with or without pooler / MLM head).
+    fit_config: Callable[[ModelConfig, dict[str, torch.Tensor]], ModelConfig] | None = None
 
 
 HF_FAMILIES: Registry[HFFamily] = Registry("hf_family")
@@ -560,6 +563,18 @@ HF_FAMILIES.register("bart", "BART: Post-Norm, learned positions, encoder-decode
         hf_bart.bart_state_dict,
         _bart_from,
         model_kind="encoder_decoder",
+    )
+)
+HF_FAMILIES.register(
+    "bert", "BERT: post-norm bidirectional encoder, MLM head (Devlin et al. 2019)."
+)(
+    HFFamily(
+        "bert",
+        "BertForMaskedLM",
+        "BertConfig",
+        hf_bert.bert_model_config,
+        hf_bert.bert_state_dict,
+        fit_config=hf_bert.fit_bert_config,
     )
 )
 

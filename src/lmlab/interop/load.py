@@ -99,6 +99,8 @@ def load_hf_folder(folder: str | Path, device: str = "cpu") -> tuple[nn.Module, 
             f"{p / 'config.json'} lacks {getattr(e, 'name', None) or e!s}, which a "
             f"{raw.get('model_type')} config needs"
         ) from None
+    if family.fit_config is not None:
+        cfg = family.fit_config(cfg, tensors)
     model = build_model(cfg)
     expected = family.from_state(model.state_dict(), cfg) if family.from_state else {}
     _check_shapes(tensors, expected, p)

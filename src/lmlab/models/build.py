@@ -6,6 +6,7 @@ from torch import nn
 
 from lmlab.config import ModelConfig
 from lmlab.models.decoder import DecoderLM
+from lmlab.models.encoder import EncoderLM
 from lmlab.models.encoder_decoder import EncoderDecoderLM
 from lmlab.registry import Registry
 
@@ -13,6 +14,9 @@ MODELS: Registry[type[nn.Module]] = Registry("model", "model.kind")
 MODELS.register("decoder", "Decoder-only causal language model (GPT).")(DecoderLM)
 MODELS.register("encoder_decoder", "Encoder-decoder sequence-to-sequence model (T5, BART).")(
     EncoderDecoderLM
+)
+MODELS.register("encoder", "Encoder-only masked language model (BERT, Devlin et al. 2019).")(
+    EncoderLM
 )
 
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from lmlab.config import RunConfig, diff_configs, save_config
 from lmlab.data.corpus import load_corpus
-from lmlab.data.dataset import batch_rng, build_token_cache, check_split_length, sample_batch
+from lmlab.data.dataset import batch_rng, build_token_cache, check_split_length
 from lmlab.data.tokenizer import fit_tokenizer
 from lmlab.errors import Interrupted, LmlabError
 from lmlab.models.build import build_model
@@ -50,6 +50,7 @@ from lmlab.training.hardware import autocast, matmul_peak, resolve_device, synch
 from lmlab.training.init_from import start_from
 from lmlab.training.memory import check_training_memory
 from lmlab.training.metrics import METRICS_FILE, MetricsLogger, plot_losses, truncate_metrics
+from lmlab.training.objectives import CausalLM, Objective, build_objective
 from lmlab.training.optim import build_optimizer, lr_at
 
 # Settings that may differ when a run is resumed (they do not change what is computed).
@@ -140,11 +141,11 @@ def prepare_run(
     return cfg, run_dir, False
 
 
-def _window_loss(
-    model: Callable[..., Any], x: torch.Tensor, y: torch.Tensor, dev: torch.device, precision: str
+def _batch_loss(
+    model: Callable[..., Any], batch: dict[str, torch.Tensor], dev: torch.device, precision: str
 ) -> torch.Tensor:
     with autocast(dev, precision):
-        return model(x.to(dev), targets=y.to(dev)).loss
+        return model(**{k: v.to(dev) for k, v in batch.items()}).loss
 
 
 @torch.no_grad()
@@ -155,20 +156,24 @@ def estimate_loss(
     dev: torch.device,
     seq_len: int,
     par: Parallel | None = None,
+    objective: Objective | None = None,
 ) -> float:
-    """Mean loss (nats/token) over ``train.eval_batches`` random windows; the same windows at
-    every call (a fixed generator), so successive values compare. Collective under ``par``:
+    """Mean loss (nats/token) over ``train.eval_batches`` random batches of ``objective``'s
+    ``val`` split (default: next-token windows of ``tokens``); the same batches at every call
+    (a fixed generator), so successive values compare. Collective under ``par``:
     rank r scores batches r, r + W, ...; every rank runs the same number of forward passes (FSDP
     gathers weights in each), the last padded with an uncounted repeat."""
     rank, world = (par.rank, par.world_size) if par is not None else (0, 1)
     n = cfg.train.eval_batches
+    if objective is None:
+        objective = CausalLM(cfg, None, {"val": tokens}, seq_len)  # type: ignore[arg-type]
     was_training = model.training
     model.eval()
     losses = []
     for i in range(rank, -(-n // world) * world, world):
         rng = batch_rng(cfg.train.seed, 0, min(i, n - 1), stream=1)
-        x, y = sample_batch(tokens, cfg.train.batch_size, seq_len, rng)
-        loss = float(_window_loss(model, x, y, dev, cfg.train.precision))
+        batch = objective.batch("val", cfg.train.batch_size, rng)
+        loss = float(_batch_loss(model, batch, dev, cfg.train.precision))
         if i < n:
             losses.append(loss)
     model.train(was_training)
@@ -255,6 +260,7 @@ def _train(
         splits = build_token_cache(corpus, tokenizer, run_dir / "data")
     check_split_length(splits["train"], seq_len, "train")
     check_split_length(splits["val"], seq_len, "val")
+    objective = build_objective(cfg, tokenizer, splits, seq_len)
     if is_main and not resuming:  # only now is the folder a run (see prepare_run)
         tokenizer.save(run_dir / TOKENIZER_FILE)
         save_config(cfg, run_dir / CONFIG_FILE)
@@ -290,7 +296,7 @@ def _train(
             truncate_metrics(run_dir, start_step)
             save_config(cfg, run_dir / CONFIG_FILE)  # records an extended max_steps
     fwd = torch.compile(par.wrap(model)) if tc.compile else par.wrap(model)
-    tokens_per_step = tc.batch_size * tc.grad_accum_steps * seq_len * world_size
+    tokens_per_step = objective.tokens_per_batch(tc.batch_size) * tc.grad_accum_steps * world_size
     flops_tok = flops_per_token(model, cfg.model, seq_len, train=True)
     peak = matmul_peak(dev, tc.precision) * world_size if is_main else float("nan")
     logger = (
@@ -351,7 +357,7 @@ def _train(
             return
         evaluated_at = step
         t0 = time.perf_counter()
-        val_loss = estimate_loss(model, splits["val"], cfg, dev, seq_len, par)
+        val_loss = estimate_loss(model, splits["val"], cfg, dev, seq_len, par, objective)
         if logger is not None:
             logger.log(
                 {
@@ -428,13 +434,11 @@ def _train(
             loss_sum, aux_sum = 0.0, 0.0
             for micro in range(tc.grad_accum_steps):
                 g = par.micro_index(micro, tc.grad_accum_steps)  # global micro-batch index
-                x, y = sample_batch(
-                    splits["train"], tc.batch_size, seq_len, batch_rng(tc.seed, step, g)
-                )
+                batch = objective.batch("train", tc.batch_size, batch_rng(tc.seed, step, g))
                 torch.manual_seed(tc.seed * 1_000_003 + step * 1009 + g * 31)
                 with par.sync_gradients(micro == tc.grad_accum_steps - 1):
                     with autocast(dev, tc.precision):
-                        output = fwd(x.to(dev), targets=y.to(dev))
+                        output = fwd(**{k: v.to(dev) for k, v in batch.items()})
                     loss, aux = output.loss, output.aux_loss  # aux: MoE auxiliary losses or None
                     ((loss if aux is None else loss + aux) / tc.grad_accum_steps).backward()
                 loss_sum += float(loss.detach())

@@ -1,0 +1,1 @@
+"""Using an encoder (BERT-style) model: fill masked tokens, embed sentences."""

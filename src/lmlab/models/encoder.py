@@ -1,0 +1,132 @@
+"""Encoder-only Transformer (BERT): embeddings -> N bidirectional blocks -> pooler and MLM head.
+
+Legend: B batch, T tokens, D d_model, V vocab_size. Embeddings are token + position (any
+registered kind; BERT: learned) + token type (segment), then LayerNorm and dropout (Devlin et al.
+2019). Blocks come from the block registry (BERT: post-norm) with ``attention.mask``
+bidirectional and a key padding mask. The pooler is dense + tanh on the first token ([CLS]); the
+masked-LM head is dense + activation + LayerNorm, then a projection onto the vocabulary that
+shares the token-embedding matrix, plus a bias.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmlab.config import ModelConfig
+from lmlab.errors import LmlabError
+from lmlab.models.init import INIT
+from lmlab.models.output import ModelOutput
+from lmlab.nn.block import BLOCK
+from lmlab.nn.ffn import ACTIVATIONS
+from lmlab.nn.norm import build_norm
+from lmlab.nn.position import POSITION
+
+
+class EncoderLM(nn.Module):
+    """A bidirectional Transformer encoder with a masked-LM head (Devlin et al. 2019, BERT)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.vocab_size is None:
+            raise LmlabError("model.vocab_size is not set (it normally comes from the tokenizer)")
+        self.cfg = cfg
+        d = cfg.d_model
+        self.embed = nn.Embedding(cfg.vocab_size, d)
+        self.position = POSITION.get(cfg.position.kind, "model.position.kind")(cfg)
+        self.token_type = nn.Embedding(cfg.type_vocab_size, d) if cfg.type_vocab_size else None
+        self.embed_norm = build_norm(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+        block_cls = BLOCK.get(cfg.block.kind, "model.block.kind")
+        self.layers = nn.ModuleList(block_cls(cfg, i) for i in range(cfg.n_layers))
+        # A post-norm block already ends in a norm; the others end on the residual stream.
+        post = cfg.block.kind == "post"
+        self.final_norm = build_norm(cfg) if cfg.final_norm and not post else nn.Identity()
+        self.pooler = nn.Linear(d, d) if cfg.pooler else None
+        self.mlm_dense = nn.Linear(d, d) if cfg.mlm_head else None
+        self.mlm_act = ACTIVATIONS[cfg.ffn.activation]
+        self.mlm_norm = build_norm(cfg) if cfg.mlm_head else None
+        self.lm_head = nn.Linear(d, cfg.vocab_size) if cfg.mlm_head else None
+        self.reset_parameters()
+        if self.lm_head is not None and cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def reset_parameters(self) -> None:
+        """Initialise every weight with the scheme named by ``model.init`` (see models/init.py)."""
+        INIT.get(self.cfg.init, "model.init")(self, self.cfg)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        need_weights: bool = False,
+        output_hidden_states: bool = False,
+    ) -> ModelOutput:
+        """input_ids (B, T) int64 -> ModelOutput with logits (B, T, V) float (the final hidden
+        states (B, T, D) when ``model.mlm_head`` is false).
+
+        targets (B, T) int64: the original token at each masked position, -100 elsewhere; the
+        loss is the mean cross-entropy over the masked positions, nats/token, in float32.
+        attention_mask (B, T) int or bool, 1 = real token, 0 = padding: padding keys are never
+        attended to. token_type_ids (B, T) int64 segment ids (default 0). position_ids (B, T) or
+        (T,) int64 (default 0 .. T-1). hidden_states: the embedding output, then each layer's
+        output (the last after the final norm). Raises ValueError for a mask or ids of the
+        wrong shape, LmlabError for targets without an MLM head.
+        """
+        b, t = input_ids.shape
+        for name, ids in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
+            if ids is not None and ids.shape != (b, t):
+                raise ValueError(f"{name} must be (B, T) = {(b, t)}, got {tuple(ids.shape)}")
+        positions = (
+            torch.arange(t, device=input_ids.device) if position_ids is None else position_ids
+        )  # (T,) or (B, T)
+        x = self.position.embed(self.embed(input_ids), positions)  # (B, T, D)
+        if self.token_type is not None:
+            if token_type_ids is None:
+                token_type_ids = torch.zeros_like(input_ids)
+            x = x + self.token_type(token_type_ids)
+        x = self.drop(self.embed_norm(x))
+        key_mask = attention_mask.bool() if attention_mask is not None else None  # (B, T)
+        hidden: list[torch.Tensor] = []
+        attns: list[torch.Tensor | None] = []
+        for layer in self.layers:
+            if output_hidden_states:
+                hidden.append(x)
+            x, w = layer(x, self.position, positions, key_mask, None, need_weights)
+            if need_weights:
+                attns.append(w)
+        x = self.final_norm(x)
+        if output_hidden_states:
+            hidden.append(x)
+        if self.lm_head is None:
+            if targets is not None:
+                raise LmlabError("this encoder has no masked-LM head (model.mlm_head=false)")
+            return ModelOutput(x, None, None, hidden, attns)
+        assert self.mlm_dense is not None and self.mlm_norm is not None
+        logits = self.lm_head(self.mlm_norm(self.mlm_act(self.mlm_dense(x))))  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100
+            )
+        return ModelOutput(logits, loss, None, hidden, attns)
+
+    def pool(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """BERT's pooled output: tanh(dense(h[:, 0])) of the final hidden states (B, T, D) ->
+        (B, D). Raises LmlabError when the model has no pooler (``model.pooler`` false)."""
+        if self.pooler is None:
+            raise LmlabError("this encoder has no pooler (model.pooler=false)")
+        return torch.tanh(self.pooler(last_hidden[:, 0]))
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Distinct parameters (tied weights counted once); ``non_embedding`` leaves out the
+        token embedding (and a tied MLM decoder, which is the same matrix)."""
+        seen = {id(p): p for p in self.parameters()}
+        n = sum(p.numel() for p in seen.values())
+        if non_embedding:
+            n -= self.embed.weight.numel()
+        return n
