@@ -85,8 +85,10 @@ def load_hf_folder(folder: str | Path, device: str = "cpu") -> tuple[nn.Module, 
 
 
 def load(path: str | Path, device: str = "cpu") -> tuple[nn.Module, Tokenizer | None]:
-    """Load ``(model, tokenizer)`` from an lmlab run folder (latest checkpoint) or a Hugging Face
-    model folder of a supported family (``lmlab list hf_family``). The model is in eval mode;
+    """Load ``(model, tokenizer)`` from an lmlab run folder (latest checkpoint), a Hugging Face
+    model folder of a supported family (``lmlab list hf_family``) or a Llama-family ``.gguf`` file
+    (:mod:`lmlab.interop.gguf`: dequantized to float32, tokenizer and chat template from its
+    metadata). The model is in eval mode;
     ``model(input_ids)`` returns an output whose ``.logits`` is (batch, seq, vocab).
 
     Raises LmlabError (or a subclass) when the path is neither, or its files are damaged.
@@ -101,6 +103,15 @@ def load(path: str | Path, device: str = "cpu") -> tuple[nn.Module, Tokenizer | 
         return load_hf_folder(p, device)
     if not p.exists():
         raise LmlabError(f"not found: {p}")
+    if p.is_file():
+        from lmlab.interop.gguf import is_gguf_file, load_gguf
+
+        if is_gguf_file(p):
+            return load_gguf(p, device)
+        raise LmlabError(
+            f"{p} is a file but not a GGUF file (it does not start with the GGUF magic bytes); "
+            "give an lmlab run folder, a Hugging Face model folder or a .gguf file"
+        )
     raise LmlabError(
         f"{p} is neither an lmlab run folder (config.yaml) nor a Hugging Face model folder "
         "(config.json + model.safetensors)"
