@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,7 +24,8 @@ from torch import nn
 from lmlab.data.corpus import load_corpus, read_text
 from lmlab.data.tokenizer import Tokenizer
 from lmlab.errors import DataError, LmlabError
-from lmlab.run import load_run
+from lmlab.interop.load import load
+from lmlab.run import CONFIG_FILE, read_run_config
 from lmlab.training.hardware import autocast
 
 
@@ -117,7 +119,7 @@ def token_byte_lengths(tokenizer: Tokenizer) -> np.ndarray:
 
 
 def evaluate(
-    run_dir: str,
+    model_path: str,
     split: str = "val",
     data: str | None = None,
     stride: int | None = None,
@@ -125,31 +127,40 @@ def evaluate(
     device: str = "auto",
     batch_size: int = 8,
 ) -> EvalResult:
-    """Score a run's latest checkpoint on its corpus split (``val`` or ``test``) or on ``data``
-    (a UTF-8 text file scored whole). ``max_tokens`` keeps the first N tokens.
+    """Score a model on ``data`` (a UTF-8 text file scored whole) or, for an lmlab run folder,
+    on its corpus split (``train``, ``val`` or ``test``). ``model_path`` is anything
+    :func:`lmlab.interop.load.load` accepts (run folder, Hugging Face folder, ``.gguf`` file);
+    windows are the model's context (``model.cfg.max_seq_len``). ``max_tokens`` keeps the first
+    N tokens.
 
-    Raises LmlabError for a run without checkpoint, a split the corpus lacks, or bad text.
+    Raises LmlabError for a run without checkpoint, a split asked of a model that is not a run
+    folder (it has no corpus), a model without tokenizer, a split the corpus lacks, or bad text.
     """
     if max_tokens is not None and max_tokens < 2:
         raise LmlabError(
             f"--max-tokens must be >= 2 (one token predicts the next), got {max_tokens}"
         )
-    run = load_run(run_dir, device)
-    if data is not None:
-        text = read_text(data)
-    else:
-        if split not in ("train", "val", "test"):
-            raise LmlabError(f"--split must be train, val or test, got {split!r}")
-        corpus = load_corpus(run.config.data.corpus, run.config.data.val_fraction)
-        text = corpus.split(split)
-    ids = np.asarray(run.tokenizer.encode(text), dtype=np.int64)
+    if data is None and not (Path(model_path) / CONFIG_FILE).is_file():
+        raise LmlabError(
+            f"{model_path} is not an lmlab run folder, so it has no corpus split: give --data FILE"
+        )
+    if data is None and split not in ("train", "val", "test"):
+        raise LmlabError(f"--split must be train, val or test, got {split!r}")
+    text = read_text(data) if data is not None else None  # bad text fails before loading
+    model, tokenizer = load(model_path, device)
+    if tokenizer is None:
+        raise LmlabError(f"{model_path} has no tokenizer, so text cannot be scored with it")
+    if text is None:
+        cfg = read_run_config(model_path)
+        text = load_corpus(cfg.data.corpus, cfg.data.val_fraction).split(split)
+    ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
     if max_tokens is not None:
         ids = ids[:max_tokens]
     return score_tokens(
-        run.model,
+        model,
         ids,
-        token_byte_lengths(run.tokenizer),
-        run.config.model.max_seq_len,
+        token_byte_lengths(tokenizer),
+        model.cfg.max_seq_len,  # type: ignore[union-attr]
         stride,
         batch_size,
     )

@@ -20,6 +20,7 @@ from lmlab.data.tokenizer import Tokenizer, load_tokenizer
 from lmlab.errors import CheckpointError, DataError, LmlabError
 from lmlab.interop.families import family_for
 from lmlab.models.build import build_model
+from lmlab.training.hardware import resolve_device
 
 
 def read_hf_state_dict(folder: Path) -> dict[str, torch.Tensor]:
@@ -99,6 +100,8 @@ def load(path: str | Path, device: str = "cpu") -> tuple[nn.Module, Tokenizer | 
 
         run = load_run(p, device)
         return run.model, run.tokenizer
+    if p.exists():
+        device = resolve_device(device).type  # "auto" -> cuda, mps or cpu
     if (p / "config.json").is_file():
         return load_hf_folder(p, device)
     if not p.exists():
