@@ -29,6 +29,9 @@ from lmlab.run import CONFIG_FILE, read_run_config
 from lmlab.training.hardware import autocast
 
 
+LOGITS_BYTES = 1 << 30  # bound on the logits one forward pass of score_tokens holds
+
+
 @dataclass
 class EvalResult:
     """Scores of one text. loss in nats/token; bits_per_byte in bits per UTF-8 byte."""
@@ -72,6 +75,10 @@ def score_tokens(
     if not 1 <= stride <= max_seq_len:
         raise DataError(f"--stride must be between 1 and the context length {max_seq_len}")
     device = next(model.parameters()).device
+    # at most ~LOGITS_BYTES of float32 logits per forward pass (a 49k vocabulary x 8k context
+    # is 1.6 GB per window)
+    per_window = max_seq_len * max(1, len(token_bytes)) * 4
+    batch_size = max(1, min(batch_size, LOGITS_BYTES // per_window))
     # (begin, end, first scored target index) of each window; targets are ids[begin+1 : end+1].
     windows: list[tuple[int, int, int]] = []
     begin, next_target = 0, 1

@@ -268,6 +268,7 @@ def load_gguf(path: str | Path, device: str = "cpu") -> tuple[nn.Module, Any]:
     """
     from lmlab.interop.gguf_tokenizer import gguf_tokenizer
     from lmlab.models.build import build_model
+    from lmlab.nn.position import POSITION
     from lmlab.training.hardware import resolve_device
 
     f = read_gguf(path)
@@ -275,9 +276,17 @@ def load_gguf(path: str | Path, device: str = "cpu") -> tuple[nn.Module, Any]:
     tokenizer = gguf_tokenizer(f.metadata, f.path)
     if cfg.vocab_size is None:
         cfg.vocab_size = tokenizer.vocab_size
-    model = build_model(cfg)
     state = gguf_state_dict(f.tensors, cfg)
+    with torch.device("meta"):  # no random init of weights about to be replaced
+        model = build_model(cfg)
     check_state_dict(model, state, str(f.path))
-    model.load_state_dict(state)
+    model.load_state_dict(state, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    # the one non-persistent buffer (RoPE's inverse frequencies) is rebuilt off the meta device
+    model.position = POSITION.get(cfg.position.kind, "model.position.kind")(cfg)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise LmlabError(f"internal: {left[0]} was not loaded from {f.path}")
     return model.to(resolve_device(device)).eval(), tokenizer
 
