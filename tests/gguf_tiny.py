@@ -118,7 +118,11 @@ def write_llama_gguf(
             continue
         arr = value.numpy().astype(np.float32)
         if quant is not None and arr.ndim == 2:
-            w.add_tensor(name, gguf.quants.quantize(arr, quant), raw_dtype=quant)
+            try:
+                data = gguf.quants.quantize(arr, quant)
+            except NotImplementedError:  # a type gguf cannot produce: zero bytes of its size
+                data = np.zeros(gguf.quant_shape_to_byte_shape(arr.shape, quant), np.uint8)
+            w.add_tensor(name, data, raw_dtype=quant)
         else:
             w.add_tensor(name, arr)
     w.write_header_to_file()
