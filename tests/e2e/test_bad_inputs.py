@@ -477,7 +477,7 @@ CASES: dict[str, Case] = {
     "cli-unknown-device": Case(
         ("eval", "{run}", "--device", "tpu"), "argument --device: invalid choice: 'tpu'"
     ),
-    "cli-missing-run-dir": Case(("eval",), "the following arguments are required: RUN_DIR"),
+    "cli-missing-run-dir": Case(("eval",), "the following arguments are required: MODEL"),
     "cli-time-budget-zero": Case(
         train("--time-budget", "0"), "--time-budget must be a positive number of seconds"
     ),

@@ -147,7 +147,7 @@ def evaluate(
         raise LmlabError(
             f"--max-tokens must be >= 2 (one token predicts the next), got {max_tokens}"
         )
-    if data is None and not (Path(model_path) / CONFIG_FILE).is_file():
+    if data is None and Path(model_path).exists() and not (Path(model_path) / CONFIG_FILE).is_file():
         raise LmlabError(
             f"{model_path} is not an lmlab run folder, so it has no corpus split: give --data FILE"
         )
