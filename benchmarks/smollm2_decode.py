@@ -152,14 +152,15 @@ def main() -> None:
     run_lmlab(model, prompt[:8], 4)  # warm-up both
     run_hf(hf, prompt[:8], 4)
     for r in range(args.rounds):
-        for name in (("lmlab", "transformers") if r % 2 == 0 else ("transformers", "lmlab")):
+        for name in ("lmlab", "transformers") if r % 2 == 0 else ("transformers", "lmlab"):
             fn = run_lmlab if name == "lmlab" else run_hf
             res, out = fn(model if name == "lmlab" else hf, prompt, args.new_tokens)
             results[name].append(res)
             outs[name] = out
             print(f"round {r} {name:>12}: " + ", ".join(f"{k} {v:,.1f}" for k, v in res.items()))
     med = {
-        name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in results.items()
+        name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        for name, rs in results.items()
     }
     same = sum(a == b for a, b in zip(outs["lmlab"], outs["transformers"], strict=True))
     summary = {

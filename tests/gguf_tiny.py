@@ -33,8 +33,10 @@ def byte_tokens() -> list[str]:
 
 def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """llama.cpp's convert_hf_to_gguf ``permute`` (HF half-split rows -> interleaved pairs)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-        w.shape
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
     )
 
 

@@ -111,10 +111,21 @@ def test_chat_repl_reads_stdin_keeps_history_resets_and_exits(tiny_gguf):
 
 def test_cli_chat_and_generate_chat_on_gguf(tiny_gguf, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
-    code, out, err = run_cli(["chat", str(tiny_gguf), "--temperature", "0", "--max-new-tokens", "3"], capsys)
+    code, out, err = run_cli(
+        ["chat", str(tiny_gguf), "--temperature", "0", "--max-new-tokens", "3"], capsys
+    )
     assert code == 0 and "/reset" in err
     code, out2, _ = run_cli(
-        ["generate", str(tiny_gguf), "--chat", "hello", "--temperature", "0", "--max-new-tokens", "3"],
+        [
+            "generate",
+            str(tiny_gguf),
+            "--chat",
+            "hello",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "3",
+        ],
         capsys,
     )
     assert code == 0 and out2 == out  # the same greedy reply to the same first message
@@ -123,7 +134,9 @@ def test_cli_chat_and_generate_chat_on_gguf(tiny_gguf, capsys, monkeypatch):
 def test_cli_eval_gguf_prints_perplexity(tiny_gguf, tmp_path, capsys):
     text = tmp_path / "t.txt"
     text.write_text("hello there, general kenobi. " * 5)
-    code, out, _ = run_cli(["eval", str(tiny_gguf), "--data", str(text), "--max-tokens", "100"], capsys)
+    code, out, _ = run_cli(
+        ["eval", str(tiny_gguf), "--data", str(text), "--max-tokens", "100"], capsys
+    )
     assert code == 0
     ppl = float(out.split("perplexity: ")[1].split()[0])
     assert 100 < ppl < 1000  # random weights over a 258-token vocabulary: near 258

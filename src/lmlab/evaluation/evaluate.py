@@ -28,7 +28,6 @@ from lmlab.interop.load import load
 from lmlab.run import CONFIG_FILE, read_run_config
 from lmlab.training.hardware import autocast
 
-
 LOGITS_BYTES = 1 << 30  # bound on the logits one forward pass of score_tokens holds
 
 
@@ -147,7 +146,11 @@ def evaluate(
         raise LmlabError(
             f"--max-tokens must be >= 2 (one token predicts the next), got {max_tokens}"
         )
-    if data is None and Path(model_path).exists() and not (Path(model_path) / CONFIG_FILE).is_file():
+    if (
+        data is None
+        and Path(model_path).exists()
+        and not (Path(model_path) / CONFIG_FILE).is_file()
+    ):
         raise LmlabError(
             f"{model_path} is not an lmlab run folder, so it has no corpus split: give --data FILE"
         )
@@ -167,7 +170,7 @@ def evaluate(
         model,
         ids,
         token_byte_lengths(tokenizer),
-        model.cfg.max_seq_len,  # type: ignore[union-attr]
+        int(model.cfg.max_seq_len),  # type: ignore[union-attr,arg-type]
         stride,
         batch_size,
     )

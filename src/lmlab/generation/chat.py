@@ -230,4 +230,3 @@ def chat_repl(
                 f"(dropped the {session.dropped - dropped} oldest turn(s) to fit the context of "
                 f"{max_context} tokens)\n"
             )
-

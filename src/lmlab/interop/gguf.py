@@ -154,9 +154,7 @@ def _get(meta: dict[str, Any], key: str, path: Path, default: Any = None) -> Any
     if value is None:
         raise LmlabError(f"{path} lacks the metadata key {key!r}, which a Llama GGUF needs")
     if isinstance(value, list):
-        raise LmlabError(
-            f"{path}: {key} holds one value per layer, which lmlab does not support"
-        )
+        raise LmlabError(f"{path}: {key} holds one value per layer, which lmlab does not support")
     return value
 
 
@@ -194,8 +192,9 @@ def gguf_model_config(meta: dict[str, Any], tensor_names: set[str], path: Path) 
             "supported: none, linear"
         )
     if "rope_freqs.weight" in tensor_names:
-        raise LmlabError(f"{path}: per-channel RoPE frequencies (rope_freqs, Llama 3.1) are "
-                         "not supported")
+        raise LmlabError(
+            f"{path}: per-channel RoPE frequencies (rope_freqs, Llama 3.1) are not supported"
+        )
     vocab = meta.get(a + "vocab_size") or len(meta.get("tokenizer.ggml.tokens") or []) or None
     head_dim_cfg = head_dim if head_dim != d_model // n_heads else None
     return ModelConfig(
@@ -210,8 +209,12 @@ def gguf_model_config(meta: dict[str, Any], tensor_names: set[str], path: Path) 
             rope_theta=float(_get(meta, a + "rope.freq_base", path, 10000.0)),
             scaling=scaling,
         ),
-        norm=NormConfig(kind="rmsnorm", eps=float(_get(meta, a + "attention.layer_norm_rms_epsilon", path))),
-        ffn=FFNConfig(kind="swiglu", d_ff=int(_get(meta, a + "feed_forward_length", path)), bias=False),
+        norm=NormConfig(
+            kind="rmsnorm", eps=float(_get(meta, a + "attention.layer_norm_rms_epsilon", path))
+        ),
+        ffn=FFNConfig(
+            kind="swiglu", d_ff=int(_get(meta, a + "feed_forward_length", path)), bias=False
+        ),
         block=BlockConfig(kind="pre"),
     )
 
@@ -246,7 +249,9 @@ def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], source: s
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     if missing:
-        raise CheckpointError(f"{source} lacks the tensor for {missing[0]} ({len(missing)} missing)")
+        raise CheckpointError(
+            f"{source} lacks the tensor for {missing[0]} ({len(missing)} missing)"
+        )
     unexpected = sorted(set(state) - set(expected))
     if unexpected:
         raise CheckpointError(f"{source} has a tensor lmlab has no place for: {unexpected[0]}")
@@ -282,11 +287,10 @@ def load_gguf(path: str | Path, device: str = "cpu") -> tuple[nn.Module, Any]:
     check_state_dict(model, state, str(f.path))
     model.load_state_dict(state, assign=True)
     if cfg.tie_embeddings:
-        model.lm_head.weight = model.embed.weight
+        model.lm_head.weight = model.embed.weight  # type: ignore[union-attr]
     # the one non-persistent buffer (RoPE's inverse frequencies) is rebuilt off the meta device
     model.position = POSITION.get(cfg.position.kind, "model.position.kind")(cfg)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise LmlabError(f"internal: {left[0]} was not loaded from {f.path}")
     return model.to(resolve_device(device)).eval(), tokenizer
-

@@ -1,4 +1,4 @@
-"""The tokenizer stored in a GGUF file's metadata, as an lmlab :class:`~lmlab.data.tokenizer.Tokenizer`.
+"""The tokenizer stored in a GGUF file's metadata, as an lmlab ``Tokenizer``.
 
 ``tokenizer.ggml.model: gpt2`` is byte-level BPE (Radford et al. 2019): ``tokenizer.ggml.tokens``
 (the vocabulary, in GPT-2's printable-character form of the bytes), ``tokenizer.ggml.merges``
@@ -87,11 +87,11 @@ class GGUFTokenizer(BPETokenizer):
 
     @property
     def bos_token(self) -> str:
-        return "" if self.bos_id is None else self.hf.id_to_token(self.bos_id)
+        return "" if self.bos_id is None else str(self.hf.id_to_token(self.bos_id))
 
     @property
     def eos_token(self) -> str:
-        return "" if self._eos is None else self.hf.id_to_token(self._eos)
+        return "" if self._eos is None else str(self.hf.id_to_token(self._eos))
 
 
 def gguf_tokenizer(meta: dict[str, Any], path: Path) -> GGUFTokenizer:

@@ -3,7 +3,7 @@
 Legend: H heads (query heads for q, key/value heads for k), hd head_dim, r rotary channels
 (hd * partial_rotary_factor), D d_model (input features of the projection).
 
-RoPE rotates channel pairs. Two layouts pair them differently (lmlab ``model.position.interleaved``):
+RoPE rotates channel pairs; two layouts pair them differently (``model.position.interleaved``):
 
 - half-split (GPT-NeoX, Hugging Face Llama, lmlab's default): pair i is channels (i, i + r/2);
 - interleaved (RoFormer, GPT-J, Meta's original Llama, llama.cpp): pair i is channels (2i, 2i + 1).
