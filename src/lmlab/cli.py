@@ -274,9 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
         "forward), KV-cache bytes per token and for BATCH x CONTEXT, and the training-memory "
         "estimate, in closed form: a config file or run folder is not built, so real sizes "
         "(configs/llama.yaml with the overrides in its header) are inspected on a laptop. Any "
-        "other path is loaded (HF folder). Conventions: docs/inspect.md.",
+        "other path is loaded (HF folder). Encoders (BERT) and encoder-decoders (T5/BART) "
+        "too: their FLOP and KV-cache conventions are in docs/inspect.md.",
         epilog="example: lmlab inspect configs/llama.yaml --seq-len 2048 --batch 8 --context "
-        "4096 --dtype bf16",
+        "4096 --dtype bf16; lmlab inspect configs/bert-mini.yaml",
     )
     ins.add_argument("path", metavar="CONFIG_OR_MODEL")
     ins.add_argument(

@@ -180,11 +180,11 @@ def score_masked(
     for i in range(0, n, batch_size):
         batch = objective.mask(rows[i : i + batch_size], rng)
         x, y = batch["input_ids"].to(device), batch["targets"].to(device)
-        logits = model(x).logits.float()
-        sel = y >= 0
-        nats += float(F.cross_entropy(logits[sel], y[sel], reduction="sum"))
-        correct += int((logits[sel].argmax(-1) == y[sel]).sum())
-        count += int(sel.sum())
+        logits = model(x, targets=y).logits.float()  # (M, V): the masked positions only
+        y = y[y != -100]  # (M,), the same row-major order
+        nats += float(F.cross_entropy(logits, y, reduction="sum"))
+        correct += int((logits.argmax(-1) == y).sum())
+        count += len(y)
     loss = nats / count
     return MaskedEvalResult(loss, math.exp(min(loss, 700.0)), correct / count, count, n * inner)
 
