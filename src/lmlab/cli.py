@@ -26,6 +26,8 @@ lmlab: build, train, probe and compare Transformer language models.
   lmlab verify --config my.yaml       prove a model config correct (and equal to Hugging Face's)
   lmlab inspect configs/mixtral.yaml  parameters, FLOPs, KV cache and memory, without building it
   lmlab attention runs/minigpt --text "ROMEO:"   attention heatmaps and per-head diagnostics
+  lmlab train --config configs/seq2seq-reverse.yaml     an encoder-decoder on a reverse task
+  lmlab generate runs/seq2seq-reverse --source "abcdefgh" --temperature 0
   lmlab compare experiments/positions.yaml   train variants x seeds, report.md + plots
   lmlab eval runs/minigpt --lengths 128,256,512 --set model.position.scaling.kind=ntk
                                       perplexity per context length (length extrapolation)
@@ -188,6 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
         "one batch, printed as blocks separated by a line ---",
     )
     g.add_argument(
+        "--source",
+        action="append",
+        help="encoder-decoder (seq2seq) models: the source to transform, e.g. --source "
+        '"abcdefgh" --temperature 0 (repeatable: one batch); RUN may be any model lmlab.load '
+        "accepts (a T5/BART folder too)",
+    )
+    g.add_argument(
         "--max-new-tokens", type=int, default=200, help="at most this many new tokens (default 200)"
     )
     g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
@@ -274,10 +283,18 @@ def build_parser() -> argparse.ArgumentParser:
         "and flags heads 'blurred' (entropy >= 0.9 x max) or 'collapsed' (largest weight >= 0.9 "
         "on average). Layers and heads count from 0.",
         epilog='example: lmlab attention runs/minigpt --text "ROMEO: But soft" --layer 0 '
-        "--out maps",
+        '--out maps; lmlab attention runs/seq2seq-reverse --source "abcdefgh" --out maps',
     )
     at.add_argument("model", metavar="MODEL", help="run folder or Hugging Face folder")
-    at.add_argument("--text", required=True, help="the text to run the model on")
+    at.add_argument("--text", help="the text to run the model on (decoder or encoder models)")
+    at.add_argument(
+        "--source",
+        help="encoder-decoder models: the source; draws the decoder's cross-attention (target "
+        "tokens x source tokens) per layer, plus encoder and decoder self-attention",
+    )
+    at.add_argument(
+        "--target", help="with --source: the target to teacher-force (default: greedy output)"
+    )
     at.add_argument("--layer", type=int, help="only this layer (default: all)")
     at.add_argument("--head", type=int, help="only this head (default: all)")
     at.add_argument("--out", default="attention", help="folder for the PNGs (default: attention)")
@@ -517,7 +534,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.seed,
     )
     params.validate()
+    if args.source is not None:
+        return _generate_seq2seq(args, params)
     run = load_run(args.run, args.device or "auto")
+    if run.config.model.kind == "encoder_decoder":
+        raise LmlabError(
+            f"{args.run} is an encoder-decoder (seq2seq) model: give --source TEXT (the input to "
+            "transform), not --prompt"
+        )
     if run.config.model.kind == "encoder":
         raise LmlabError(
             f"generate needs a decoder model; {args.run} is an encoder (masked LM): use "
@@ -541,6 +565,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out.write(piece)
         out.flush()
     out.write("\n")
+    return 0
+
+
+def _generate_seq2seq(args: argparse.Namespace, params: typing.Any) -> int:
+    from lmlab.generation.seq2seq import generate_from_sources
+    from lmlab.interop.load import load
+    from lmlab.training.hardware import resolve_device
+
+    if args.prompt:
+        raise LmlabError("give --source (encoder-decoder models) or --prompt (decoders), not both")
+    model, tokenizer = load(args.run, str(resolve_device(args.device or "auto")))
+    texts = generate_from_sources(model, tokenizer, args.source, params)
+    sys.stdout.write("\n---\n".join(texts) + "\n")
     return 0
 
 
@@ -572,11 +609,18 @@ def cmd_attention(args: argparse.Namespace) -> int:
         head=args.head,
         out=None if args.no_plot else args.out,
         device=args.device or "auto",
+        source=args.source,
+        target=args.target,
     )
     if args.json:
         print(json.dumps(report.as_dict(), ensure_ascii=False))
         return 0
-    print(f"{len(report.tokens)} tokens: {' '.join(report.tokens)}")
+    if report.target_tokens is not None:
+        print(f"source, {len(report.tokens)} tokens: {' '.join(report.tokens)}")
+        print(f"target, {len(report.target_tokens)} tokens: {' '.join(report.target_tokens)}")
+        print("cross-attention (decoder queries x source keys):")
+    else:
+        print(f"{len(report.tokens)} tokens: {' '.join(report.tokens)}")
     print(format_stats(report.heads))
     for f in report.files:
         print(f"wrote {f}")

@@ -24,7 +24,8 @@ from lmlab.config import RunConfig
 from lmlab.data.corpus import load_corpus, read_text
 from lmlab.data.tokenizer import Tokenizer
 from lmlab.errors import DataError, LmlabError
-from lmlab.run import load_run
+from lmlab.evaluation.seq2seq import Seq2SeqEvalResult
+from lmlab.run import LoadedRun, load_run
 from lmlab.training.hardware import autocast
 
 
@@ -189,11 +190,13 @@ def evaluate(
     max_tokens: int | None = None,
     device: str = "auto",
     batch_size: int = 8,
-) -> EvalResult | MaskedEvalResult:
+) -> EvalResult | MaskedEvalResult | Seq2SeqEvalResult:
     """Score a run's latest checkpoint on its corpus split (``val`` or ``test``) or on ``data``
     (a UTF-8 text file scored whole). ``max_tokens`` keeps the first N tokens.
 
-    An encoder run (masked LM) is scored by :func:`score_masked` (``stride`` does not apply).
+    An encoder run (masked LM) is scored by :func:`score_masked` (``stride`` does not apply); an
+    encoder-decoder run by :func:`lmlab.evaluation.seq2seq.score_pairs` on its corpus's pairs of
+    ``split`` (train or val) or on ``data`` (a .tsv/.jsonl pairs file).
     Raises LmlabError for a run without checkpoint, a split the corpus lacks, or bad text.
     """
     if max_tokens is not None and max_tokens < 2:
@@ -201,6 +204,8 @@ def evaluate(
             f"--max-tokens must be >= 2 (one token predicts the next), got {max_tokens}"
         )
     run = load_run(run_dir, device)
+    if run.config.model.kind == "encoder_decoder":  # seq2seq: exact match on held-out pairs
+        return _evaluate_seq2seq(run, split, data, stride, max_tokens, batch_size)
     if data is not None:
         text = read_text(data)
     else:
@@ -223,3 +228,34 @@ def evaluate(
         stride,
         batch_size,
     )
+
+
+def _evaluate_seq2seq(
+    run: LoadedRun,
+    split: str,
+    data: str | None,
+    stride: int | None,
+    max_tokens: int | None,
+    batch_size: int,
+) -> Seq2SeqEvalResult:
+    from lmlab.data.pairs import load_pairs, read_pairs
+    from lmlab.evaluation.seq2seq import score_pairs
+    from lmlab.training.objectives import encode_pairs
+
+    if stride is not None or max_tokens is not None:
+        raise LmlabError("--stride and --max-tokens apply to decoder runs, not seq2seq ones")
+    cfg = run.config
+    if data is not None:
+        text, where = read_pairs(data), data
+    else:
+        splits = load_pairs(cfg.data.corpus, cfg.data.val_fraction)
+        if split not in splits:
+            raise LmlabError(
+                f"corpus {cfg.data.corpus!r} has no {split!r} split; it has: {', '.join(splits)}"
+            )
+        text, where = splits[split], cfg.data.corpus
+    eos = cfg.model.seq2seq.eos_token_id
+    if eos is None:
+        raise LmlabError("model.seq2seq.eos_token_id is not set: the run cannot be scored")
+    pairs = encode_pairs(text, run.tokenizer, eos, cfg.model.max_seq_len, where)
+    return score_pairs(run.model, pairs, batch_size)
