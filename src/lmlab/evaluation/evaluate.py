@@ -238,7 +238,7 @@ def _evaluate_seq2seq(
     max_tokens: int | None,
     batch_size: int,
 ) -> Seq2SeqEvalResult:
-    from lmlab.data.pairs import load_pairs, read_pairs
+    from lmlab.data.pairs import is_pairs_source, load_pairs, read_pairs
     from lmlab.evaluation.seq2seq import score_pairs
     from lmlab.training.objectives import encode_pairs
 
@@ -246,16 +246,22 @@ def _evaluate_seq2seq(
         raise LmlabError("--stride and --max-tokens apply to decoder runs, not seq2seq ones")
     cfg = run.config
     if data is not None:
-        text, where = read_pairs(data), data
+        text, where, first = read_pairs(data), data, 1
     else:
+        if not is_pairs_source(cfg.data.corpus):
+            raise LmlabError(
+                f"{run.path} was trained on raw text ({cfg.data.corpus}, e.g. span corruption), "
+                "which holds no (source, target) pairs: score it with --data PAIRS.tsv"
+            )
         splits = load_pairs(cfg.data.corpus, cfg.data.val_fraction)
         if split not in splits:
             raise LmlabError(
                 f"corpus {cfg.data.corpus!r} has no {split!r} split; it has: {', '.join(splits)}"
             )
         text, where = splits[split], cfg.data.corpus
+        first = 1 if split == "train" else len(splits["train"]) + 1
     eos = cfg.model.seq2seq.eos_token_id
     if eos is None:
         raise LmlabError("model.seq2seq.eos_token_id is not set: the run cannot be scored")
-    pairs = encode_pairs(text, run.tokenizer, eos, cfg.model.max_seq_len, where)
+    pairs = encode_pairs(text, run.tokenizer, eos, cfg.model.max_seq_len, where, first)
     return score_pairs(run.model, pairs, batch_size)

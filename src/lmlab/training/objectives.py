@@ -40,6 +40,7 @@ class Objective:
 
     name: ClassVar[str]
     model_kinds: ClassVar[tuple[str, ...]] = ("decoder",)  # model.kind values it trains
+    uses_token_cache: ClassVar[bool] = True  # False: reads its own data (seq2seq pairs)
 
     def __init__(
         self, cfg: RunConfig, tokenizer: Tokenizer, splits: Mapping[str, np.ndarray], seq_len: int
@@ -261,13 +262,15 @@ def encode_pairs(
     eos: int,
     max_len: int,
     where: str,
+    first: int = 1,
 ) -> list[tuple[list[int], list[int]]]:
     """Token ids of (source, target) text pairs: the source as the model reads it
     (``encode_for_model``), the target followed by ``eos``. Raises DataError naming pair
-    ``where``:N (1-based) when a side exceeds ``max_len`` tokens (the decoder reads the start
-    token + target) or a source encodes to nothing."""
+    ``where`` N (the N-th pair of the file, counting from ``first``) when a side exceeds
+    ``max_len`` tokens (the decoder reads the start token + target) or a source encodes to
+    nothing."""
     out = []
-    for n, (src, tgt) in enumerate(pairs, start=1):
+    for n, (src, tgt) in enumerate(pairs, start=first):
         x = tokenizer.encode_for_model(src)
         y = [*tokenizer.encode(tgt), eos]
         side = "source" if len(x) > max_len else "target + </s>" if len(y) > max_len else None
@@ -294,6 +297,7 @@ class Seq2Seq(Objective):
 
     name = "seq2seq"
     model_kinds = ("encoder_decoder",)
+    uses_token_cache = False
 
     def __init__(
         self, cfg: RunConfig, tokenizer: Tokenizer, splits: Mapping[str, np.ndarray], seq_len: int
@@ -303,8 +307,16 @@ class Seq2Seq(Objective):
 
         self.pad, self.start, eos = _special_ids(cfg, self.name)
         text = load_pairs(cfg.data.corpus, cfg.data.val_fraction)
+        n_train = len(text["train"])  # pairs are numbered in file order: train, then val
         self.pairs = {
-            split: encode_pairs(p, tokenizer, eos, cfg.model.max_seq_len, f"{cfg.data.corpus}")
+            split: encode_pairs(
+                p,
+                tokenizer,
+                eos,
+                cfg.model.max_seq_len,
+                cfg.data.corpus,
+                1 if split == "train" else n_train + 1,
+            )
             for split, p in text.items()
         }
         train = self.pairs["train"]

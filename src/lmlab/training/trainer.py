@@ -273,9 +273,10 @@ def _train(
     check_training_memory(cfg, dev)  # before any weight is allocated
     with par.main_first():
         splits = build_token_cache(corpus, tokenizer, run_dir / "data")
-    check_split_length(splits["train"], seq_len, "train")
-    check_split_length(splits["val"], seq_len, "val")
     objective = build_objective(cfg, tokenizer, splits, seq_len)
+    if objective.uses_token_cache:  # seq2seq reads its own pairs
+        check_split_length(splits["train"], seq_len, "train")
+        check_split_length(splits["val"], seq_len, "val")
     if is_main and not resuming:  # only now is the folder a run (see prepare_run)
         tokenizer.save(run_dir / TOKENIZER_FILE)
         save_config(cfg, run_dir / CONFIG_FILE)
