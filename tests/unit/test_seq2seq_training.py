@@ -165,7 +165,9 @@ def test_seq2seq_training_lowers_the_loss_and_resumes_bit_identically(tmp_path):
     assert full.val_loss < first_val["val_loss"] - 1.0
     half = seq2seq_run_config(tsv, max_steps=12, eval_every=12, lr_decay_steps=24)
     train(half, out=tmp_path / "half", progress=False)
-    resumed = train(resume=tmp_path / "half", max_steps=24, progress=False)
+    again = seq2seq_run_config(tsv, max_steps=12, eval_every=12, lr_decay_steps=24)
+    # resuming with the config file too: the special ids filled from the tokenizer still match
+    resumed = train(again, resume=tmp_path / "half", max_steps=24, progress=False)
     assert resumed.train_loss == full.train_loss and resumed.val_loss == full.val_loss
     from safetensors.torch import load_file
 
@@ -223,3 +225,18 @@ def test_exact_match_and_token_accuracy_of_perfect_and_imperfect_models():
     assert flawed.exact_match == 0.5  # the two sources starting with token 4 come out wrong
     assert flawed.token_accuracy == pytest.approx(13 / 15)
     assert flawed.loss > perfect.loss
+
+
+def test_a_span_corruption_run_trains_saves_its_sentinels_and_resumes(tmp_path):
+    from lmlab.run import load_run
+    from lmlab.training.trainer import train
+
+    cfg = seq2seq_run_config("tinyshakespeare", "span_corruption", max_steps=12, eval_every=6)
+    res = train(cfg, out=tmp_path / "sc", progress=False)
+    first = json.loads((tmp_path / "sc" / "metrics.jsonl").read_text().splitlines()[0])
+    assert res.val_loss < first["val_loss"] - 1.0
+    run = load_run(tmp_path / "sc", "cpu")
+    assert run.tokenizer.vocab_size == 360 == run.config.model.vocab_size  # 260 + 100 sentinels
+    assert run.tokenizer.encode("<extra_id_99>") == [359]
+    again = train(resume=tmp_path / "sc", max_steps=14, progress=False)  # the tokenizer reloads
+    assert again.step == 14

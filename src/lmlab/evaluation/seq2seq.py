@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from lmlab.config import ModelConfig
 from lmlab.errors import LmlabError
 from lmlab.generation.generate import SamplingParams
 from lmlab.generation.seq2seq import generate_seq2seq
@@ -50,8 +51,10 @@ def score_pairs(
         raise LmlabError("no pairs to score")
     if batch_size < 1:
         raise LmlabError(f"--batch-size must be >= 1, got {batch_size}")
-    s = model.cfg.seq2seq  # type: ignore[union-attr]
-    pad, start = int(s.pad_token_id), int(s.decoder_start_token_id)
+    cfg: ModelConfig = model.cfg  # type: ignore[assignment]
+    pad, start = cfg.seq2seq.pad_token_id, cfg.seq2seq.decoder_start_token_id
+    if pad is None or start is None:
+        raise LmlabError("model.seq2seq.pad_token_id and decoder_start_token_id must be set")
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
