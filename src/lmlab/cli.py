@@ -134,7 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="loss, perplexity and bits per byte of a trained run",
         description="Score a run's latest checkpoint. Text longer than the context is scored in "
         "non-overlapping windows unless --stride is given. Prints name: value lines "
-        "(loss in nats/token, perplexity = exp(loss), bits_per_byte).",
+        "(loss in nats/token, perplexity = exp(loss), bits_per_byte). An encoder-decoder run "
+        "prints exact_match (greedy output == target), token_accuracy and loss on its held-out "
+        "pairs (or on --data PAIRS.tsv/.jsonl).",
+        epilog="example: lmlab eval runs/seq2seq-reverse",
     )
     e.add_argument("run", metavar="RUN_DIR")
     e.add_argument(
