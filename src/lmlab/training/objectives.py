@@ -208,7 +208,12 @@ def set_seq2seq_ids(cfg: RunConfig, tokenizer: Tokenizer) -> None:
 
 
 def _need_seq2seq_specials(cfg: RunConfig, what: str) -> None:
+    """An explicit train.objective whose tokenizer config cannot give <pad> and </s>. (The
+    default objective of a model-only config (lmlab verify, inspect) is not checked; training
+    still stops with the unset model.seq2seq id named, by :func:`_special_ids`.)"""
     t = cfg.data.tokenizer
+    if cfg.train.objective is None:
+        return
     if t.kind == "char" or (t.kind in ("bpe", "wordlevel") and t.special_tokens != "seq2seq"):
         raise ConfigError(
             f"train.objective={what} needs a tokenizer with <pad> and </s> tokens: set "
