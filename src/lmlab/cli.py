@@ -22,6 +22,8 @@ lmlab: build, train, probe and compare Transformer language models.
   lmlab train                         train the default Mini-GPT on tinyshakespeare
   lmlab generate runs/minigpt --prompt "ROMEO:"
   lmlab eval runs/minigpt             loss, perplexity and bits per byte on the val split
+  lmlab generate model.gguf --chat "What is the capital of France?" --temperature 0
+  lmlab chat model.gguf               talk to a chat model (its own template, history kept)
   lmlab train --config configs/llama.yaml --nproc 2     a preset, on 2 processes (DDP)
   lmlab verify --config my.yaml       prove a model config correct (and equal to Hugging Face's)
   lmlab inspect configs/mixtral.yaml  parameters, FLOPs, KV cache and memory, without building it
@@ -131,15 +133,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser(
         "eval",
-        help="loss, perplexity and bits per byte of a trained run",
-        description="Score a run's latest checkpoint. Text longer than the context is scored in "
-        "non-overlapping windows unless --stride is given. Prints name: value lines "
-        "(loss in nats/token, perplexity = exp(loss), bits_per_byte). An encoder-decoder run "
-        "prints exact_match (greedy output == target), token_accuracy and loss on its held-out "
-        "pairs (or on --data PAIRS.tsv/.jsonl).",
-        epilog="example: lmlab eval runs/seq2seq-reverse",
+        help="loss, perplexity and bits per byte of a model on a text",
+        description="Score a model: a run folder (latest checkpoint), a Hugging Face folder or a "
+        ".gguf file. Text longer than the context is scored in non-overlapping windows unless "
+        "--stride is given. Prints name: value lines (loss in nats/token, perplexity = "
+        "exp(loss), bits_per_byte). Example: lmlab eval model.gguf --data input.txt "
+        "--max-tokens 4096. An encoder-decoder run prints exact_match (greedy output == "
+        "target), token_accuracy and loss on its held-out pairs (or on --data PAIRS.tsv/.jsonl), "
+        "e.g. lmlab eval runs/seq2seq-reverse",
     )
-    e.add_argument("run", metavar="RUN_DIR")
+    e.add_argument("run", metavar="MODEL", help="run folder, Hugging Face folder or .gguf file")
     e.add_argument(
         "--split",
         default="val",
@@ -181,11 +184,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser(
         "generate",
-        help="sample text from a trained run (streams to stdout)",
-        description="Continue a prompt with the run's latest checkpoint, using the KV cache. "
-        "Stops at max-new-tokens, the tokenizer's end-of-sequence token or a stop string.",
+        help="sample text from a model (streams to stdout)",
+        description="Continue a prompt with a model (run folder, Hugging Face folder or .gguf "
+        "file), using the KV cache. Stops at max-new-tokens, the tokenizer's end-of-sequence "
+        "token or a stop string. --chat wraps the text in the model's own chat template and "
+        "prints only the answer.",
     )
-    g.add_argument("run", metavar="RUN_DIR")
+    g.add_argument("run", metavar="MODEL", help="run folder, Hugging Face folder or .gguf file")
+    g.add_argument(
+        "--chat",
+        metavar="MESSAGE",
+        help="ask a chat model: apply its chat template to MESSAGE, print the reply (stops at "
+        "the template's end-of-turn token)",
+    )
+    g.add_argument("--system", help="with --chat: a system message")
     g.add_argument(
         "--prompt",
         action="append",
@@ -225,6 +237,35 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-prompt", action="store_true", help="print only the continuation")
     _add_common(g)
 
+    c = sub.add_parser(
+        "chat",
+        help="talk to a chat model in the terminal (streams replies)",
+        description="A read-reply loop with a model's own chat template: each line is a "
+        "message; the history is kept, oldest turns dropped to fit the context. /reset clears "
+        "the history, /exit or Ctrl-D quits. Example: lmlab chat model.gguf --temperature 0.7",
+    )
+    c.add_argument("run", metavar="MODEL", help="run folder, Hugging Face folder or .gguf file")
+    c.add_argument("--system", help="a system message kept at the start of the conversation")
+    c.add_argument(
+        "--max-context",
+        type=int,
+        metavar="TOKENS",
+        help="token budget of the conversation + reply (default: the model's context)",
+    )
+    c.add_argument(
+        "--max-new-tokens", type=int, default=512, help="at most this many tokens per reply"
+    )
+    c.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
+    c.add_argument(
+        "--top-k", type=int, default=0, help="sample among the K most likely tokens (0 = off)"
+    )
+    c.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    c.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (1 = off)"
+    )
+    c.add_argument("--seed", type=int, help="random seed for reproducible replies")
+    _add_common(c)
+
     v = sub.add_parser(
         "verify",
         help="prove a model config correct: causality, KV cache, gradients, reference",
@@ -244,9 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
         "forward), KV-cache bytes per token and for BATCH x CONTEXT, and the training-memory "
         "estimate, in closed form: a config file or run folder is not built, so real sizes "
         "(configs/llama.yaml with the overrides in its header) are inspected on a laptop. Any "
-        "other path is loaded (HF folder). Conventions: docs/inspect.md.",
+        "other path is loaded (HF folder). Encoders (BERT) and encoder-decoders (T5/BART) "
+        "too: their FLOP and KV-cache conventions are in docs/inspect.md.",
         epilog="example: lmlab inspect configs/llama.yaml --seq-len 2048 --batch 8 --context "
-        "4096 --dtype bf16",
+        "4096 --dtype bf16; lmlab inspect configs/bert-mini.yaml",
     )
     ins.add_argument("path", metavar="CONFIG_OR_MODEL")
     ins.add_argument(
@@ -525,7 +567,6 @@ def _eval_lengths(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from lmlab.generation.generate import SamplingParams, generate_text, generate_texts
     from lmlab.generation.stream import unescape
-    from lmlab.run import load_run
 
     params = SamplingParams(
         args.max_new_tokens,
@@ -539,29 +580,39 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params.validate()
     if args.source is not None:
         return _generate_seq2seq(args, params)
-    run = load_run(args.run, args.device or "auto")
-    if run.config.model.kind == "encoder_decoder":
-        raise LmlabError(
-            f"{args.run} is an encoder-decoder (seq2seq) model: give --source TEXT (the input to "
-            "transform), not --prompt"
-        )
-    if run.config.model.kind == "encoder":
-        raise LmlabError(
-            f"generate needs a decoder model; {args.run} is an encoder (masked LM): use "
+    if args.chat is not None and args.prompt:
+        raise LmlabError("give either --chat or --prompt, not both")
+    if args.system is not None and args.chat is None:
+        raise LmlabError("--system needs --chat")
+    model, tokenizer = _load_with_tokenizer(args.run, args.device)
+    max_seq_len = model.cfg.max_seq_len
+    if model.cfg.kind != "decoder":
+        hint = (
             f"lmlab fill-mask {args.run} --text '... [MASK] ...'"
+            if model.cfg.kind == "encoder"
+            else f"lmlab generate {args.run} --source '...'"
         )
-    prompts = args.prompt or ["\n"]
+        raise LmlabError(
+            f"--prompt and --chat need a decoder model; {args.run} is model.kind="
+            f"{model.cfg.kind}: use {hint}"
+        )
     out = sys.stdout
+    if args.chat is not None:
+        from lmlab.generation.chat import ChatSession
+
+        session = ChatSession(model, tokenizer, params, max_seq_len, args.system)
+        for piece in session.reply(args.chat):
+            out.write(piece)
+            out.flush()
+        out.write("\n")
+        return 0
+    prompts = args.prompt or ["\n"]
     if len(prompts) > 1:  # one batch; each completion printed as its own block
-        texts = generate_texts(
-            run.model, run.tokenizer, prompts, params, run.config.model.max_seq_len
-        )
+        texts = generate_texts(model, tokenizer, prompts, params, max_seq_len)
         blocks = [t if args.no_prompt else p + t for p, t in zip(prompts, texts, strict=True)]
         out.write("\n---\n".join(blocks) + "\n")
         return 0
-    pieces = generate_text(
-        run.model, run.tokenizer, prompts[0], params, run.config.model.max_seq_len
-    )
+    pieces = generate_text(model, tokenizer, prompts[0], params, max_seq_len)
     if not args.no_prompt:  # the prompt is written only once it has been accepted
         out.write(prompts[0])
     for piece in pieces:
@@ -573,15 +624,46 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _generate_seq2seq(args: argparse.Namespace, params: typing.Any) -> int:
     from lmlab.generation.seq2seq import generate_from_sources
-    from lmlab.interop.load import load
-    from lmlab.training.hardware import resolve_device
 
-    if args.prompt:
-        raise LmlabError("give --source (encoder-decoder models) or --prompt (decoders), not both")
-    model, tokenizer = load(args.run, str(resolve_device(args.device or "auto")))
+    if args.prompt or args.chat is not None:
+        raise LmlabError(
+            "give --source (encoder-decoder models) or --prompt / --chat (decoders), not both"
+        )
+    model, tokenizer = _load_with_tokenizer(args.run, args.device)
     texts = generate_from_sources(model, tokenizer, args.source, params)
     sys.stdout.write("\n---\n".join(texts) + "\n")
     return 0
+
+
+def _load_with_tokenizer(path: str, device: str | None) -> tuple[typing.Any, typing.Any]:
+    """``lmlab.load(path)``; LmlabError when the model comes without a tokenizer."""
+    from lmlab.interop.load import load
+
+    model, tokenizer = load(path, device or "auto")
+    if tokenizer is None:
+        raise LmlabError(f"{path} has no tokenizer, so text cannot be generated with it")
+    return model, tokenizer
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from lmlab.generation.chat import chat_repl
+    from lmlab.generation.generate import SamplingParams
+
+    params = SamplingParams(
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        args.top_p,
+        args.repetition_penalty,
+        [],
+        args.seed,
+    )
+    params.validate()
+    if args.max_context is not None and args.max_context < 2:
+        raise LmlabError(f"--max-context must be >= 2 tokens, got {args.max_context}")
+    model, tokenizer = _load_with_tokenizer(args.run, args.device)
+    limit = model.cfg.max_seq_len
+    return chat_repl(model, tokenizer, params, min(args.max_context or limit, limit), args.system)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -717,6 +799,7 @@ COMMANDS = {
     "train": cmd_train,
     "eval": cmd_eval,
     "generate": cmd_generate,
+    "chat": cmd_chat,
     "verify": cmd_verify,
     "inspect": cmd_inspect,
     "attention": cmd_attention,

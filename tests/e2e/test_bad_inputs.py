@@ -355,7 +355,7 @@ CASES: dict[str, Case] = {
         ("generate", "{run}", "--max-new-tokens", "-1"), "--max-new-tokens must be >= 0, got -1"
     ),
     # -------------------------------------------------------------- run folders
-    "run-missing": Case(("eval", "{tmp}/nowhere"), "run folder not found: {tmp}/nowhere"),
+    "run-missing": Case(("eval", "{tmp}/nowhere"), "not found: {tmp}/nowhere"),
     "run-without-checkpoint": Case(
         ("generate", "{copy}"),
         "{copy} has no checkpoint yet",
@@ -376,11 +376,8 @@ CASES: dict[str, Case] = {
         "is corrupt: non-finite values in final_norm.weight",
         in_copy(f"{CKPT}/model.safetensors", nan_weight),
     ),
-    "run-hugging-face-folder-to-generate": Case(
-        ("generate", "{tmp}/hf"),
-        "{tmp}/hf is not an lmlab run folder: it has no config.yaml (it looks like a Hugging Face "
-        "folder)",
-        hf_folder,
+    "run-incomplete-hugging-face-folder-to-generate": Case(
+        ("generate", "{tmp}/hf"), "{tmp}/hf/config.json lacks ", hf_folder
     ),
     "run-config-does-not-match-weights": Case(
         ("generate", "{copy}"),
@@ -480,7 +477,7 @@ CASES: dict[str, Case] = {
     "cli-unknown-device": Case(
         ("eval", "{run}", "--device", "tpu"), "argument --device: invalid choice: 'tpu'"
     ),
-    "cli-missing-run-dir": Case(("eval",), "the following arguments are required: RUN_DIR"),
+    "cli-missing-run-dir": Case(("eval",), "the following arguments are required: MODEL"),
     "cli-time-budget-zero": Case(
         train("--time-budget", "0"), "--time-budget must be a positive number of seconds"
     ),

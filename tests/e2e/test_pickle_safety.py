@@ -132,7 +132,7 @@ def test_a_hugging_face_folder_with_only_a_pickled_checkpoint_is_refused(tmp_pat
     with pytest.raises(LmlabError, match="no model.safetensors .pytorch_model.bin is a pickle"):
         lmlab.load(hf)
     code, err = run_cli(capsys, "generate", str(hf))
-    assert code == 2 and "it looks like a Hugging Face folder" in err
+    assert code == 2 and "pytorch_model.bin is a pickle, which lmlab never loads" in err
     assert not marker.exists()
 
 

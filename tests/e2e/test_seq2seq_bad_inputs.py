@@ -83,7 +83,7 @@ def test_generate_source_on_a_decoder_and_prompt_on_a_seq2seq_run(
     err = one_error(capsys, "generate", str(tiny_run), "--source", "ROMEO")
     assert "--source needs an encoder-decoder (seq2seq) model" in err and "--prompt" in err
     err = one_error(capsys, "generate", str(seq2seq_run), "--prompt", "abc")
-    assert "is an encoder-decoder (seq2seq) model: give --source TEXT" in err
+    assert "model.kind=encoder_decoder: use lmlab generate" in err and "--source" in err
 
 
 def test_a_source_longer_than_the_encoder_context(seq2seq_run: Path, capsys):

@@ -43,9 +43,13 @@ def test_mlm_loss_is_the_cross_entropy_at_the_masked_positions_only():
     targets[0, 2], targets[1, 5] = 7, 9
     with torch.no_grad():
         out = model(x, targets=targets)
-    logp = F.log_softmax(out.logits.float(), -1)
+        full = model(x).logits  # (B, T, V): every position, without targets
+    logp = F.log_softmax(full.float(), -1)
     expected = -(logp[0, 2, 7] + logp[1, 5, 9]) / 2
     torch.testing.assert_close(out.loss, expected)
+    # with targets the head ran on the 2 masked positions only, in row-major order
+    assert out.logits.shape == (2, 50)
+    torch.testing.assert_close(out.logits, full[[0, 1], [2, 5]])
 
 
 def test_mlm_decoder_is_tied_to_the_token_embedding_and_has_a_bias():

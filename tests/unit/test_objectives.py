@@ -46,17 +46,24 @@ def test_clm_batch_is_the_trainers_former_sample_batch_bit_for_bit():
     assert obj.tokens_per_batch(4) == 64
 
 
-def test_mlm_selects_round_15_percent_of_ordinary_tokens_and_never_a_special():
+def test_mlm_selects_round_15_percent_of_maskable_tokens_never_a_special_or_whitespace():
     obj = _mlm()
     tok = obj.tokenizer
+    newline = tok.encode("\n")[0]
     b = obj.batch("train", 64, batch_rng(1, 0, 0))
+    rows = obj.windows("train", 64, batch_rng(1, 0, 0))  # the same windows, unmasked
     x, y = b["input_ids"].numpy(), b["targets"].numpy()
     assert (x[:, 0] == tok.cls_id).all() and (x[:, -1] == tok.sep_id).all()
     selected = y != -100
     assert not selected[:, 0].any() and not selected[:, -1].any()
-    for row_target, row_sel in zip(y, selected, strict=True):
-        assert row_sel.sum() == round(0.15 * 30)  # 30 ordinary tokens between [CLS] and [SEP]
+    blanks = 0
+    for row, row_target, row_sel in zip(rows, y, selected, strict=True):
+        n_blank = int(sum(tok.token_bytes(int(i)).isspace() for i in row[1:-1]))
+        blanks += n_blank
+        assert row_sel.sum() == round(0.15 * (30 - n_blank))  # 30 tokens in [CLS] ... [SEP]
         assert not np.isin(row_target[row_sel], list(tok.special_ids())).any()
+        assert not (row_target[row_sel] == newline).any()
+    assert blanks > 64  # newlines did occur, and were never selected
 
 
 def test_mlm_replaces_80_percent_by_mask_10_by_random_10_kept():

@@ -10,7 +10,8 @@ choice: entropy 0 and all its weight on that key, which says nothing about the h
 map that is the first row):
 
 - ``entropy``: -sum_j p_ij ln p_ij, in nats; ``entropy_max``: ln(n_i) for the n_i keys row i
-  sees, the entropy of a uniform row (the "uniform causal maximum" for a causal mask);
+  sees, the entropy of a uniform row (the "uniform causal maximum" ln(i + 1) for a causal mask;
+  ln T for every row of a bidirectional encoder, which sees all T keys);
 - ``mean_distance``: sum_j p_ij |pos(query i) - pos(key j)|, in tokens (None for cross-attention,
   whose query and key positions are not on one axis);
 - ``sink``: p_i0, the share of attention on the first key (the "attention sink" of Xiao et al.
@@ -148,6 +149,11 @@ def self_attention_maps(model: torch.nn.Module, tokenizer: Any, text: str) -> At
     """Run ``model`` on ``text`` with ``need_weights=True`` (the math backend, see
     lmlab.nn.attention) and return every layer's self-attention weights for that one sequence.
 
+    The mask is the model's ``attention.mask``: causal for a decoder, bidirectional for an
+    encoder (every row sees all T keys, so its uniform maximum is ln T). An encoder's text is
+    framed as the model saw it in training (:meth:`Tokenizer.encode_for_model`: [CLS] ... [SEP]
+    for BERT), so the labels include those tokens.
+
     Raises LmlabError for an empty text, a missing tokenizer, a text longer than
     model.cfg.max_seq_len tokens, or a model that returns no weights.
     """
@@ -157,10 +163,11 @@ def self_attention_maps(model: torch.nn.Module, tokenizer: Any, text: str) -> At
         )
     if not text:
         raise LmlabError("--text is empty: give the text whose attention to show")
-    ids = tokenizer.encode(text)
     cfg = getattr(model, "cfg", None)
     if not isinstance(cfg, ModelConfig):
         raise LmlabError("the model has no lmlab ModelConfig (model.cfg)")
+    # An encoder sees its input framed as in training ([CLS] ... [SEP] for BERT).
+    ids = tokenizer.encode_for_model(text) if cfg.kind == "encoder" else tokenizer.encode(text)
     if not ids:
         raise LmlabError(f"--text {text!r} encodes to no tokens")
     if len(ids) > cfg.max_seq_len:

@@ -17,7 +17,7 @@ from lmlab.config import ModelConfig, RunConfig, load_config
 from lmlab.errors import LmlabError
 from lmlab.training.memory import format_bytes
 
-SUPPORTED_KINDS = ("decoder",)
+SUPPORTED_KINDS = ("decoder", "encoder", "encoder_decoder")
 
 
 def resolve_config(
@@ -40,7 +40,8 @@ def resolve_config(
         nbytes = 4  # lmlab builds float32 parameters (bf16 only under autocast)
         if cfg.model.vocab_size is None:
             tok = cfg.data.tokenizer
-            cfg.model.vocab_size = tok.vocab_size if tok.kind == "bpe" else 256
+            sized = tok.kind in ("bpe", "wordlevel")  # a char vocabulary: its 256 at most
+            cfg.model.vocab_size = tok.vocab_size if sized else 256
             note = (
                 f"vocab_size not set: counted with the {tok.kind} tokenizer's "
                 f"{cfg.model.vocab_size}"
@@ -62,23 +63,37 @@ def resolve_config(
 
 def components(cfg: ModelConfig) -> dict[str, int]:
     """Parameters by component over all layers, summing to the total (tied weights once):
-    embedding, position (learned table), attention_q/k/v/o (weights + biases), attention_norms
-    (QK/V-norm), ffn (MoE: router + every expert), norms (block and final), lm_head (0 if tied)."""
+    embedding, position (learned table; T5's relative-bias table), attention_q/k/v/o (weights +
+    biases of the self-attention of every stack), attention_norms (QK/V-norm), ffn (MoE: router
+    + every expert), norms (block, embedding and final), lm_head (0 if tied).
+
+    An encoder (BERT) adds token_type (the segment table), pooler (dense + bias on [CLS]) and
+    has mlm_head instead of lm_head (dense + LayerNorm + output bias, + the V x D projection
+    when untied). An encoder-decoder adds cross_attention_q/k/v/o (the decoder's n layers)."""
     parts = count_params(cfg)
     attn = attention_params_by_part(cfg)
     L = cfg.n_layers
-    return {
+    n = costs.decoder_layers(cfg) if cfg.kind == "encoder_decoder" else 0
+    self_layers = L + n  # every stack's self-attention
+    out = {
         "embedding": parts["embedding"],
         "position": parts["position"],
-        "attention_q": L * attn["q"],
-        "attention_k": L * attn["k"],
-        "attention_v": L * attn["v"],
-        "attention_o": L * attn["o"],
-        "attention_norms": L * attn["norms"],
-        "ffn": parts["ffn"],
-        "norms": parts["norms"],
-        "lm_head": parts["lm_head"],
+        "attention_q": self_layers * attn["q"],
+        "attention_k": self_layers * attn["k"],
+        "attention_v": self_layers * attn["v"],
+        "attention_o": self_layers * attn["o"],
     }
+    if n:
+        out.update({f"cross_attention_{p}": n * attn[p] for p in ("q", "k", "v", "o")})
+    out["attention_norms"] = (self_layers + n) * attn["norms"]
+    out.update({"ffn": parts["ffn"], "norms": parts["norms"]})
+    if cfg.kind == "encoder":
+        out.update(
+            token_type=parts["token_type"], pooler=parts["pooler"], mlm_head=parts["lm_head"]
+        )
+    else:
+        out["lm_head"] = parts["lm_head"]
+    return out
 
 
 def inspect_model(
@@ -99,7 +114,9 @@ def inspect_model(
     Keys: name, vocab_size, vocab_note, params_total, params_non_embedding, params_active,
     components (sums to params_total), moe (or None), flops_per_token_forward,
     flops_per_token_train, flops_seq_len, kv_cache_* and training_memory (see docs/inspect.md).
-    Raises LmlabError for a bad path or a value < 1, or a model kind it cannot count yet.
+    An encoder-decoder's kv_cache_bytes includes the cross-attention cache of a
+    ``context``-token source (kv_cache_cross_bytes); an encoder has no KV cache (0).
+    Raises LmlabError for a bad path or a value < 1, or a model kind it cannot count.
     """
     name, run_cfg, param_bytes, note = resolve_config(path, overrides)
     cfg = run_cfg.model
@@ -130,10 +147,14 @@ def inspect_model(
             "params_router": L * cfg.d_model * f.n_experts,
             "params_experts": L * e * (f.n_experts + int(f.shared_expert)),
         }
-    per_layer_token = 0 if L == 0 else costs.kv_cache_bytes_per_token(cfg, kv_bytes) // L
+    n_dec = costs.decoder_layers(cfg)  # layers with a KV cache: 0 for an encoder
+    per_token = costs.kv_cache_bytes_per_token(cfg, kv_bytes)
+    per_layer_token = 0 if n_dec == 0 else per_token // n_dec
     total_kv = costs.kv_cache_bytes(cfg, batch, ctx, kv_bytes)
+    cross_kv = batch * ctx * costs.cross_cache_bytes_per_source_token(cfg, kv_bytes)
     linear = cfg.attention.kind == "linear"
     mem = costs.training_memory(cfg, batch, seq, run_cfg.train)
+    mask_prob = run_cfg.train.mask_prob
     return {
         "name": name,
         "kind": cfg.kind,
@@ -146,19 +167,24 @@ def inspect_model(
         "components": components(cfg),
         "moe": moe,
         "flops_seq_len": seq,
+        "flops_convention": FLOP_CONVENTIONS[cfg.kind],
         "flops_per_token_forward": costs.flops_per_token(cfg, seq),
-        "flops_per_token_train": costs.flops_per_token(cfg, seq, train=True),
+        "flops_per_token_train": costs.flops_per_token(cfg, seq, True, mask_prob),
         "flops_matmul_params": costs.matmul_params(cfg),
         "kv_cache_dtype": kv_dtype,
         "kv_cache_dtype_bytes": kv_bytes,
-        "kv_cache_bytes_per_token": costs.kv_cache_bytes_per_token(cfg, kv_bytes),
+        "kv_cache_bytes_per_token": per_token,
         "kv_cache_bytes_per_token_per_layer": per_layer_token,
+        "kv_cache_cross_bytes_per_source_token": costs.cross_cache_bytes_per_source_token(
+            cfg, kv_bytes
+        ),
         "kv_cache_batch": batch,
         "kv_cache_context": ctx,
-        "kv_cache_tokens_held": 0 if linear else costs.cached_tokens(cfg, ctx),
+        "kv_cache_tokens_held": 0 if linear or not n_dec else costs.cached_tokens(cfg, ctx),
         "kv_cache_bytes": total_kv,
-        "kv_cache_bytes_per_layer": 0 if L == 0 else total_kv // L,
-        "kv_cache_bounded": linear or cfg.attention.mask == "sliding_window",
+        "kv_cache_cross_bytes": cross_kv,
+        "kv_cache_bytes_per_layer": 0 if n_dec == 0 else total_kv // n_dec,
+        "kv_cache_bounded": bool(n_dec) and (linear or cfg.attention.mask == "sliding_window"),
         "training_memory": {
             "batch": batch,
             "seq_len": seq,
@@ -171,6 +197,20 @@ def inspect_model(
             "total": mem.total,
         },
     }
+
+
+# What "per token" means in flops_per_token_* (docs/inspect.md), by model.kind.
+FLOP_CONVENTIONS = {
+    "decoder": "per token of a seq_len-token sequence: 2 N + 4 L T d_attn; training = 3 x forward",
+    "encoder": (
+        "per token of a seq_len-token sequence: 2 N + 4 L T d_attn, the MLM head at every "
+        "position; training = 3 x (layers + the head at train.mask_prob of the positions)"
+    ),
+    "encoder_decoder": (
+        "per source + target token: the FLOPs of a (source, target) pair of seq_len tokens "
+        "each, divided by 2 seq_len; training = 3 x forward"
+    ),
+}
 
 
 def _si(n: float) -> str:
@@ -193,7 +233,9 @@ def format_inspection(info: dict[str, Any]) -> str:
     for name, n in info["components"].items():
         if n:
             lines.append(f"  {name:<16} {n:>16,}  {100 * n / total:5.1f}%")
-    if info["tied_embeddings"]:
+    if info["tied_embeddings"] and info["components"].get("mlm_head", 0):
+        lines.append("  (the MLM head's V x D projection is the embedding: counted once)")
+    elif info["tied_embeddings"] and "lm_head" in info["components"]:
         lines.append("  (lm_head is tied to the embedding: counted once)")
     moe = info["moe"]
     if moe:
@@ -205,17 +247,26 @@ def format_inspection(info: dict[str, Any]) -> str:
     seq = info["flops_seq_len"]
     lines.append(
         f"FLOPs per token at seq_len {seq}: forward {_si(info['flops_per_token_forward'])}FLOP, "
-        f"training {_si(info['flops_per_token_train'])}FLOP (2 N + 4 L T d_attn, "
-        f"N = {int(info['flops_matmul_params']):,}; training = 3 x forward)"
+        f"training {_si(info['flops_per_token_train'])}FLOP "
+        f"(N = {int(info['flops_matmul_params']):,}; {info['flops_convention']})"
     )
     b, ctx = info["kv_cache_batch"], info["kv_cache_context"]
-    kv = (
-        f"KV cache ({info['kv_cache_dtype']}, {info['kv_cache_dtype_bytes']} B/element): "
-        f"{int(info['kv_cache_bytes_per_token']):,} B per token "
-        f"({int(info['kv_cache_bytes_per_token_per_layer']):,} per layer); "
-        f"batch {b} x {ctx} tokens: {format_bytes(info['kv_cache_bytes'])} "
-        f"({format_bytes(info['kv_cache_bytes_per_layer'])} per layer)"
-    )
+    if info["kind"] == "encoder":
+        kv = "KV cache: none (an encoder reads its input in one pass; it does not decode)"
+    else:
+        kv = (
+            f"KV cache ({info['kv_cache_dtype']}, {info['kv_cache_dtype_bytes']} B/element): "
+            f"{int(info['kv_cache_bytes_per_token']):,} B per token "
+            f"({int(info['kv_cache_bytes_per_token_per_layer']):,} per layer); "
+            f"batch {b} x {ctx} tokens: {format_bytes(info['kv_cache_bytes'])} "
+            f"({format_bytes(info['kv_cache_bytes_per_layer'])} per layer)"
+        )
+    if info["kind"] == "encoder_decoder":
+        kv += (
+            f", of which the cross-attention cache of a {ctx}-token source, computed once: "
+            f"{format_bytes(info['kv_cache_cross_bytes'])} "
+            f"({int(info['kv_cache_cross_bytes_per_source_token']):,} B per source token)"
+        )
     if info["kv_cache_bounded"] and info["kv_cache_tokens_held"]:
         kv += f"; bounded by the sliding window: holds {info['kv_cache_tokens_held']} tokens"
     elif info["kv_cache_bounded"]:

@@ -14,19 +14,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmlab.config import RunConfig
+from lmlab.config import ModelConfig, RunConfig
 from lmlab.data.corpus import load_corpus, read_text
 from lmlab.data.tokenizer import Tokenizer
 from lmlab.errors import DataError, LmlabError
 from lmlab.evaluation.seq2seq import Seq2SeqEvalResult
-from lmlab.run import LoadedRun, load_run
+from lmlab.interop.load import load
+from lmlab.run import CONFIG_FILE, read_run_config
 from lmlab.training.hardware import autocast
+
+LOGITS_BYTES = 1 << 30  # bound on the logits one forward pass of score_tokens holds
 
 
 @dataclass
@@ -72,6 +76,10 @@ def score_tokens(
     if not 1 <= stride <= max_seq_len:
         raise DataError(f"--stride must be between 1 and the context length {max_seq_len}")
     device = next(model.parameters()).device
+    # at most ~LOGITS_BYTES of float32 logits per forward pass (a 49k vocabulary x 8k context
+    # is 1.6 GB per window)
+    per_window = max_seq_len * max(1, len(token_bytes)) * 4
+    batch_size = max(1, min(batch_size, LOGITS_BYTES // per_window))
     # (begin, end, first scored target index) of each window; targets are ids[begin+1 : end+1].
     windows: list[tuple[int, int, int]] = []
     begin, next_target = 0, 1
@@ -173,17 +181,17 @@ def score_masked(
     for i in range(0, n, batch_size):
         batch = objective.mask(rows[i : i + batch_size], rng)
         x, y = batch["input_ids"].to(device), batch["targets"].to(device)
-        logits = model(x).logits.float()
-        sel = y >= 0
-        nats += float(F.cross_entropy(logits[sel], y[sel], reduction="sum"))
-        correct += int((logits[sel].argmax(-1) == y[sel]).sum())
-        count += int(sel.sum())
+        logits = model(x, targets=y).logits.float()  # (M, V): the masked positions only
+        y = y[y != -100]  # (M,), the same row-major order
+        nats += float(F.cross_entropy(logits, y, reduction="sum"))
+        correct += int((logits.argmax(-1) == y).sum())
+        count += len(y)
     loss = nats / count
     return MaskedEvalResult(loss, math.exp(min(loss, 700.0)), correct / count, count, n * inner)
 
 
 def evaluate(
-    run_dir: str,
+    model_path: str,
     split: str = "val",
     data: str | None = None,
     stride: int | None = None,
@@ -191,47 +199,67 @@ def evaluate(
     device: str = "auto",
     batch_size: int = 8,
 ) -> EvalResult | MaskedEvalResult | Seq2SeqEvalResult:
-    """Score a run's latest checkpoint on its corpus split (``val`` or ``test``) or on ``data``
-    (a UTF-8 text file scored whole). ``max_tokens`` keeps the first N tokens.
+    """Score a model on ``data`` (a UTF-8 text file scored whole) or, for an lmlab run folder,
+    on its corpus split (``train``, ``val`` or ``test``). ``model_path`` is anything
+    :func:`lmlab.interop.load.load` accepts (run folder, Hugging Face folder, ``.gguf`` file);
+    windows are the model's context (``model.cfg.max_seq_len``). ``max_tokens`` keeps the first
+    N tokens.
 
-    An encoder run (masked LM) is scored by :func:`score_masked` (``stride`` does not apply); an
-    encoder-decoder run by :func:`lmlab.evaluation.seq2seq.score_pairs` on its corpus's pairs of
+    Raises LmlabError for a run without checkpoint, a split asked of a model that is not a run
+    folder (it has no corpus), a model without tokenizer, a split the corpus lacks, or bad text.
+
+    An encoder (masked LM) is scored by :func:`score_masked` (``stride`` does not apply); an
+    encoder-decoder by :func:`lmlab.evaluation.seq2seq.score_pairs` on its run's pairs of
     ``split`` (train or val) or on ``data`` (a .tsv/.jsonl pairs file).
-    Raises LmlabError for a run without checkpoint, a split the corpus lacks, or bad text.
     """
     if max_tokens is not None and max_tokens < 2:
         raise LmlabError(
             f"--max-tokens must be >= 2 (one token predicts the next), got {max_tokens}"
         )
-    run = load_run(run_dir, device)
-    if run.config.model.kind == "encoder_decoder":  # seq2seq: exact match on held-out pairs
-        return _evaluate_seq2seq(run, split, data, stride, max_tokens, batch_size)
-    if data is not None:
-        text = read_text(data)
-    else:
-        if split not in ("train", "val", "test"):
-            raise LmlabError(f"--split must be train, val or test, got {split!r}")
-        corpus = load_corpus(run.config.data.corpus, run.config.data.val_fraction)
-        text = corpus.split(split)
-    ids = np.asarray(run.tokenizer.encode(text), dtype=np.int64)
+    if (
+        data is None
+        and Path(model_path).exists()
+        and not (Path(model_path) / CONFIG_FILE).is_file()
+    ):
+        raise LmlabError(
+            f"{model_path} is not an lmlab run folder, so it has no corpus split: give --data FILE"
+        )
+    if data is None and split not in ("train", "val", "test"):
+        raise LmlabError(f"--split must be train, val or test, got {split!r}")
+    text = read_text(data) if data is not None else None  # bad text fails before loading
+    model, tokenizer = load(model_path, device)
+    if tokenizer is None:
+        raise LmlabError(f"{model_path} has no tokenizer, so text cannot be scored with it")
+    if getattr(model.cfg, "kind", None) == "encoder_decoder":  # seq2seq: exact match on pairs
+        return _evaluate_seq2seq(model_path, model, tokenizer, split, data, stride, max_tokens,
+                                 batch_size)  # fmt: skip
+    if text is None:
+        cfg = read_run_config(model_path)
+        text = load_corpus(cfg.data.corpus, cfg.data.val_fraction).split(split)
+    ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
     if max_tokens is not None:
         ids = ids[:max_tokens]
-    if run.config.model.kind == "encoder":  # a masked LM: accuracy and perplexity on masks
+    model_cfg: ModelConfig = model.cfg  # type: ignore[assignment]
+    if model_cfg.kind == "encoder":  # a masked LM: accuracy and perplexity on masks
         if stride is not None:
             raise LmlabError("--stride applies to decoder runs; an encoder run is scored whole")
-        return score_masked(run.model, run.tokenizer, ids, run.config, batch_size)
+        is_run = (Path(model_path) / CONFIG_FILE).is_file()
+        run_cfg = read_run_config(model_path) if is_run else RunConfig(model=model_cfg)
+        return score_masked(model, tokenizer, ids, run_cfg, batch_size)
     return score_tokens(
-        run.model,
+        model,
         ids,
-        token_byte_lengths(run.tokenizer),
-        run.config.model.max_seq_len,
+        token_byte_lengths(tokenizer),
+        int(model.cfg.max_seq_len),  # type: ignore[union-attr,arg-type]
         stride,
         batch_size,
     )
 
 
 def _evaluate_seq2seq(
-    run: LoadedRun,
+    model_path: str,
+    model: nn.Module,
+    tokenizer: Tokenizer,
     split: str,
     data: str | None,
     stride: int | None,
@@ -244,13 +272,14 @@ def _evaluate_seq2seq(
 
     if stride is not None or max_tokens is not None:
         raise LmlabError("--stride and --max-tokens apply to decoder runs, not seq2seq ones")
-    cfg = run.config
+    model_cfg: ModelConfig = model.cfg  # type: ignore[assignment]
     if data is not None:
         text, where, first = read_pairs(data), data, 1
     else:
+        cfg = read_run_config(model_path)
         if not is_pairs_source(cfg.data.corpus):
             raise LmlabError(
-                f"{run.path} was trained on raw text ({cfg.data.corpus}, e.g. span corruption), "
+                f"{model_path} was trained on raw text ({cfg.data.corpus}, e.g. span corruption), "
                 "which holds no (source, target) pairs: score it with --data PAIRS.tsv"
             )
         splits = load_pairs(cfg.data.corpus, cfg.data.val_fraction)
@@ -260,8 +289,8 @@ def _evaluate_seq2seq(
             )
         text, where = splits[split], cfg.data.corpus
         first = 1 if split == "train" else len(splits["train"]) + 1
-    eos = cfg.model.seq2seq.eos_token_id
+    eos = model_cfg.seq2seq.eos_token_id
     if eos is None:
-        raise LmlabError("model.seq2seq.eos_token_id is not set: the run cannot be scored")
-    pairs = encode_pairs(text, run.tokenizer, eos, cfg.model.max_seq_len, where, first)
-    return score_pairs(run.model, pairs, batch_size)
+        raise LmlabError("model.seq2seq.eos_token_id is not set: the model cannot be scored")
+    pairs = encode_pairs(text, tokenizer, eos, model_cfg.max_seq_len, where, first)
+    return score_pairs(model, pairs, batch_size)

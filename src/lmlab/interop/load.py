@@ -20,6 +20,7 @@ from lmlab.data.tokenizer import Tokenizer, load_tokenizer
 from lmlab.errors import CheckpointError, DataError, LmlabError
 from lmlab.interop.families import family_for
 from lmlab.models.build import build_model
+from lmlab.training.hardware import resolve_device
 
 
 def read_hf_state_dict(folder: Path) -> dict[str, torch.Tensor]:
@@ -65,7 +66,7 @@ def not_a_model_file(p: Path) -> str:
     with open(p, "rb") as fh:
         head = fh.read(9)
     if head[:4] == b"GGUF":
-        kind = "a GGUF file, which this lmlab version does not read yet"
+        kind = "a GGUF file lmlab cannot read"
     elif len(head) == 9 and head[8:9] == b"{":  # 8-byte header length, then the JSON header
         kind = (
             "a bare safetensors file: lmlab needs the folder holding it with its config.json "
@@ -127,8 +128,10 @@ def load_hf_folder(folder: str | Path, device: str = "cpu") -> tuple[nn.Module, 
 
 
 def load(path: str | Path, device: str = "cpu") -> tuple[nn.Module, Tokenizer | None]:
-    """Load ``(model, tokenizer)`` from an lmlab run folder (latest checkpoint) or a Hugging Face
-    model folder of a supported family (``lmlab list hf_family``). The model is in eval mode;
+    """Load ``(model, tokenizer)`` from an lmlab run folder (latest checkpoint), a Hugging Face
+    model folder of a supported family (``lmlab list hf_family``) or a Llama-family ``.gguf`` file
+    (:mod:`lmlab.interop.gguf`: dequantized to float32, tokenizer and chat template from its
+    metadata). The model is in eval mode;
     ``model(input_ids)`` returns an output whose ``.logits`` is (batch, seq, vocab).
 
     Raises LmlabError (or a subclass) when the path is neither, or its files are damaged.
@@ -139,11 +142,17 @@ def load(path: str | Path, device: str = "cpu") -> tuple[nn.Module, Tokenizer | 
 
         run = load_run(p, device)
         return run.model, run.tokenizer
+    if p.exists():
+        device = resolve_device(device).type  # "auto" -> cuda, mps or cpu
     if (p / "config.json").is_file():
         return load_hf_folder(p, device)
     if not p.exists():
         raise LmlabError(f"not found: {p}")
     if p.is_file():
+        from lmlab.interop.gguf import is_gguf_file, load_gguf
+
+        if is_gguf_file(p):
+            return load_gguf(p, device)
         raise LmlabError(not_a_model_file(p))
     raise LmlabError(
         f"{p} is neither an lmlab run folder (config.yaml) nor a Hugging Face model folder "

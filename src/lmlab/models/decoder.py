@@ -16,7 +16,7 @@ from lmlab.models.init import INIT
 from lmlab.models.output import ModelOutput
 from lmlab.nn.block import BLOCK
 from lmlab.nn.kv_cache import KVCache
-from lmlab.nn.moe import moe_losses
+from lmlab.nn.moe import MoE, moe_losses
 from lmlab.nn.norm import build_norm
 from lmlab.nn.position import POSITION
 
@@ -39,6 +39,7 @@ class DecoderLM(nn.Module):
         self.reset_parameters()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        self.has_moe = any(isinstance(m, MoE) for m in self.modules())  # routing losses to take
 
     def reset_parameters(self) -> None:
         """Initialise every weight with the scheme named by ``model.init`` (see models/init.py)."""
@@ -109,7 +110,7 @@ class DecoderLM(nn.Module):
             loss = F.cross_entropy(
                 logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100
             )
-        aux_loss, expert_counts = moe_losses(self.layers)  # (None, []) without MoE layers
+        aux_loss, expert_counts = moe_losses(self.layers) if self.has_moe else (None, [])
         return ModelOutput(logits, loss, cache, hidden, attns, aux_loss, expert_counts)
 
     def new_cache(self) -> KVCache:

@@ -70,7 +70,10 @@ class EncoderLM(nn.Module):
         states (B, T, D) when ``model.mlm_head`` is false).
 
         targets (B, T) int64: the original token at each masked position, -100 elsewhere; the
-        loss is the mean cross-entropy over the masked positions, nats/token, in float32.
+        loss is the mean cross-entropy over the masked positions, nats/token, in float32. With
+        targets the MLM head runs on the masked positions only and ``logits`` is (M, V), one row
+        per position where targets != -100 in row-major order (``logits[i]`` predicts
+        ``targets[targets != -100][i]``); call without targets for every position's logits.
         attention_mask (B, T) int or bool, 1 = real token, 0 = padding: padding keys are never
         attended to. token_type_ids (B, T) int64 segment ids (default 0). position_ids (B, T) or
         (T,) int64 (default 0 .. T-1). hidden_states: the embedding output, then each layer's
@@ -106,14 +109,21 @@ class EncoderLM(nn.Module):
             if targets is not None:
                 raise LmlabError("this encoder has no masked-LM head (model.mlm_head=false)")
             return ModelOutput(x, None, None, hidden, attns)
-        assert self.mlm_dense is not None and self.mlm_norm is not None
-        logits = self.lm_head(self.mlm_norm(self.mlm_act(self.mlm_dense(x))))  # (B, T, V)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(
-                logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100
-            )
+        if targets is None:
+            return ModelOutput(self.mlm(x), None, None, hidden, attns)  # (B, T, V)
+        # Only the masked positions are scored, so the head (dense + LN + the D x V projection,
+        # the costliest matmul of a small BERT) runs on those ~15% rows alone.
+        selected = targets != -100  # (B, T)
+        logits = self.mlm(x[selected])  # (M, V), M = selected positions in row-major order
+        loss = F.cross_entropy(logits.float(), targets[selected])
         return ModelOutput(logits, loss, None, hidden, attns)
+
+    def mlm(self, h: torch.Tensor) -> torch.Tensor:
+        """The masked-LM head on hidden states (..., D) -> vocabulary logits (..., V):
+        lm_head(LayerNorm(act(dense(h)))) (BERT's ``cls.predictions``)."""
+        assert self.mlm_dense is not None and self.mlm_norm is not None
+        assert self.lm_head is not None
+        return self.lm_head(self.mlm_norm(self.mlm_act(self.mlm_dense(h))))
 
     def pool(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """BERT's pooled output: tanh(dense(h[:, 0])) of the final hidden states (B, T, D) ->

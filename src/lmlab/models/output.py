@@ -11,7 +11,8 @@ from lmlab.nn.kv_cache import KVCache
 
 @dataclass
 class ModelOutput:
-    """logits (B, T, V) float (float32 when computed under autocast for the loss); loss: mean
+    """logits (B, T, V) float (float32 when computed under autocast for the loss; an encoder
+    given targets: (M, V), its M masked positions only, see EncoderLM.forward); loss: mean
     cross-entropy in nats/token (scalar) when targets were given; cache: the updated KV cache;
     hidden_states: the residual stream entering each layer plus the final output, each (B, T, D);
     attentions: per layer (B, H, T, S) weights when requested; aux_loss: the weighted sum of the MoE

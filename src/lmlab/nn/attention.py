@@ -74,15 +74,22 @@ def attention_sdpa(
     scale: float,
     dropout_p: float = 0.0,
     is_causal: bool = False,
+    enable_gqa: bool = False,
 ) -> tuple[torch.Tensor, None]:
-    """The same function through PyTorch's fused kernel; shapes as :func:`attention_math`.
+    """The same function through PyTorch's fused kernel; shapes as :func:`attention_math`, except
+    that with ``enable_gqa`` k and v may have K heads dividing H (torch >= 2.5).
 
     Returns (out, None): the fused kernel never materialises the weights.
     """
+    gqa = {"enable_gqa": True} if enable_gqa else {}
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **gqa
     )
     return out, None
+
+
+# torch >= 2.5: scaled_dot_product_attention shares kv heads itself (no repeat_kv copy)
+SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2] if p.isdigit()) >= (2, 5)
 
 
 ATTENTION_BACKENDS: dict[str, AttentionFn] = {"sdpa": attention_sdpa, "math": attention_math}
@@ -181,21 +188,24 @@ class SoftmaxAttention(Attention):
             k, v = cache.update(k, v)  # (B, K, S, hd)
         s = k.shape[2]
         rep = self.n_heads // self.n_kv_heads
-        k, v = repeat_kv(k, rep), repeat_kv(v, rep)  # (B, H, S, hd)
-
         bias = position.score_bias(positions, s)  # (H, T, S) or None
         dropout_p = self.dropout if self.training else 0.0
+        plain_causal = bias is None and key_mask is None and self.mask_fn is causal_mask
+        fused = not need_weights and self.backend == "sdpa"
+        if fused and plain_causal and (s == t or t == 1):  # no mask to build: the fast path
+            # s == t: causal over the new tokens; t == 1: one new token sees every cached key
+            gqa = SDPA_GQA and rep > 1
+            if not gqa:
+                k, v = repeat_kv(k, rep), repeat_kv(v, rep)  # (B, H, S, hd)
+            y, _ = attention_sdpa(q, k, v, None, self.scale, dropout_p, s == t, enable_gqa=gqa)
+            return AttentionOutput(self.merge_heads(y), None)
+        k, v = repeat_kv(k, rep), repeat_kv(v, rep)  # (B, H, S, hd)
         if key_mask is not None:
             key_mask = key_mask[:, -s:]  # a sliding cache keeps only the last keys
         mask, empty = combine_masks(self.mask_fn(t, s, x.device, self.window), key_mask)
-        plain_causal = bias is None and key_mask is None and self.mask_fn is causal_mask
         w: torch.Tensor | None
         if need_weights or self.backend == "math":
             y, w = attention_math(q, k, v, mask, self.scale, dropout_p, bias)
-        elif plain_causal and s == t:
-            y, w = attention_sdpa(q, k, v, None, self.scale, dropout_p, is_causal=True)
-        elif plain_causal and t == 1:  # one new token sees every cached key
-            y, w = attention_sdpa(q, k, v, None, self.scale, dropout_p)
         else:
             if bias is not None:  # fold the bool mask into the additive bias
                 bias = bias.to(q.dtype)

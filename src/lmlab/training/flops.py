@@ -25,8 +25,18 @@ def matmul_params(model: nn.Module) -> int:
     return n
 
 
-def flops_per_token(model: nn.Module, cfg: ModelConfig, seq_len: int, train: bool = True) -> float:
-    """FLOPs per token of one forward (``train=False``) or forward + backward pass."""
+def flops_per_token(
+    model: nn.Module, cfg: ModelConfig, seq_len: int, train: bool = True, mask_prob: float = 0.15
+) -> float:
+    """FLOPs per token of one forward (``train=False``) or forward + backward pass.
+
+    An encoder (BERT) is counted by :func:`lmlab.analysis.costs.flops_per_token`: its pooler
+    runs once per sequence (left out) and in training its MLM head runs on the ``mask_prob``
+    share of masked positions only (lmlab.models.encoder)."""
+    if cfg.kind == "encoder":
+        from lmlab.analysis.costs import flops_per_token as closed_form
+
+        return float(closed_form(cfg, seq_len, train, mask_prob))
     d_attn = cfg.attention.n_heads * cfg.head_dim
     fwd = 2 * matmul_params(model) + 4 * cfg.n_layers * seq_len * d_attn
     return 3.0 * fwd if train else float(fwd)

@@ -11,6 +11,7 @@ Legend: B batch, T tokens per sequence.
 - ``clm``: causal language modelling, next-token prediction on random windows (Radford et al.).
 - ``mlm``: masked language modelling (Devlin et al. 2019, BERT): 15% of the tokens are selected,
   of which 80% become [MASK], 10% a random token and 10% stay; the loss is over the selected.
+  Special and whitespace-only tokens are never selected.
 
 A new objective (seq2seq on its own (source, target) data, span corruption) registers a subclass
 here; it may ignore the token cache and read its own data in ``__init__``.
@@ -82,10 +83,14 @@ class CausalLM(Objective):
 @OBJECTIVES.register("mlm", "Masked LM: 15% selected, 80/10/10 (Devlin et al. 2019, BERT).")
 class MaskedLM(Objective):
     """Random windows framed [CLS] ... [SEP] (when the tokenizer has both), with
-    ``train.mask_prob`` of the ordinary tokens (round(p * n), at least 1 per sequence) selected
+    ``train.mask_prob`` of the maskable tokens (round(p * n), at least 1 per sequence) selected
     for prediction: 80% replaced by [MASK], 10% by a random ordinary token, 10% kept
-    (Devlin et al. 2019). Special tokens are never selected. With ``train.whole_word_mask``
-    whole words are selected until the budget is filled (Cui et al. 2019, "whole word masking").
+    (Devlin et al. 2019). Special tokens are never selected, nor are whitespace-only tokens
+    (the newline and space runs of a word-level or byte-level BPE vocabulary): BERT's WordPiece
+    has no such tokens, and in verse they are so frequent (11% of tinyshakespeare's word-level
+    tokens) and so easy that a small model learns to answer "\n" to every mask; they stay in
+    the input as context. With ``train.whole_word_mask`` whole words are selected until the
+    budget is filled (Cui et al. 2019, "whole word masking").
 
     Batch: input_ids (B, T) int64 with the replacements, targets (B, T) int64 = the original
     token at selected positions, -100 elsewhere.
@@ -111,6 +116,8 @@ class MaskedLM(Objective):
         self.is_special = np.zeros(v, dtype=bool)
         self.is_special[list(tokenizer.special_ids())] = True
         self.ordinary = np.flatnonzero(~self.is_special)  # random replacements come from here
+        blank = np.array([tokenizer.token_bytes(i).isspace() for i in range(v)], dtype=bool)
+        self.maskable = ~self.is_special & ~blank  # tokens that may be selected for prediction
         cls_id, sep_id = tokenizer.cls_id, tokenizer.sep_id
         self.frame = (cls_id, sep_id) if cls_id is not None and sep_id is not None else None
         self.starts_word = np.array([tokenizer.starts_word(i) for i in range(v)], dtype=bool)
@@ -162,15 +169,18 @@ class MaskedLM(Objective):
 
     def mask(self, rows: np.ndarray, rng: np.random.Generator) -> Batch:
         """Apply BERT's masking to (B, T) int64 token rows with ``rng``. Returns input_ids and
-        targets (B, T) int64. Raises DataError if a row has no ordinary token."""
+        targets (B, T) int64. Raises DataError if a row has no maskable token (only special
+        or whitespace-only ones)."""
         inputs = rows.copy()
         targets = np.full_like(rows, -100)
         for b, row in enumerate(rows):
             words = self.word_ids(row)
-            candidates = ~self.is_special[row]
+            candidates = self.maskable[row]
             n = int(candidates.sum())
             if n == 0:
-                raise DataError("a masked-LM sequence holds only special tokens")
+                raise DataError(
+                    "a masked-LM sequence holds only special and whitespace tokens: nothing to mask"
+                )
             budget = max(1, round(self.mask_prob * n))
             chosen = np.zeros(len(row), dtype=bool)
             count = 0

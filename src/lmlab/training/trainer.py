@@ -313,7 +313,7 @@ def _train(
             save_config(cfg, run_dir / CONFIG_FILE)  # records an extended max_steps
     fwd = torch.compile(par.wrap(model)) if tc.compile else par.wrap(model)
     tokens_per_step = objective.tokens_per_batch(tc.batch_size) * tc.grad_accum_steps * world_size
-    flops_tok = flops_per_token(model, cfg.model, seq_len, train=True)
+    flops_tok = flops_per_token(model, cfg.model, seq_len, True, tc.mask_prob)
     peak = matmul_peak(dev, tc.precision) * world_size if is_main else float("nan")
     logger = (
         MetricsLogger(run_dir, purge_step=start_step if resuming else None) if is_main else None

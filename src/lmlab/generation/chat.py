@@ -1,0 +1,232 @@
+"""Chat with an instruction-tuned model: its own chat template, a history, and a token budget.
+
+The template is the model's Jinja source (GGUF ``tokenizer.chat_template``, or a tokenizer that
+carries ``chat_template``), rendered in Jinja's immutable sandbox with the variables Hugging Face
+``apply_chat_template`` passes: ``messages`` (a list of ``{"role", "content"}``),
+``add_generation_prompt``, ``bos_token``, ``eos_token`` and ``raise_exception``. A reply ends at
+the model's end-of-turn token (``tokenizer.stop_ids``: eos and eot, ``<|im_end|>`` in ChatML),
+which is not printed.
+
+Token budget: the rendered conversation plus room for the reply must fit the context
+(``max_context`` tokens, at most the model's ``max_seq_len``); the oldest turns (a user message
+and its answer) are dropped until it does. The system message, if any, is always kept.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from typing import TextIO
+
+from torch import nn
+
+from lmlab.data.tokenizer import Tokenizer
+from lmlab.errors import LmlabError
+from lmlab.generation.generate import SamplingParams, generate_ids
+from lmlab.generation.stream import StopStrings, Utf8Stream
+
+Message = dict[str, str]
+
+
+def chat_template_of(tokenizer: Tokenizer) -> str:
+    """The tokenizer's chat template. Raises LmlabError when it has none."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise LmlabError(
+            "this model's tokenizer has no chat template (a GGUF file with "
+            "tokenizer.chat_template has one); use --prompt for plain continuation"
+        )
+    return str(template)
+
+
+def render_chat(
+    template: str,
+    messages: list[Message],
+    add_generation_prompt: bool = True,
+    bos_token: str = "",
+    eos_token: str = "",
+) -> str:
+    """Render ``messages`` with a Jinja chat template in an immutable sandbox (the template
+    cannot touch Python objects or files). Raises LmlabError if the template is invalid or calls
+    ``raise_exception``."""
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise LmlabError(f"the chat template refused the conversation: {message}")
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token,
+            eos_token=eos_token,
+        )
+    except TemplateError as e:
+        raise LmlabError(f"the chat template failed: {e}") from None
+
+
+def stop_ids_of(tokenizer: Tokenizer) -> set[int]:
+    """Ids that end a reply: ``tokenizer.stop_ids`` when it has them, else its eos id."""
+    ids = set(getattr(tokenizer, "stop_ids", None) or ())
+    if tokenizer.eos_id is not None:
+        ids.add(tokenizer.eos_id)
+    return ids
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[Message]) -> list[int]:
+    """Token ids of ``messages`` rendered with the tokenizer's template and the assistant's turn
+    opened (``add_generation_prompt``). Special tokens in the rendered text (``<|im_start|>``)
+    become their single ids."""
+    text = render_chat(
+        chat_template_of(tokenizer),
+        messages,
+        add_generation_prompt=True,
+        bos_token=str(getattr(tokenizer, "bos_token", "")),
+        eos_token=str(getattr(tokenizer, "eos_token", "")),
+    )
+    return tokenizer.encode(text)
+
+
+def stream_reply(
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    max_context: int,
+) -> Iterator[str]:
+    """Stream the assistant's reply to ``prompt_ids`` as text pieces (whole characters), ending
+    at an end-of-turn id (not emitted), a stop string or ``params.max_new_tokens``."""
+    params.validate()
+    stops = stop_ids_of(tokenizer)
+    utf8, stop_strings = Utf8Stream(), StopStrings(params.stop)
+    for tok in generate_ids(model, prompt_ids, params, max_context, tokenizer.eos_id):
+        if tok in stops:
+            break
+        text, stopped = stop_strings.push(utf8.push(tokenizer.token_bytes(tok)))
+        if text:
+            yield text
+        if stopped:
+            return
+    text, stopped = stop_strings.push(utf8.flush())
+    tail = text if stopped else text + stop_strings.flush()
+    if tail:
+        yield tail
+
+
+class ChatSession:
+    """A conversation: an optional system message and the (user, assistant) turns so far.
+
+    ``max_context``: tokens the prompt plus the reply may use; the prompt keeps room for
+    ``min(params.max_new_tokens, max_context // 2)`` new tokens. Raises LmlabError from
+    :meth:`prompt_for` when the newest message alone does not fit.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Tokenizer,
+        params: SamplingParams,
+        max_context: int,
+        system: str | None = None,
+    ) -> None:
+        chat_template_of(tokenizer)  # fail early without a template
+        self.model, self.tokenizer, self.params = model, tokenizer, params
+        self.max_context = max_context
+        self.system = system
+        self.turns: list[tuple[str, str]] = []
+        self.dropped = 0  # turns dropped so far to fit the budget
+
+    def messages(self, user: str, turns: list[tuple[str, str]]) -> list[Message]:
+        out: list[Message] = [{"role": "system", "content": self.system}] if self.system else []
+        for u, a in turns:
+            out += [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
+        return out + [{"role": "user", "content": user}]
+
+    def prompt_for(self, user: str) -> list[int]:
+        """Prompt ids for a new user message, dropping the oldest turns to fit the budget."""
+        budget = self.max_context - min(self.params.max_new_tokens, self.max_context // 2)
+        while True:
+            ids = chat_prompt_ids(self.tokenizer, self.messages(user, self.turns))
+            if len(ids) <= budget:
+                return ids
+            if not self.turns:
+                raise LmlabError(
+                    f"the message needs {len(ids)} tokens with the template, more than the "
+                    f"{budget} the context budget leaves for a prompt ({self.max_context} tokens, "
+                    f"{self.max_context - budget} kept for the reply); shorten it or raise "
+                    "--max-context"
+                )
+            self.turns.pop(0)
+            self.dropped += 1
+
+    def reply(self, user: str) -> Iterator[str]:
+        """Stream the answer to ``user``; the turn joins the history once fully streamed."""
+        ids = self.prompt_for(user)
+        pieces: list[str] = []
+        for piece in stream_reply(self.model, self.tokenizer, ids, self.params, self.max_context):
+            pieces.append(piece)
+            yield piece
+        self.turns.append((user, "".join(pieces)))
+
+    def reset(self) -> None:
+        self.turns.clear()
+
+
+def chat_repl(
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    params: SamplingParams,
+    max_context: int,
+    system: str | None = None,
+    stdin: TextIO | None = None,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+) -> int:
+    """A read-reply loop: each line of ``stdin`` is a user message, the reply streams to
+    ``stdout``. ``/reset`` clears the history, ``/exit`` or end of input (Ctrl-D) ends the chat;
+    prompts and notices go to ``stderr``. Ctrl-C during a reply stops that reply only.
+    Returns the exit status (0)."""
+    inp, out, err = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    session = ChatSession(model, tokenizer, params, max_context, system)
+    err.write("chat: /reset clears the history, /exit or Ctrl-D quits\n")
+    while True:
+        err.write("> ")
+        err.flush()
+        try:
+            line = inp.readline()
+        except KeyboardInterrupt:
+            line = ""
+        if not line:  # end of input
+            err.write("\n")
+            return 0
+        text = line.rstrip("\r\n")
+        if not text.strip():
+            continue
+        if text.strip() == "/exit":
+            return 0
+        if text.strip() == "/reset":
+            session.reset()
+            err.write("(history cleared)\n")
+            continue
+        if text.startswith("/"):
+            err.write(f"unknown command {text.split()[0]}; commands: /reset, /exit\n")
+            continue
+        dropped = session.dropped
+        try:
+            for piece in session.reply(text):
+                out.write(piece)
+                out.flush()
+        except KeyboardInterrupt:
+            err.write("\n(reply interrupted)")
+        out.write("\n")
+        out.flush()
+        if session.dropped > dropped:
+            err.write(
+                f"(dropped the {session.dropped - dropped} oldest turn(s) to fit the context of "
+                f"{max_context} tokens)\n"
+            )

@@ -1,0 +1,146 @@
+"""The tokenizer stored in a GGUF file's metadata, as an lmlab ``Tokenizer``.
+
+``tokenizer.ggml.model: gpt2`` is byte-level BPE (Radford et al. 2019): ``tokenizer.ggml.tokens``
+(the vocabulary, in GPT-2's printable-character form of the bytes), ``tokenizer.ggml.merges``
+("a b" pairs, in priority order), ``tokenizer.ggml.token_type`` (1 normal, 3 control, 4
+user-defined ...), ``tokenizer.ggml.bos/eos/padding_token_id``, ``tokenizer.ggml.pre`` (which
+pre-tokenizer splits the text before BPE) and ``tokenizer.chat_template`` (Jinja). It is rebuilt
+as a Hugging Face ``tokenizers`` BPE tokenizer; control and user-defined tokens are special tokens
+matched whole in the text (so a chat template's ``<|im_start|>`` is one token).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from lmlab.data.tokenizer import BPETokenizer, _unicode_to_byte
+from lmlab.errors import LmlabError
+
+TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
+
+# tokenizer.ggml.pre -> the pre-tokenizer llama.cpp applies for it
+PRE_TOKENIZERS = {
+    "default": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    "gpt2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    # SmolLM: every digit alone, then GPT-2's split
+    "smollm": lambda: pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    ),
+    # Llama 3: its own split regex, then bytes -> printable characters
+    "llama-bpe": lambda: pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(
+                Regex(
+                    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+                ),
+                behavior="isolated",
+            ),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    ),
+}
+
+
+class GGUFTokenizer(BPETokenizer):
+    """Byte-level BPE rebuilt from GGUF metadata. Besides the Tokenizer interface it carries the
+    model's special tokens and chat template:
+
+    ``bos_id``/``pad_id`` (int or None), ``eos_id`` (the end-of-sequence id, for a chat model
+    the end of a turn: ``<|im_end|>`` in ChatML), ``stop_ids`` (every id that ends generation:
+    eos and ``tokenizer.ggml.eot_token_id``), ``special_ids`` (control and user-defined tokens),
+    ``chat_template`` (Jinja source or None), ``bos_token``/``eos_token`` (their text).
+    """
+
+    def __init__(
+        self,
+        hf: HFTokenizer,
+        special_ids: set[int],
+        eos_id: int | None,
+        bos_id: int | None = None,
+        pad_id: int | None = None,
+        stop_ids: set[int] | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        self.hf = hf
+        self._eos = eos_id
+        self._special = set(special_ids)
+        roles = {"bos": bos_id, "pad": pad_id, "eos": eos_id}  # Tokenizer.special_id roles
+        self.roles = {role: i for role, i in roles.items() if i is not None}
+        self.stop_ids = set(stop_ids or ()) | ({eos_id} if eos_id is not None else set())
+        self.chat_template = chat_template
+        table = _unicode_to_byte()
+        vocab = hf.get_vocab()
+        self._bytes: list[bytes] = [b""] * (max(vocab.values()) + 1)
+        for tok, i in vocab.items():
+            if i in self._special or any(c not in table for c in tok):
+                self._bytes[i] = tok.encode("utf-8")
+            else:
+                self._bytes[i] = bytes(table[c] for c in tok)
+
+    @property
+    def bos_token(self) -> str:
+        return "" if self.bos_id is None else str(self.hf.id_to_token(self.bos_id))
+
+    @property
+    def eos_token(self) -> str:
+        return "" if self._eos is None else str(self.hf.id_to_token(self._eos))
+
+
+def gguf_tokenizer(meta: dict[str, Any], path: Path) -> GGUFTokenizer:
+    """Build the tokenizer a GGUF file's metadata describes. Raises LmlabError for a tokenizer
+    model other than ``gpt2`` (byte-level BPE) or a pre-tokenizer lmlab does not know, naming it."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise LmlabError(
+            f"{path}: tokenizer.ggml.model {kind!r} is not supported; supported: gpt2 "
+            "(byte-level BPE)"
+        )
+    pre = str(meta.get("tokenizer.ggml.pre") or "default")
+    if pre not in PRE_TOKENIZERS:
+        raise LmlabError(
+            f"{path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; supported: "
+            f"{', '.join(PRE_TOKENIZERS)}"
+        )
+    tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or [])
+    merges_raw: list[str] = list(meta.get("tokenizer.ggml.merges") or [])
+    if not tokens:
+        raise LmlabError(f"{path} has no tokenizer.ggml.tokens")
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    merges = []
+    for m in merges_raw:
+        a, sep, b = m.partition(" ")
+        if not sep:
+            raise LmlabError(f"{path}: tokenizer merge {m!r} is not two tokens")
+        merges.append((a, b))
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    hf.pre_tokenizer = PRE_TOKENIZERS[pre]()
+    hf.decoder = decoders.ByteLevel()
+    special = {i for i, t in enumerate(types) if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED)}
+    hf.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i in sorted(special)]
+    )
+
+    def ident(key: str) -> int | None:
+        v = meta.get(f"tokenizer.ggml.{key}")
+        return int(v) if v is not None and 0 <= int(v) < len(tokens) else None
+
+    eos = ident("eos_token_id")
+    stop = {i for i in (eos, ident("eot_token_id")) if i is not None}
+    return GGUFTokenizer(
+        hf,
+        special,
+        eos_id=eos,
+        bos_id=ident("bos_token_id"),
+        pad_id=ident("padding_token_id"),
+        stop_ids=stop,
+        chat_template=meta.get("tokenizer.chat_template"),
+    )
