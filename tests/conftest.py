@@ -68,6 +68,20 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def seq2seq_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny encoder-decoder trained for 40 seq2seq steps on a small reverse-task TSV
+    (tests_helpers_seq2seq; shared, do not modify it)."""
+    from tests_helpers_seq2seq import seq2seq_run_config, write_reverse_tsv
+
+    from lmlab.training.trainer import train
+
+    folder = tmp_path_factory.mktemp("runs")
+    cfg = seq2seq_run_config(write_reverse_tsv(folder), max_steps=40, eval_every=20)
+    train(cfg, out=folder / "s2s", progress=False)
+    return folder / "s2s"
+
+
+@pytest.fixture(scope="session")
 def encoder_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny BERT trained for 20 mlm steps on tinyshakespeare (shared; do not modify it)."""
     from tests_helpers_encoder import encoder_run_config

@@ -28,6 +28,8 @@ lmlab: build, train, probe and compare Transformer language models.
   lmlab verify --config my.yaml       prove a model config correct (and equal to Hugging Face's)
   lmlab inspect configs/mixtral.yaml  parameters, FLOPs, KV cache and memory, without building it
   lmlab attention runs/minigpt --text "ROMEO:"   attention heatmaps and per-head diagnostics
+  lmlab train --config configs/seq2seq-reverse.yaml     an encoder-decoder on a reverse task
+  lmlab generate runs/seq2seq-reverse --source "abcdefgh" --temperature 0
   lmlab compare experiments/positions.yaml   train variants x seeds, report.md + plots
   lmlab eval runs/minigpt --lengths 128,256,512 --set model.position.scaling.kind=ntk
                                       perplexity per context length (length extrapolation)
@@ -136,7 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
         ".gguf file. Text longer than the context is scored in non-overlapping windows unless "
         "--stride is given. Prints name: value lines (loss in nats/token, perplexity = "
         "exp(loss), bits_per_byte). Example: lmlab eval model.gguf --data input.txt "
-        "--max-tokens 4096",
+        "--max-tokens 4096. An encoder-decoder run prints exact_match (greedy output == "
+        "target), token_accuracy and loss on its held-out pairs (or on --data PAIRS.tsv/.jsonl), "
+        "e.g. lmlab eval runs/seq2seq-reverse",
     )
     e.add_argument("run", metavar="MODEL", help="run folder, Hugging Face folder or .gguf file")
     e.add_argument(
@@ -199,6 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         help="text to continue (default: a newline); repeat it to continue several prompts as "
         "one batch, printed as blocks separated by a line ---",
+    )
+    g.add_argument(
+        "--source",
+        action="append",
+        help="encoder-decoder (seq2seq) models: the source to transform, e.g. --source "
+        '"abcdefgh" --temperature 0 (repeatable: one batch); RUN may be any model lmlab.load '
+        "accepts (a T5/BART folder too)",
     )
     g.add_argument(
         "--max-new-tokens", type=int, default=200, help="at most this many new tokens (default 200)"
@@ -317,10 +328,18 @@ def build_parser() -> argparse.ArgumentParser:
         "and flags heads 'blurred' (entropy >= 0.9 x max) or 'collapsed' (largest weight >= 0.9 "
         "on average). Layers and heads count from 0.",
         epilog='example: lmlab attention runs/minigpt --text "ROMEO: But soft" --layer 0 '
-        "--out maps",
+        '--out maps; lmlab attention runs/seq2seq-reverse --source "abcdefgh" --out maps',
     )
     at.add_argument("model", metavar="MODEL", help="run folder or Hugging Face folder")
-    at.add_argument("--text", required=True, help="the text to run the model on")
+    at.add_argument("--text", help="the text to run the model on (decoder or encoder models)")
+    at.add_argument(
+        "--source",
+        help="encoder-decoder models: the source; draws the decoder's cross-attention (target "
+        "tokens x source tokens) per layer, plus encoder and decoder self-attention",
+    )
+    at.add_argument(
+        "--target", help="with --source: the target to teacher-force (default: greedy output)"
+    )
     at.add_argument("--layer", type=int, help="only this layer (default: all)")
     at.add_argument("--head", type=int, help="only this head (default: all)")
     at.add_argument("--out", default="attention", help="folder for the PNGs (default: attention)")
@@ -559,6 +578,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.seed,
     )
     params.validate()
+    if args.source is not None:
+        return _generate_seq2seq(args, params)
     if args.chat is not None and args.prompt:
         raise LmlabError("give either --chat or --prompt, not both")
     if args.system is not None and args.chat is None:
@@ -598,6 +619,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out.write(piece)
         out.flush()
     out.write("\n")
+    return 0
+
+
+def _generate_seq2seq(args: argparse.Namespace, params: typing.Any) -> int:
+    from lmlab.generation.seq2seq import generate_from_sources
+
+    if args.prompt or args.chat is not None:
+        raise LmlabError(
+            "give --source (encoder-decoder models) or --prompt / --chat (decoders), not both"
+        )
+    model, tokenizer = _load_with_tokenizer(args.run, args.device)
+    texts = generate_from_sources(model, tokenizer, args.source, params)
+    sys.stdout.write("\n---\n".join(texts) + "\n")
     return 0
 
 
@@ -660,11 +694,18 @@ def cmd_attention(args: argparse.Namespace) -> int:
         head=args.head,
         out=None if args.no_plot else args.out,
         device=args.device or "auto",
+        source=args.source,
+        target=args.target,
     )
     if args.json:
         print(json.dumps(report.as_dict(), ensure_ascii=False))
         return 0
-    print(f"{len(report.tokens)} tokens: {' '.join(report.tokens)}")
+    if report.target_tokens is not None:
+        print(f"source, {len(report.tokens)} tokens: {' '.join(report.tokens)}")
+        print(f"target, {len(report.target_tokens)} tokens: {' '.join(report.target_tokens)}")
+        print("cross-attention (decoder queries x source keys):")
+    else:
+        print(f"{len(report.tokens)} tokens: {' '.join(report.tokens)}")
     print(format_stats(report.heads))
     for f in report.files:
         print(f"wrote {f}")

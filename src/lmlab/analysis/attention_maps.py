@@ -195,6 +195,80 @@ def self_attention_maps(model: torch.nn.Module, tokenizer: Any, text: str) -> At
     return AttentionMaps(weights, labels, labels, mask, ids)
 
 
+def seq2seq_attention_maps(
+    model: torch.nn.Module, tokenizer: Any, source: str, target: str | None = None
+) -> dict[str, AttentionMaps]:
+    """An encoder-decoder's attention on one (source, target) pair, per layer, keyed ``cross``
+    (decoder queries x source keys, (H, T, S)), ``encoder`` (source x source, (H, S, S)) and
+    ``decoder`` (causal self-attention, (H, T, T)).
+
+    The source is encoded as the model reads it (``encode_for_model``); ``target`` defaults to
+    the model's greedy output for it. The decoder reads the start token then the target, so
+    query row t predicts target token t: rows are labelled by the token they predict (the
+    target's tokens, then ``</s>``). Raises LmlabError for a model that is not an
+    encoder-decoder, a missing tokenizer, an empty source, or a source or target longer than
+    model.max_seq_len.
+    """
+    from lmlab.generation.generate import SamplingParams
+    from lmlab.generation.seq2seq import generate_from_sources
+
+    cfg = getattr(model, "cfg", None)
+    if not isinstance(cfg, ModelConfig) or cfg.kind != "encoder_decoder":
+        raise LmlabError(
+            "--source needs an encoder-decoder (seq2seq) model; give a decoder or encoder --text"
+        )
+    if tokenizer is None:
+        raise LmlabError(
+            "this model has no tokenizer (no tokenizer.json), so --source cannot be encoded"
+        )
+    if target is None:  # the model's own greedy output (checks the source on the way)
+        greedy = SamplingParams(max_new_tokens=cfg.max_seq_len, temperature=0.0)
+        target = generate_from_sources(model, tokenizer, [source], greedy)[0]
+    src = tokenizer.encode_for_model(source)
+    if not source or not src:
+        raise LmlabError(f"--source {source!r} encodes to no tokens")
+    tgt = tokenizer.encode(target)
+    eos, start = cfg.seq2seq.eos_token_id, cfg.seq2seq.decoder_start_token_id
+    if start is None:
+        raise LmlabError("model.seq2seq.decoder_start_token_id is not set")
+    for side, n in (("--source", len(src)), ("--target (+ the start token)", len(tgt) + 1)):
+        if n > cfg.max_seq_len:
+            raise LmlabError(
+                f"{side} is {n} tokens, more than the model's context of {cfg.max_seq_len} "
+                "(model.max_seq_len); shorten it"
+            )
+    device = next(model.parameters()).device
+    x = torch.tensor([src], dtype=torch.long, device=device)
+    dec = torch.tensor([[start, *tgt]], dtype=torch.long, device=device)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=x, decoder_input_ids=dec, need_weights=True)
+    model.train(was_training)
+    predicted = [*tgt, eos] if eos is not None else tgt
+    src_labels = [token_label(tokenizer.token_bytes(i)) for i in src]
+    tgt_labels = [token_label(tokenizer.token_bytes(i)) for i in predicted][: len(tgt) + 1]
+    t = len(tgt) + 1
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+
+    def layers(ws: list[torch.Tensor | None], what: str) -> list[torch.Tensor]:
+        if not ws or any(w is None for w in ws):
+            raise LmlabError(f"the model returned no {what} attention weights")
+        return [w[0].float().cpu() for w in ws if w is not None]
+
+    return {
+        "cross": AttentionMaps(
+            layers(out.cross_attentions, "cross"), tgt_labels, src_labels, None, src
+        ),
+        "encoder": AttentionMaps(
+            layers(out.encoder_attentions, "encoder"), src_labels, src_labels, None, src
+        ),
+        "decoder": AttentionMaps(
+            layers(out.attentions, "decoder self"), tgt_labels, tgt_labels, causal, tgt
+        ),
+    }
+
+
 def _select(n: int, index: int | None, what: str, flag: str) -> list[int]:
     if index is None:
         return list(range(n))
@@ -211,10 +285,12 @@ class AttentionReport:
     heads: list[HeadStats]
     files: list[Path]
     thresholds: dict[str, float]
+    target_tokens: list[str] | None = None  # seq2seq: the decoder rows' labels (tokens = source)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "tokens": self.tokens,
+            "target_tokens": self.target_tokens,
             "heads": [h.as_dict() for h in self.heads],
             "files": [str(f) for f in self.files],
             "thresholds": self.thresholds,
@@ -223,20 +299,40 @@ class AttentionReport:
 
 def attention_report(
     path: str | Path,
-    text: str,
+    text: str | None = None,
     layer: int | None = None,
     head: int | None = None,
     out: str | Path | None = "attention",
     device: str = "cpu",
+    source: str | None = None,
+    target: str | None = None,
 ) -> AttentionReport:
     """Load the model at ``path`` (anything lmlab.interop.load.load accepts), run it on
     ``text``, and compute per-head stats for the chosen layer(s) and head(s) (0-based; None:
     all). Writes ``out/layer-LL.png`` (one grid per layer, one panel per head) unless ``out`` is
-    None. Raises LmlabError for a layer or head out of range and for bad text."""
+    None. Raises LmlabError for a layer or head out of range and for bad text.
+
+    An encoder-decoder takes ``source`` (and optionally ``target``, default: its greedy output)
+    instead of ``text``: the stats are its cross-attention's (:func:`seq2seq_attention_maps`),
+    and it writes ``out/cross-layer-LL.png`` (target tokens on y, source tokens on x),
+    ``out/encoder-layer-LL.png`` and ``out/decoder-layer-LL.png``."""
     from lmlab.interop.load import load
     from lmlab.training.hardware import resolve_device
 
+    if (text is None) == (source is None):
+        raise LmlabError("give --text (decoder or encoder models) or --source (encoder-decoder)")
+    if target is not None and source is None:
+        raise LmlabError("--target goes with --source (encoder-decoder models)")
     model, tokenizer = load(path, str(resolve_device(device)))
+    kind = getattr(getattr(model, "cfg", None), "kind", None)
+    if source is not None or kind == "encoder_decoder":
+        if source is None:
+            raise LmlabError(
+                f"{path} is an encoder-decoder (seq2seq) model: give --source TEXT (and "
+                "optionally --target TEXT) instead of --text"
+            )
+        return _seq2seq_report(path, model, tokenizer, source, target, layer, head, out)
+    assert text is not None
     maps = self_attention_maps(model, tokenizer, text)
     layers = _select(len(maps.weights), layer, "layers", "--layer")
     n_heads = maps.weights[0].shape[0]
@@ -269,6 +365,51 @@ def attention_report(
         "collapsed_max_weight": COLLAPSED_MAX_WEIGHT,
     }
     return AttentionReport(maps.query_labels, stats, files, thresholds)
+
+
+def _seq2seq_report(
+    path: str | Path,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    source: str,
+    target: str | None,
+    layer: int | None,
+    head: int | None,
+    out: str | Path | None,
+) -> AttentionReport:
+    maps = seq2seq_attention_maps(model, tokenizer, source, target)
+    cross = maps["cross"]
+    layers = _select(len(cross.weights), layer, "decoder layers", "--layer")
+    heads = _select(cross.weights[0].shape[0], head, "heads per layer", "--head")
+    stats: list[HeadStats] = []
+    for li in layers:
+        stats += head_stats(cross.weights[li][heads], None, distance=False, layer=li, heads=heads)
+    files: list[Path] = []
+    if out is not None:
+        from lmlab.analysis.attention_plot import plot_heads, save_figure
+
+        folder = Path(out)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise LmlabError(f"cannot create the output folder {folder}: {e.strerror}") from None
+        titles = {"cross": "cross-attention", "encoder": "encoder", "decoder": "decoder self"}
+        for name, m in maps.items():
+            for li in _select(len(m.weights), layer, "layers", "--layer"):
+                fig = plot_heads(
+                    m.weights[li][heads],
+                    m.query_labels,
+                    m.key_labels,
+                    heads=heads,
+                    mask=m.mask,
+                    title=f"{Path(path).name}: {titles[name]}, layer {li}",
+                )
+                files.append(save_figure(fig, folder / f"{name}-layer-{li:02d}.png"))
+    thresholds = {
+        "blurred_entropy_ratio": BLURRED_ENTROPY_RATIO,
+        "collapsed_max_weight": COLLAPSED_MAX_WEIGHT,
+    }
+    return AttentionReport(cross.key_labels, stats, files, thresholds, cross.query_labels)
 
 
 def format_stats(stats: list[HeadStats]) -> str:

@@ -86,11 +86,18 @@ def split_text(text: str, val_fraction: float) -> dict[str, str]:
 
 
 def load_corpus(source: str | Path, val_fraction: float = 0.1) -> Corpus:
-    """Resolve ``source``: a bundled name, a text file, or a folder with train/valid[/test].txt.
+    """Resolve ``source``: a bundled name, a text file, or a folder with train/valid[/test].txt;
+    (source, target) pairs (``synthetic:NAME``, a .tsv or .jsonl file, :mod:`lmlab.data.pairs`)
+    become one ``source<TAB>target`` line per pair, split by pair.
 
     Raises DataError naming the path when it is missing, empty, or not UTF-8.
     """
     src = str(source)
+    from lmlab.data.pairs import is_pairs_source, load_pairs, pairs_text
+
+    if is_pairs_source(src):  # seq2seq pairs: their source<TAB>target lines, split by pair
+        pairs = load_pairs(src, val_fraction)
+        return Corpus(src, {k: pairs_text(v) for k, v in pairs.items()}, [src])
     if src in BUNDLED:
         path = CORPORA_DIR / BUNDLED[src]
         return Corpus(src, split_text(read_text(path), val_fraction), [str(path)])

@@ -25,6 +25,7 @@ from lmlab.config import ModelConfig, RunConfig
 from lmlab.data.corpus import load_corpus, read_text
 from lmlab.data.tokenizer import Tokenizer
 from lmlab.errors import DataError, LmlabError
+from lmlab.evaluation.seq2seq import Seq2SeqEvalResult
 from lmlab.interop.load import load
 from lmlab.run import CONFIG_FILE, read_run_config
 from lmlab.training.hardware import autocast
@@ -197,7 +198,7 @@ def evaluate(
     max_tokens: int | None = None,
     device: str = "auto",
     batch_size: int = 8,
-) -> EvalResult | MaskedEvalResult:
+) -> EvalResult | MaskedEvalResult | Seq2SeqEvalResult:
     """Score a model on ``data`` (a UTF-8 text file scored whole) or, for an lmlab run folder,
     on its corpus split (``train``, ``val`` or ``test``). ``model_path`` is anything
     :func:`lmlab.interop.load.load` accepts (run folder, Hugging Face folder, ``.gguf`` file);
@@ -207,7 +208,9 @@ def evaluate(
     Raises LmlabError for a run without checkpoint, a split asked of a model that is not a run
     folder (it has no corpus), a model without tokenizer, a split the corpus lacks, or bad text.
 
-    An encoder (masked LM) is scored by :func:`score_masked` (``stride`` does not apply).
+    An encoder (masked LM) is scored by :func:`score_masked` (``stride`` does not apply); an
+    encoder-decoder by :func:`lmlab.evaluation.seq2seq.score_pairs` on its run's pairs of
+    ``split`` (train or val) or on ``data`` (a .tsv/.jsonl pairs file).
     """
     if max_tokens is not None and max_tokens < 2:
         raise LmlabError(
@@ -227,6 +230,9 @@ def evaluate(
     model, tokenizer = load(model_path, device)
     if tokenizer is None:
         raise LmlabError(f"{model_path} has no tokenizer, so text cannot be scored with it")
+    if getattr(model.cfg, "kind", None) == "encoder_decoder":  # seq2seq: exact match on pairs
+        return _evaluate_seq2seq(model_path, model, tokenizer, split, data, stride, max_tokens,
+                                 batch_size)  # fmt: skip
     if text is None:
         cfg = read_run_config(model_path)
         text = load_corpus(cfg.data.corpus, cfg.data.val_fraction).split(split)
@@ -248,3 +254,43 @@ def evaluate(
         stride,
         batch_size,
     )
+
+
+def _evaluate_seq2seq(
+    model_path: str,
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    split: str,
+    data: str | None,
+    stride: int | None,
+    max_tokens: int | None,
+    batch_size: int,
+) -> Seq2SeqEvalResult:
+    from lmlab.data.pairs import is_pairs_source, load_pairs, read_pairs
+    from lmlab.evaluation.seq2seq import score_pairs
+    from lmlab.training.objectives import encode_pairs
+
+    if stride is not None or max_tokens is not None:
+        raise LmlabError("--stride and --max-tokens apply to decoder runs, not seq2seq ones")
+    model_cfg: ModelConfig = model.cfg  # type: ignore[assignment]
+    if data is not None:
+        text, where, first = read_pairs(data), data, 1
+    else:
+        cfg = read_run_config(model_path)
+        if not is_pairs_source(cfg.data.corpus):
+            raise LmlabError(
+                f"{model_path} was trained on raw text ({cfg.data.corpus}, e.g. span corruption), "
+                "which holds no (source, target) pairs: score it with --data PAIRS.tsv"
+            )
+        splits = load_pairs(cfg.data.corpus, cfg.data.val_fraction)
+        if split not in splits:
+            raise LmlabError(
+                f"corpus {cfg.data.corpus!r} has no {split!r} split; it has: {', '.join(splits)}"
+            )
+        text, where = splits[split], cfg.data.corpus
+        first = 1 if split == "train" else len(splits["train"]) + 1
+    eos = model_cfg.seq2seq.eos_token_id
+    if eos is None:
+        raise LmlabError("model.seq2seq.eos_token_id is not set: the model cannot be scored")
+    pairs = encode_pairs(text, tokenizer, eos, model_cfg.max_seq_len, where, first)
+    return score_pairs(model, pairs, batch_size)

@@ -10,6 +10,8 @@ encoder output are projected once, on the first step (:class:`EncoderDecoderCach
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -17,6 +19,9 @@ from lmlab.config import ModelConfig
 from lmlab.errors import LmlabError
 from lmlab.generation.generate import SamplingParams, _generator
 from lmlab.generation.sampling import next_token
+
+if TYPE_CHECKING:
+    from lmlab.data.tokenizer import Tokenizer
 
 
 def _special(model: nn.Module, name: str) -> int | None:
@@ -125,3 +130,35 @@ def generate_seq2seq(
         return out
     finally:
         model.train(was_training)
+
+
+def generate_from_sources(
+    model: nn.Module, tokenizer: Tokenizer | None, sources: list[str], params: SamplingParams
+) -> list[str]:
+    """Texts in, texts out: each source encoded as the model reads it (``encode_for_model``: a
+    Hugging Face T5 tokenizer appends ``</s>``), generated with :func:`generate_seq2seq` and
+    decoded. Raises LmlabError for a model that is not an encoder-decoder, a missing tokenizer,
+    an empty source or one longer than the encoder context (model.max_seq_len)."""
+    cfg = getattr(model, "cfg", None)
+    if cfg is None or cfg.kind != "encoder_decoder":
+        kind = getattr(cfg, "kind", type(model).__name__)
+        raise LmlabError(
+            f"--source needs an encoder-decoder (seq2seq) model, this one is model.kind={kind}: "
+            "use --prompt TEXT to continue a text"
+        )
+    if tokenizer is None:
+        raise LmlabError(
+            "this model has no tokenizer (no tokenizer.json), so --source cannot be encoded"
+        )
+    ids = []
+    for text in sources:
+        x = tokenizer.encode_for_model(text)
+        if not text or not x:
+            raise LmlabError(f"--source {text!r} encodes to no tokens")
+        if len(x) > cfg.max_seq_len:
+            raise LmlabError(
+                f"--source is {len(x)} tokens, longer than the encoder context of "
+                f"{cfg.max_seq_len} tokens (model.max_seq_len); shorten it"
+            )
+        ids.append(x)
+    return [tokenizer.decode(out) for out in generate_seq2seq(model, ids, params)]

@@ -32,8 +32,9 @@ def flops_per_token(
 
     An encoder (BERT) is counted by :func:`lmlab.analysis.costs.flops_per_token`: its pooler
     runs once per sequence (left out) and in training its MLM head runs on the ``mask_prob``
-    share of masked positions only (lmlab.models.encoder)."""
-    if cfg.kind == "encoder":
+    share of masked positions only (lmlab.models.encoder). An encoder-decoder too: per source +
+    target token (what the seq2seq objectives count as tokens), of a pair with S = T = seq_len."""
+    if cfg.kind in ("encoder", "encoder_decoder"):
         from lmlab.analysis.costs import flops_per_token as closed_form
 
         return float(closed_form(cfg, seq_len, train, mask_prob))

@@ -50,7 +50,13 @@ from lmlab.training.hardware import autocast, matmul_peak, resolve_device, synch
 from lmlab.training.init_from import start_from
 from lmlab.training.memory import check_training_memory
 from lmlab.training.metrics import METRICS_FILE, MetricsLogger, plot_losses, truncate_metrics
-from lmlab.training.objectives import CausalLM, Objective, build_objective
+from lmlab.training.objectives import (
+    CausalLM,
+    Objective,
+    build_objective,
+    prepare_tokenizer,
+    set_seq2seq_ids,
+)
 from lmlab.training.optim import build_optimizer, lr_at
 
 # Settings that may differ when a run is resumed (they do not change what is computed).
@@ -102,8 +108,15 @@ def prepare_run(
                     seq_len=t.seq_len or saved.train.seq_len,
                 ),
             )
+            s, ss = m.seq2seq, saved.model.seq2seq  # special ids, filled from the tokenizer
+            ids = ("pad_token_id", "decoder_start_token_id", "eos_token_id")
+            s = replace(
+                s,
+                **{k: getattr(s, k) if getattr(s, k) is not None else getattr(ss, k) for k in ids},
+            )
             probe = replace(
-                probe, model=replace(m, vocab_size=m.vocab_size or saved.model.vocab_size)
+                probe,
+                model=replace(m, vocab_size=m.vocab_size or saved.model.vocab_size, seq2seq=s),
             )
             changed = [
                 f for f in diff_configs(saved, probe) if f not in RESUMABLE_CHANGES | {"name"}
@@ -249,7 +262,9 @@ def _train(
             tokenizer, init_model = start_from(init_from, cfg)
         else:
             tokenizer = fit_tokenizer(corpus.splits, cfg.data.tokenizer)
+            tokenizer = prepare_tokenizer(cfg, tokenizer)  # + the objective's special tokens
         cfg.model.vocab_size = tokenizer.vocab_size
+        set_seq2seq_ids(cfg, tokenizer)  # encoder-decoder: pad / start / eos from the tokenizer
         cfg.train.lr_decay_steps = cfg.train.lr_decay_steps or cfg.train.max_steps
         cfg.train.seq_len = cfg.train.seq_len or cfg.model.max_seq_len
         cfg.validate()
@@ -258,9 +273,10 @@ def _train(
     check_training_memory(cfg, dev)  # before any weight is allocated
     with par.main_first():
         splits = build_token_cache(corpus, tokenizer, run_dir / "data")
-    check_split_length(splits["train"], seq_len, "train")
-    check_split_length(splits["val"], seq_len, "val")
     objective = build_objective(cfg, tokenizer, splits, seq_len)
+    if objective.uses_token_cache:  # seq2seq reads its own pairs
+        check_split_length(splits["train"], seq_len, "train")
+        check_split_length(splits["val"], seq_len, "val")
     if is_main and not resuming:  # only now is the folder a run (see prepare_run)
         tokenizer.save(run_dir / TOKENIZER_FILE)
         save_config(cfg, run_dir / CONFIG_FILE)
