@@ -496,7 +496,7 @@ def _without_nproc(argv: Sequence[str]) -> list[str]:
 def cmd_eval(args: argparse.Namespace) -> int:
     from lmlab.evaluation.evaluate import evaluate
 
-    if args.lengths or args.set:
+    if args.lengths is not None or args.set:
         return _eval_lengths(args)
     res = evaluate(
         args.run,

@@ -1,0 +1,72 @@
+"""Bad and unusual input to the new commands (eval --lengths, generate --chat, chat, export,
+import, train --init-from, fill-mask, embed, inspect, attention, compare): each gives one
+``error: ...`` line and exit 2, never a traceback, and writes nothing half-done."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmlab.cli import main
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_error(code: int, err: str, *needles: str) -> None:
+    lines = [line for line in err.strip().splitlines() if line.startswith("error")]
+    assert code == 2, err
+    assert len(lines) == 1 and "unexpected" not in lines[0] and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], err
+
+
+# ------------------------------------------------------------------ eval --lengths
+
+
+def test_eval_lengths_plot_without_png_name_is_refused_not_renamed(tiny_run, tmp_path, capsys):
+    # matplotlib silently wrote DIR.png for --plot DIR and the command printed "plot: DIR"
+    folder = tmp_path / "maps"
+    folder.mkdir()
+    code, _, err = run_cli(
+        ["eval", str(tiny_run), "--lengths", "16", "--max-tokens", "200", "--plot", str(folder)],
+        capsys,
+    )
+    assert_one_error(code, err, "--plot", ".png")
+    assert not (tmp_path / "maps.png").exists()
+
+
+def test_eval_lengths_plot_under_a_file_is_one_error(tiny_run, tmp_path, capsys):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    code, _, err = run_cli(
+        ["eval", str(tiny_run), "--lengths", "16", "--max-tokens", "200"]
+        + ["--plot", str(a_file / "x.png")],
+        capsys,
+    )
+    assert_one_error(code, err, "cannot write plot")
+
+
+def test_eval_empty_lengths_is_refused_not_ignored(tiny_run, capsys):
+    # --lengths "" used to fall through to a plain (full-corpus) eval
+    code, _, err = run_cli(["eval", str(tiny_run), "--lengths", ""], capsys)
+    assert_one_error(code, err, "--lengths")
+
+
+def test_eval_lengths_refuses_an_encoder(encoder_run, tmp_path, capsys):
+    # a bidirectional encoder was scored as a causal LM (it sees the token it "predicts")
+    code, _, err = run_cli(
+        ["eval", str(encoder_run), "--lengths", "16", "--max-tokens", "200"]
+        + ["--plot", str(tmp_path / "l.png")],
+        capsys,
+    )
+    assert_one_error(code, err, "decoder", "encoder")
+    assert not (tmp_path / "l.png").exists()
+
