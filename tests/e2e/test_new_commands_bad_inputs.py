@@ -70,3 +70,25 @@ def test_eval_lengths_refuses_an_encoder(encoder_run, tmp_path, capsys):
     assert_one_error(code, err, "decoder", "encoder")
     assert not (tmp_path / "l.png").exists()
 
+
+# ------------------------------------------------------------------ generate / chat
+
+
+def test_generate_seed_beyond_64_bits_is_one_error_before_any_output(tiny_run, capsys):
+    # was "unexpected ValueError: Overflow when unpacking long long" after printing the prompt
+    code, out, err = run_cli(
+        ["generate", str(tiny_run), "--prompt", "hi", "--max-new-tokens", "2"]
+        + ["--seed", str(2**70)],
+        capsys,
+    )
+    assert_one_error(code, err, "--seed")
+    assert out == ""
+
+
+def test_generate_negative_seed_still_samples(tiny_run, capsys):
+    code, out, _ = run_cli(
+        ["generate", str(tiny_run), "--prompt", "hi", "--max-new-tokens", "2", "--seed", "-1"],
+        capsys,
+    )
+    assert code == 0 and out.startswith("hi")
+
