@@ -628,6 +628,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.max_context is not None and args.max_context < 2:
         raise LmlabError(f"--max-context must be >= 2 tokens, got {args.max_context}")
     model, tokenizer = _load_with_tokenizer(args.run, args.device)
+    if model.cfg.kind != "decoder":  # else: a misleading "no chat template, use --prompt"
+        raise LmlabError(
+            f"lmlab chat needs a decoder model; {args.run} is model.kind={model.cfg.kind}"
+        )
     limit = model.cfg.max_seq_len
     return chat_repl(model, tokenizer, params, min(args.max_context or limit, limit), args.system)
 

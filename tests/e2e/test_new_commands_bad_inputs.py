@@ -92,3 +92,11 @@ def test_generate_negative_seed_still_samples(tiny_run, capsys):
     )
     assert code == 0 and out.startswith("hi")
 
+
+def test_chat_on_an_encoder_says_it_needs_a_decoder(encoder_run, capsys, monkeypatch):
+    # was "no chat template ... use --prompt", which an encoder cannot take either
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    code, _, err = run_cli(["chat", str(encoder_run)], capsys)
+    assert_one_error(code, err, "decoder", "model.kind=encoder")
