@@ -679,6 +679,10 @@ def validate_run_config(cfg: RunConfig) -> None:
     _positive(t.grad_clip, "train.grad_clip", allow_zero=True)
     _positive(t.max_skipped_steps, "train.max_skipped_steps", allow_zero=True)
     _positive(t.checkpoint_interval_s, "train.checkpoint_interval_s")
+    if (
+        not 0 <= t.seed < 2**32
+    ):  # NumPy refuses < 0; seed x 1,000,003 + ... must fit torch's 64 bits
+        raise ConfigError(f"train.seed must be an integer in 0..{2**32 - 1}, got {t.seed}")
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr ({t.min_lr}) must not exceed train.lr ({t.lr})")
     for name, beta in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):

@@ -132,3 +132,20 @@ def test_a_new_run_with_the_hf_tokenizer_kind_is_one_error(tmp_path, capsys):
         capsys,
     )
     assert_one_error(code, err, "data.tokenizer.kind=hf", "--init-from")
+
+
+# ------------------------------------------------------------------ seeds, compare
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**70)])
+def test_train_seed_out_of_range_is_one_error_before_the_run_folder(seed, tmp_path, capsys):
+    # -1: NumPy's "expected non-negative integer"; 2**70: torch's "Overflow when unpacking long
+    # long" -- both after the run folder had been started
+    out = tmp_path / "run"
+    code, _, err = run_cli(
+        ["train", "--config", "configs/tiny.yaml", "--set", f"train.seed={seed}"]
+        + ["--out", str(out), "--max-steps", "1", "--no-progress"],
+        capsys,
+    )
+    assert_one_error(code, err, "train.seed", "0..4294967295")
+    assert not out.exists()
