@@ -149,3 +149,33 @@ def test_train_seed_out_of_range_is_one_error_before_the_run_folder(seed, tmp_pa
     )
     assert_one_error(code, err, "train.seed", "0..4294967295")
     assert not out.exists()
+
+
+EXPERIMENT = """name: probe
+claim: x
+base: {{model: {{d_model: 32, n_layers: 1, max_seq_len: 32, attention: {{n_heads: 2}}}}}}
+variants: {{a: {{}}, b: {variant}}}
+seeds: {seeds}
+budget: {budget}
+"""
+
+
+@pytest.mark.parametrize(
+    ("variant", "seeds", "budget", "needles"),
+    [
+        ("{}", "[99999999999999999999999]", "{steps: 2}", ("train.seed", "0..4294967295")),
+        ("{train.seed: 5}", "[1]", "{steps: 2}", ("variant 'b' sets train.seed", "seeds")),
+        ("{train.max_steps: 5}", "[1]", "{steps: 2}", ("sets train.max_steps", "budget")),
+        ("{train.max_steps: 5}", "[1]", "{tokens: 512}", ("sets train.max_steps", "budget")),
+    ],
+)
+def test_compare_refuses_seeds_and_overrides_the_experiment_would_ignore(
+    variant, seeds, budget, needles, tmp_path, capsys
+):
+    # the huge seed crashed with an OverflowError; a variant's train.seed / train.max_steps was
+    # silently overwritten by the seeds / budget
+    path = tmp_path / "exp.yaml"
+    path.write_text(EXPERIMENT.format(variant=variant, seeds=seeds, budget=budget))
+    code, _, err = run_cli(["compare", str(path), "--smoke", "--out", str(tmp_path / "o")], capsys)
+    assert_one_error(code, err, *needles)
+    assert not (tmp_path / "o").exists()
