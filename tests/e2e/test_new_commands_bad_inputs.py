@@ -179,3 +179,63 @@ def test_compare_refuses_seeds_and_overrides_the_experiment_would_ignore(
     code, _, err = run_cli(["compare", str(path), "--smoke", "--out", str(tmp_path / "o")], capsys)
     assert_one_error(code, err, *needles)
     assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------ chat: messages too long
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """A random 2-layer Llama with a 64-token context and a ChatML template, as a GGUF file."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    import torch
+
+    from tests.gguf_tiny import write_llama_gguf
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=258,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    return write_llama_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", model)
+
+
+def test_chat_too_long_message_keeps_the_session_and_its_history(tiny_gguf, capsys, monkeypatch):
+    # was: every turn of the history dropped, then the whole chat ended on the error
+    import io
+
+    from lmlab.generation.chat import ChatSession
+    from lmlab.generation.generate import SamplingParams
+    from lmlab.interop.load import load
+
+    model, tok = load(tiny_gguf)
+    session = ChatSession(model, tok, SamplingParams(3, 0.0), 64)
+    "".join(session.reply("hi"))
+    with pytest.raises(Exception, match="more than the"):
+        session.prompt_for("x " * 200)
+    assert session.turns and session.dropped == 0  # the history survived the refusal
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n" + "x " * 200 + "\nhi again\n"))
+    code, out, err = run_cli(
+        ["chat", str(tiny_gguf), "--max-new-tokens", "3", "--temperature", "0"], capsys
+    )
+    assert code == 2  # a message was refused
+    assert err.count("error:") == 1 and "more than the" in err
+    assert err.count("> ") == 4  # read on after the refusal: hi, the long one, hi again, EOF
+
+
+def test_chat_system_message_too_long_fails_at_start(tiny_gguf, capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    code, out, err = run_cli(["chat", str(tiny_gguf), "--system", "x " * 200], capsys)
+    assert_one_error(code, err, "--system is too long")
+    assert out == "" and "> " not in err
