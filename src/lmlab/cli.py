@@ -569,10 +569,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         hint = (
             f"lmlab fill-mask {args.run} --text '... [MASK] ...'"
             if model.cfg.kind == "encoder"
-            else f"lmlab generate {args.run} --source '...'"
+            else "lmlab.generation.seq2seq.generate_seq2seq from Python (no CLI mode yet)"
         )
         raise LmlabError(
-            f"--prompt and --chat need a decoder model; {args.run} is model.kind="
+            f"generate needs a decoder model (--prompt, --chat); {args.run} is model.kind="
             f"{model.cfg.kind}: use {hint}"
         )
     out = sys.stdout

@@ -239,3 +239,54 @@ def test_chat_system_message_too_long_fails_at_start(tiny_gguf, capsys, monkeypa
     code, out, err = run_cli(["chat", str(tiny_gguf), "--system", "x " * 200], capsys)
     assert_one_error(code, err, "--system is too long")
     assert out == "" and "> " not in err
+
+
+# ------------------------------------------------------------------ encoder-decoder (T5)
+
+
+@pytest.fixture(scope="module")
+def tiny_t5(tmp_path_factory) -> Path:
+    """A random 1-layer T5 Hugging Face folder with a WordPiece tokenizer.json."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from lmlab.config import TokenizerConfig
+    from lmlab.data.tokenizer import train_tokenizer
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("t5") / "t5"
+    tok = train_tokenizer("hello world. " * 50, TokenizerConfig(kind="wordlevel", vocab_size=40))
+    cfg = transformers.T5Config(
+        vocab_size=tok.vocab_size,
+        d_model=16,
+        d_kv=4,
+        d_ff=32,
+        num_layers=1,
+        num_decoder_layers=1,
+        num_heads=2,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    transformers.T5ForConditionalGeneration(cfg).save_pretrained(folder)
+    tok.save(folder / "tokenizer.json")
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        # was the internal "an encoder-decoder forward needs decoder_input_ids or targets"
+        (["eval", "{m}", "--data", "{text}"], ("model.kind=encoder_decoder",)),
+        (["attention", "{m}", "--text", "hello world", "--no-plot"], ("encoder_decoder",)),
+        # pointed to a --source flag generate does not have
+        (["generate", "{m}", "--prompt", "hello"], ("generate_seq2seq",)),
+    ],
+)
+def test_encoder_decoder_on_commands_it_cannot_serve(tiny_t5, argv, needles, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("hello world. " * 20)
+    argv = [a.format(m=tiny_t5, text=text) for a in argv]
+    code, _, err = run_cli(argv, capsys)
+    assert_one_error(code, err, *needles)
+    assert "--source" not in err
