@@ -290,3 +290,23 @@ def test_encoder_decoder_on_commands_it_cannot_serve(tiny_t5, argv, needles, tmp
     code, _, err = run_cli(argv, capsys)
     assert_one_error(code, err, *needles)
     assert "--source" not in err
+
+
+# ------------------------------------------------------------------ export / import onto the source
+
+
+@pytest.mark.parametrize("command", ["import", "export"])
+@pytest.mark.parametrize("onto", ["itself", "its parent"])
+def test_out_that_would_replace_the_source_model_is_refused(
+    command, onto, tiny_run, tmp_path, capsys
+):
+    # with --force the run (checkpoints, optimizer state, metrics) was replaced by the copy
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    out = run if onto == "itself" else tmp_path
+    code, _, err = run_cli([command, str(run), "--out", str(out), "--force"], capsys)
+    assert_one_error(code, err, "would replace the model it reads")
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
