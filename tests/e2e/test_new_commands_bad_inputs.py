@@ -310,3 +310,19 @@ def test_out_that_would_replace_the_source_model_is_refused(
     code, _, err = run_cli([command, str(run), "--out", str(out), "--force"], capsys)
     assert_one_error(code, err, "would replace the model it reads")
     assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+
+
+def test_compare_into_a_non_empty_folder_that_is_no_comparison_is_refused(
+    tiny_run, tmp_path, capsys
+):
+    # variants trained into a run folder (a variant named "checkpoints" into its checkpoints/)
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    path = tmp_path / "exp.yaml"
+    path.write_text(EXPERIMENT.format(variant="{}", seeds="[1]", budget="{steps: 2}"))
+    code, _, err = run_cli(["compare", str(path), "--smoke", "--out", str(run)], capsys)
+    assert_one_error(code, err, "not empty", "comparison.json")
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
