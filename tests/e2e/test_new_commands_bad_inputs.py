@@ -326,3 +326,43 @@ def test_compare_into_a_non_empty_folder_that_is_no_comparison_is_refused(
     code, _, err = run_cli(["compare", str(path), "--smoke", "--out", str(run)], capsys)
     assert_one_error(code, err, "not empty", "comparison.json")
     assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+
+
+# ------------------------------------------------------------------ damaged Hugging Face folders
+
+
+def _minilm_copy(tmp_path: Path, replace: dict[str, str]) -> Path:
+    """all-MiniLM-L6-v2's folder as symlinks, with the files in ``replace`` rewritten."""
+    src = _minilm()
+    folder = tmp_path / "minilm"
+    folder.mkdir()
+    for f in src.iterdir():
+        if f.name not in {name.split("/")[0] for name in replace}:
+            (folder / f.name).symlink_to(f)
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    for name, text in replace.items():
+        (folder / name).write_text(text)
+    return folder
+
+
+def test_hf_config_json_that_is_not_an_object_is_one_error(tmp_path, capsys):
+    folder = _minilm_copy(tmp_path, {"config.json": "[1, 2]"})  # was AttributeError on .get
+    code, _, err = run_cli(["embed", str(folder), "--text", "hi"], capsys)
+    assert_one_error(code, err, "config.json must hold a JSON object")
+
+
+def test_hf_config_json_whose_shapes_differ_from_the_weights_is_one_error(tmp_path, capsys):
+    import json
+
+    cfg = json.loads((_minilm() / "config.json").read_text())
+    cfg["hidden_size"] = 96  # was "unexpected RuntimeError: Error(s) in loading state_dict"
+    folder = _minilm_copy(tmp_path, {"config.json": json.dumps(cfg)})
+    code, _, err = run_cli(["embed", str(folder), "--text", "hi"], capsys)
+    assert_one_error(code, err, "does not fit its config.json", "size mismatch")
+
+
+def test_pooling_config_that_is_not_an_object_is_one_error(tmp_path, capsys):
+    pooling = {"1_Pooling/config.json": "[]"}  # was AttributeError: 'list' has no 'get'
+    folder = _minilm_copy(tmp_path, pooling)
+    code, _, err = run_cli(["embed", str(folder), "--text", "hi"], capsys)
+    assert_one_error(code, err, "sentence-transformers files")
