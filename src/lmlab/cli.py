@@ -775,6 +775,26 @@ COMMANDS = {
 }
 
 
+TEXT_ARGS = ("prompt", "chat", "system", "text", "stop")  # flags whose value is text to encode
+
+
+def _check_text_args(args: argparse.Namespace) -> None:
+    """Refuse text flags holding bytes that are not UTF-8 (Python passes them on as lone
+    surrogates, which the tokenizers library rejects with a TypeError)."""
+    for name in TEXT_ARGS:
+        value = getattr(args, name, None)
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, str):
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    bad = item[e.start].encode("utf-8", "surrogateescape")
+                    raise LmlabError(
+                        f"--{name} is not UTF-8 text (byte 0x{bad.hex()} at character {e.start}); "
+                        "give UTF-8 text"
+                    ) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -785,6 +805,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     debug = getattr(args, "debug", False) or bool(os.environ.get("LMLAB_DEBUG"))
     try:
+        _check_text_args(args)
         return COMMANDS[args.command](args)
     except Interrupted as e:
         print(str(e), file=sys.stderr)

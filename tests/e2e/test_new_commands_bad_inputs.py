@@ -366,3 +366,36 @@ def test_pooling_config_that_is_not_an_object_is_one_error(tmp_path, capsys):
     folder = _minilm_copy(tmp_path, pooling)
     code, _, err = run_cli(["embed", str(folder), "--text", "hi"], capsys)
     assert_one_error(code, err, "sentence-transformers files")
+
+
+# ------------------------------------------------------------------ text that is not UTF-8
+
+NOT_UTF8 = b"caf\xe9".decode("utf-8", "surrogateescape")  # how Python passes such argv / stdin
+
+
+@pytest.mark.parametrize(
+    ("command", "flag"),
+    [("generate", "--prompt"), ("embed", "--text"), ("fill-mask", "--text")],
+)
+def test_text_flags_with_bytes_that_are_not_utf8_are_one_error(
+    command, flag, tiny_run, encoder_run, capsys
+):
+    # was "unexpected TypeError: TextInputSequence must be str" from the tokenizers library
+    model = tiny_run if command == "generate" else encoder_run
+    code, out, err = run_cli([command, str(model), flag, NOT_UTF8 + " [MASK]"], capsys)
+    assert_one_error(code, err, f"{flag} is not UTF-8 text", "0xe9")
+    assert out == ""
+
+
+def test_chat_message_with_bytes_that_are_not_utf8_is_refused_and_the_chat_goes_on(
+    tiny_gguf, capsys, monkeypatch
+):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"hi\n{NOT_UTF8}\nok\n"))
+    code, _, err = run_cli(
+        ["chat", str(tiny_gguf), "--max-new-tokens", "2", "--temperature", "0"], capsys
+    )
+    assert code == 2 and "Traceback" not in err and "unexpected" not in err
+    assert err.count("error:") == 1 and "not UTF-8 text" in err
+    assert err.count("> ") == 4  # hi, the bad line, ok, end of input

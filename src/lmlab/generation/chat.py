@@ -210,10 +210,20 @@ def chat_repl(
             line = inp.readline()
         except KeyboardInterrupt:
             line = ""
+        except UnicodeDecodeError:  # a strict UTF-8 stdin meeting other bytes
+            err.write("error: the message is not UTF-8 text; give UTF-8 text\n")
+            refused = True
+            continue
         if not line:  # end of input
             err.write("\n")
             return 2 if refused else 0
         text = line.rstrip("\r\n")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that are not UTF-8, passed on as lone surrogates
+            err.write("error: the message is not UTF-8 text; give UTF-8 text\n")
+            refused = True
+            continue
         if not text.strip():
             continue
         if text.strip() == "/exit":
