@@ -399,3 +399,39 @@ def test_chat_message_with_bytes_that_are_not_utf8_is_refused_and_the_chat_goes_
     assert code == 2 and "Traceback" not in err and "unexpected" not in err
     assert err.count("error:") == 1 and "not UTF-8 text" in err
     assert err.count("> ") == 4  # hi, the bad line, ok, end of input
+
+
+# ------------------------------------------------------------------ failed new runs leave nothing
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [("中文 text", "outside this character-level vocabulary"), ("", "is empty")],
+)
+def test_train_init_from_that_fails_before_a_checkpoint_leaves_no_folder(
+    data, needle, tiny_run, tmp_path, capsys
+):
+    # the run folder (with data/ or nothing in it) was left behind
+    text = tmp_path / "t.txt"
+    text.write_text(data, encoding="utf-8")
+    out = tmp_path / "ft"
+    code, _, err = run_cli(
+        ["train", "--init-from", str(tiny_run), "--config", "configs/tiny.yaml"]
+        + ["--data", str(text), "--out", str(out), "--max-steps", "1", "--no-progress"],
+        capsys,
+    )
+    assert_one_error(code, err, needle)
+    assert not out.exists()
+
+
+def test_a_failed_run_into_an_existing_folder_keeps_the_folder(tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    code, _, err = run_cli(
+        ["train", "--config", "configs/tiny.yaml", "--data", str(tmp_path / "missing.txt")]
+        + ["--out", str(out), "--max-steps", "1", "--no-progress"],
+        capsys,
+    )
+    assert_one_error(code, err, "not found")
+    assert (out / "notes.txt").read_text() == "keep me"
