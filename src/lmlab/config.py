@@ -414,6 +414,8 @@ def diff_configs(a: RunConfig, b: RunConfig) -> list[str]:
 def _positive(value: int | float | None, where: str, allow_zero: bool = False) -> None:
     if value is None:
         return
+    if value != value:  # NaN passes every comparison below
+        raise ConfigError(f"{where} must be a number, got nan")
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigError(f"{where} must be {bound}, got {value}")
@@ -495,8 +497,10 @@ def _validate_position(m: ModelConfig) -> None:
             raise ConfigError(f"{where}.{f.name}={value} has no effect with {where}.kind={s.kind}")
     if s.kind == "none":
         return
-    if s.factor < 1.0:
-        raise ConfigError(f"{where}.factor must be >= 1 (new length / original), got {s.factor}")
+    if not 1.0 <= s.factor < float("inf"):  # NaN and inf gave NaN losses
+        raise ConfigError(
+            f"{where}.factor must be >= 1 and finite (new length / original), got {s.factor}"
+        )
     _positive(s.original_max_seq_len, f"{where}.original_max_seq_len")
     if s.kind in ("ntk", "dynamic_ntk") and r <= 2:
         raise ConfigError(f"{where}.kind={s.kind} needs more than 2 rotated channels, got {r}")

@@ -435,3 +435,26 @@ def test_a_failed_run_into_an_existing_folder_keeps_the_folder(tmp_path, capsys)
     )
     assert_one_error(code, err, "not found")
     assert (out / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("factor", ["nan", "inf"])
+def test_eval_scaling_factor_nan_or_inf_is_one_error(factor, tiny_run, tmp_path, capsys):
+    # was accepted and printed a NaN loss
+    code, _, err = run_cli(
+        ["eval", str(tiny_run), "--max-tokens", "200", "--plot", str(tmp_path / "l.png")]
+        + ["--set", "model.position.scaling.kind=linear"]
+        + ["--set", f"model.position.scaling.factor={factor}"],
+        capsys,
+    )
+    assert_one_error(code, err, "scaling.factor must be >= 1 and finite")
+
+
+def test_a_nan_config_number_is_one_error(tmp_path, capsys):
+    out = tmp_path / "run"
+    code, _, err = run_cli(
+        ["train", "--config", "configs/tiny.yaml", "--set", "train.lr=nan"]
+        + ["--out", str(out), "--max-steps", "1"],
+        capsys,
+    )
+    assert_one_error(code, err, "train.lr must be a number, got nan")
+    assert not out.exists()
