@@ -515,7 +515,7 @@ def _without_nproc(argv: Sequence[str]) -> list[str]:
 def cmd_eval(args: argparse.Namespace) -> int:
     from lmlab.evaluation.evaluate import evaluate
 
-    if args.lengths or args.set:
+    if args.lengths is not None or args.set:
         return _eval_lengths(args)
     res = evaluate(
         args.run,
@@ -590,10 +590,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         hint = (
             f"lmlab fill-mask {args.run} --text '... [MASK] ...'"
             if model.cfg.kind == "encoder"
-            else f"lmlab generate {args.run} --source '...'"
+            else "lmlab.generation.seq2seq.generate_seq2seq from Python (no CLI mode yet)"
         )
         raise LmlabError(
-            f"--prompt and --chat need a decoder model; {args.run} is model.kind="
+            f"generate needs a decoder model (--prompt, --chat); {args.run} is model.kind="
             f"{model.cfg.kind}: use {hint}"
         )
     out = sys.stdout
@@ -662,6 +662,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.max_context is not None and args.max_context < 2:
         raise LmlabError(f"--max-context must be >= 2 tokens, got {args.max_context}")
     model, tokenizer = _load_with_tokenizer(args.run, args.device)
+    if model.cfg.kind != "decoder":  # else: a misleading "no chat template, use --prompt"
+        raise LmlabError(
+            f"lmlab chat needs a decoder model; {args.run} is model.kind={model.cfg.kind}"
+        )
     limit = model.cfg.max_seq_len
     return chat_repl(model, tokenizer, params, min(args.max_context or limit, limit), args.system)
 
@@ -812,6 +816,26 @@ COMMANDS = {
 }
 
 
+TEXT_ARGS = ("prompt", "chat", "system", "text", "stop")  # flags whose value is text to encode
+
+
+def _check_text_args(args: argparse.Namespace) -> None:
+    """Refuse text flags holding bytes that are not UTF-8 (Python passes them on as lone
+    surrogates, which the tokenizers library rejects with a TypeError)."""
+    for name in TEXT_ARGS:
+        value = getattr(args, name, None)
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, str):
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    bad = item[e.start].encode("utf-8", "surrogateescape")
+                    raise LmlabError(
+                        f"--{name} is not UTF-8 text (byte 0x{bad.hex()} at character {e.start}); "
+                        "give UTF-8 text"
+                    ) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -822,6 +846,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     debug = getattr(args, "debug", False) or bool(os.environ.get("LMLAB_DEBUG"))
     try:
+        _check_text_args(args)
         return COMMANDS[args.command](args)
     except Interrupted as e:
         print(str(e), file=sys.stderr)

@@ -414,6 +414,8 @@ def diff_configs(a: RunConfig, b: RunConfig) -> list[str]:
 def _positive(value: int | float | None, where: str, allow_zero: bool = False) -> None:
     if value is None:
         return
+    if value != value:  # NaN passes every comparison below
+        raise ConfigError(f"{where} must be a number, got nan")
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigError(f"{where} must be {bound}, got {value}")
@@ -495,8 +497,10 @@ def _validate_position(m: ModelConfig) -> None:
             raise ConfigError(f"{where}.{f.name}={value} has no effect with {where}.kind={s.kind}")
     if s.kind == "none":
         return
-    if s.factor < 1.0:
-        raise ConfigError(f"{where}.factor must be >= 1 (new length / original), got {s.factor}")
+    if not 1.0 <= s.factor < float("inf"):  # NaN and inf gave NaN losses
+        raise ConfigError(
+            f"{where}.factor must be >= 1 and finite (new length / original), got {s.factor}"
+        )
     _positive(s.original_max_seq_len, f"{where}.original_max_seq_len")
     if s.kind in ("ntk", "dynamic_ntk") and r <= 2:
         raise ConfigError(f"{where}.kind={s.kind} needs more than 2 rotated channels, got {r}")
@@ -679,6 +683,10 @@ def validate_run_config(cfg: RunConfig) -> None:
     _positive(t.grad_clip, "train.grad_clip", allow_zero=True)
     _positive(t.max_skipped_steps, "train.max_skipped_steps", allow_zero=True)
     _positive(t.checkpoint_interval_s, "train.checkpoint_interval_s")
+    if (
+        not 0 <= t.seed < 2**32
+    ):  # NumPy refuses < 0; seed x 1,000,003 + ... must fit torch's 64 bits
+        raise ConfigError(f"train.seed must be an integer in 0..{2**32 - 1}, got {t.seed}")
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr ({t.min_lr}) must not exceed train.lr ({t.lr})")
     for name, beta in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):

@@ -155,7 +155,7 @@ def self_attention_maps(model: torch.nn.Module, tokenizer: Any, text: str) -> At
     for BERT), so the labels include those tokens.
 
     Raises LmlabError for an empty text, a missing tokenizer, a text longer than
-    model.cfg.max_seq_len tokens, or a model that returns no weights.
+    model.cfg.max_seq_len tokens, an encoder-decoder model, or a model that returns no weights.
     """
     if tokenizer is None:
         raise LmlabError(
@@ -166,6 +166,10 @@ def self_attention_maps(model: torch.nn.Module, tokenizer: Any, text: str) -> At
     cfg = getattr(model, "cfg", None)
     if not isinstance(cfg, ModelConfig):
         raise LmlabError("the model has no lmlab ModelConfig (model.cfg)")
+    if cfg.kind not in ("decoder", "encoder"):  # one self-attention stack over one text
+        raise LmlabError(
+            f"attention maps cover decoders and encoders; this model is model.kind={cfg.kind}"
+        )
     # An encoder sees its input framed as in training ([CLS] ... [SEP] for BERT).
     ids = tokenizer.encode_for_model(text) if cfg.kind == "encoder" else tokenizer.encode(text)
     if not ids:

@@ -327,12 +327,23 @@ class WordLevelTokenizer(Tokenizer):
         self.hf.save(str(path))
 
 
+@TOKENIZERS.register("hf")
 class PretrainedTokenizer(Tokenizer):
     """Any Hugging Face ``tokenizer.json`` (WordPiece, Unigram, Metaspace BPE, ...) run by the
     ``tokenizers`` library, as it ships with a model (e.g. BERT's uncased WordPiece lowercases,
-    so it round-trips only lowercase text). Padding and truncation in the file are turned off."""
+    so it round-trips only lowercase text). Padding and truncation in the file are turned off.
+
+    It is never fitted to a corpus: a run gets one from ``lmlab import`` or ``--init-from``."""
 
     kind = "hf"
+
+    @classmethod
+    def train(cls, text: str, cfg: TokenizerConfig) -> PretrainedTokenizer:
+        raise DataError(
+            "data.tokenizer.kind=hf is a pretrained model's own tokenizer.json and cannot be "
+            "fitted to a corpus; start from the model with lmlab train --init-from MODEL, or "
+            "choose char, bpe or wordlevel"
+        )
 
     def __init__(self, hf: HFTokenizer) -> None:
         self.hf = hf

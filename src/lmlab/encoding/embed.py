@@ -59,7 +59,7 @@ def read_pooling(path: str | Path) -> Pooling:
         st = p / "sentence_bert_config.json"
         if st.is_file():
             pooling.max_len = json.loads(st.read_text(encoding="utf-8")).get("max_seq_length")
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # e.g. a list, not {}
         raise LmlabError(f"cannot read the sentence-transformers files of {p}: {e}") from None
     return pooling
 

@@ -206,7 +206,8 @@ def evaluate(
     N tokens.
 
     Raises LmlabError for a run without checkpoint, a split asked of a model that is not a run
-    folder (it has no corpus), a model without tokenizer, a split the corpus lacks, or bad text.
+    folder (it has no corpus), a model without tokenizer, a split the corpus lacks, bad text, or
+    an encoder-decoder model (it has no single text to score).
 
     An encoder (masked LM) is scored by :func:`score_masked` (``stride`` does not apply); an
     encoder-decoder by :func:`lmlab.evaluation.seq2seq.score_pairs` on its run's pairs of
@@ -240,6 +241,11 @@ def evaluate(
     if max_tokens is not None:
         ids = ids[:max_tokens]
     model_cfg: ModelConfig = model.cfg  # type: ignore[assignment]
+    if model_cfg.kind not in ("decoder", "encoder"):  # no source/target pairs to score here
+        raise LmlabError(
+            f"lmlab eval scores decoders (next-token loss) and encoders (masked tokens); "
+            f"{model_path} is model.kind={model_cfg.kind}"
+        )
     if model_cfg.kind == "encoder":  # a masked LM: accuracy and perplexity on masks
         if stride is not None:
             raise LmlabError("--stride applies to decoder runs; an encoder run is scored whole")

@@ -220,6 +220,11 @@ def eval_lengths(
         raise LmlabError(f"{p} is not an lmlab run folder, so it has no corpus: give --data FILE")
     model = apply_inference_overrides(model, overrides)
     cfg: ModelConfig = model.cfg  # type: ignore[assignment]
+    if cfg.kind != "decoder":  # next-token loss only means something for a causal LM
+        raise LmlabError(
+            f"--lengths scores next-token loss, which needs a decoder; {p} is model.kind="
+            f"{cfg.kind} (use plain lmlab eval for it)"
+        )
     lengths = wanted or [cfg.max_seq_len]
     ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
     if max_tokens is not None:
@@ -290,7 +295,14 @@ def plot_lengths(
     ax.legend(fontsize=8)
     fig.tight_layout()
     target = Path(out)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(target, dpi=100)
-    plt.close(fig)
+    if target.suffix.lower() != ".png":  # matplotlib would add .png to a bare name, or refuse
+        plt.close(fig)
+        raise LmlabError(f"--plot {target}: give a .png file name")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(target, dpi=100)
+    except OSError as e:
+        raise LmlabError(f"cannot write plot {target}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
     return target

@@ -96,6 +96,11 @@ def _check_comparison(out: Path, exp: Experiment) -> None:
                 f"{json.dumps(record)}); choose another --out or remove {out}"
             )
         return
+    if out.is_dir() and any(out.iterdir()):  # a run folder, or any other: variants would mix in
+        raise LmlabError(
+            f"--out {out} is not empty and holds no comparison ({COMPARISON_FILE}); choose a new "
+            "or empty folder"
+        )
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(record, indent=1) + "\n")
 

@@ -342,6 +342,16 @@ def experiment_from_dict(raw: Any, path: Path | None = None) -> Experiment:
         eval=_eval(raw.get("eval"), parsed, where),
         decode_tokens=decode,
     )
+    owned = {"train.seed": "seeds"}  # fields the experiment sets itself, after the overrides
+    if exp.budget.kind != "time_s":  # (a time budget keeps train.max_steps as its cap)
+        owned["train.max_steps"] = "budget"
+    for vname, overrides in parsed.items():
+        for key in overrides:
+            if key in owned:
+                raise ConfigError(
+                    f"{where}: variant {vname!r} sets {key}, which the experiment's "
+                    f"{owned[key]} field sets for every variant; remove it"
+                )
     for vname in parsed:  # every variant's config must be valid before anything trains
         exp.config(vname, seeds[0])
     return exp

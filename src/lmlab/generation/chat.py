@@ -150,17 +150,18 @@ class ChatSession:
     def prompt_for(self, user: str) -> list[int]:
         """Prompt ids for a new user message, dropping the oldest turns to fit the budget."""
         budget = self.max_context - min(self.params.max_new_tokens, self.max_context // 2)
+        alone = chat_prompt_ids(self.tokenizer, self.messages(user, []))
+        if len(alone) > budget:  # refused before any turn is dropped: the history stays
+            raise LmlabError(
+                f"the message needs {len(alone)} tokens with the template, more than the "
+                f"{budget} the context budget leaves for a prompt ({self.max_context} tokens, "
+                f"{self.max_context - budget} kept for the reply); shorten it or raise "
+                "--max-context"
+            )
         while True:
             ids = chat_prompt_ids(self.tokenizer, self.messages(user, self.turns))
-            if len(ids) <= budget:
+            if len(ids) <= budget or not self.turns:
                 return ids
-            if not self.turns:
-                raise LmlabError(
-                    f"the message needs {len(ids)} tokens with the template, more than the "
-                    f"{budget} the context budget leaves for a prompt ({self.max_context} tokens, "
-                    f"{self.max_context - budget} kept for the reply); shorten it or raise "
-                    "--max-context"
-                )
             self.turns.pop(0)
             self.dropped += 1
 
@@ -189,11 +190,19 @@ def chat_repl(
 ) -> int:
     """A read-reply loop: each line of ``stdin`` is a user message, the reply streams to
     ``stdout``. ``/reset`` clears the history, ``/exit`` or end of input (Ctrl-D) ends the chat;
-    prompts and notices go to ``stderr``. Ctrl-C during a reply stops that reply only.
-    Returns the exit status (0)."""
+    prompts and notices go to ``stderr``. Ctrl-C during a reply stops that reply only. A message
+    too long for the context is refused with an ``error:`` line, the history kept, and the chat
+    goes on. Returns the exit status: 0, or 2 if a message was refused. Raises LmlabError when
+    ``system`` alone leaves no room for a message."""
     inp, out, err = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     session = ChatSession(model, tokenizer, params, max_context, system)
+    if system:  # a system message that leaves no room would refuse every message
+        try:
+            session.prompt_for("")
+        except LmlabError as e:
+            raise LmlabError(f"--system is too long: {e}") from None
     err.write("chat: /reset clears the history, /exit or Ctrl-D quits\n")
+    refused = False  # a message was refused (too long): the chat went on, the exit status is 2
     while True:
         err.write("> ")
         err.flush()
@@ -201,14 +210,24 @@ def chat_repl(
             line = inp.readline()
         except KeyboardInterrupt:
             line = ""
+        except UnicodeDecodeError:  # a strict UTF-8 stdin meeting other bytes
+            err.write("error: the message is not UTF-8 text; give UTF-8 text\n")
+            refused = True
+            continue
         if not line:  # end of input
             err.write("\n")
-            return 0
+            return 2 if refused else 0
         text = line.rstrip("\r\n")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that are not UTF-8, passed on as lone surrogates
+            err.write("error: the message is not UTF-8 text; give UTF-8 text\n")
+            refused = True
+            continue
         if not text.strip():
             continue
         if text.strip() == "/exit":
-            return 0
+            return 2 if refused else 0
         if text.strip() == "/reset":
             session.reset()
             err.write("(history cleared)\n")
@@ -223,6 +242,10 @@ def chat_repl(
                 out.flush()
         except KeyboardInterrupt:
             err.write("\n(reply interrupted)")
+        except LmlabError as e:  # e.g. a message too long for the context: say so, keep going
+            err.write(f"error: {e}\n")
+            refused = True
+            continue
         out.write("\n")
         out.flush()
         if session.dropped > dropped:

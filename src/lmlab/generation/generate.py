@@ -54,6 +54,8 @@ class SamplingParams:
             raise LmlabError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.repetition_penalty <= 0:
             raise LmlabError(f"--repetition-penalty must be > 0, got {self.repetition_penalty}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63 - 2**20:  # seed + row
+            raise LmlabError(f"--seed must be a 64-bit integer (|seed| < 2**63), got {self.seed}")
 
 
 def _generator(seed: int | None, row: int) -> torch.Generator:

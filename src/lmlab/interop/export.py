@@ -29,7 +29,7 @@ from lmlab.errors import LmlabError
 from lmlab.interop.families import hf_config_json, match_family
 from lmlab.interop.importer import model_config
 from lmlab.interop.load import load
-from lmlab.interop.outdir import staged_folder
+from lmlab.interop.outdir import check_not_source, staged_folder
 
 ATOL = 1e-5
 FORMATS = ("hf",)
@@ -155,6 +155,7 @@ def export_model(
     """
     if format not in FORMATS:
         raise LmlabError(f"unknown export format {format!r}; supported: {', '.join(FORMATS)}")
+    check_not_source(out, source)
     model, tokenizer = load(source, "cpu")
     model = model.float()
     cfg = model_config(model)

@@ -21,7 +21,7 @@ from lmlab.config import ModelConfig, RunConfig, save_config
 from lmlab.data.tokenizer import Tokenizer
 from lmlab.errors import LmlabError
 from lmlab.interop.load import load
-from lmlab.interop.outdir import staged_folder
+from lmlab.interop.outdir import check_not_source, staged_folder
 from lmlab.run import CONFIG_FILE, TOKENIZER_FILE
 from lmlab.training.checkpoint import save_checkpoint
 
@@ -99,6 +99,7 @@ def import_model(source: str | Path, out: str | Path, force: bool = False) -> Im
     fault), has no readable tokenizer or one of another size, or ``out`` is a file or a
     non-empty folder (unless ``force``). Nothing is left in ``out`` on error.
     """
+    check_not_source(out, source)
     model, tokenizer = load(source, "cpu")
     tok = check_tokenizer_fits(model, tokenizer, source)
     path = write_run(model, tok, out, force, str(source))

@@ -91,6 +91,8 @@ def load_hf_folder(folder: str | Path, device: str = "cpu") -> tuple[nn.Module, 
         raw = json.loads((p / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise LmlabError(f"cannot read {p / 'config.json'}: {e}") from None
+    if not isinstance(raw, dict):
+        raise LmlabError(f"{p / 'config.json'} must hold a JSON object, got {type(raw).__name__}")
     family = family_for(str(raw.get("model_type")))
     tensors = read_hf_state_dict(p)
     try:
@@ -106,7 +108,13 @@ def load_hf_folder(folder: str | Path, device: str = "cpu") -> tuple[nn.Module, 
     expected = family.from_state(model.state_dict(), cfg) if family.from_state else {}
     _check_shapes(tensors, expected, p)
     state = family.to_state(tensors, cfg)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except (
+        RuntimeError
+    ) as e:  # a shape config.json does not imply, under a name _check_shapes missed
+        detail = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln), str(e))
+        raise CheckpointError(f"{p} does not fit its config.json: {detail}") from None
     absent = sorted(k for k in expected if k not in tensors)
     if missing and absent:
         raise CheckpointError(

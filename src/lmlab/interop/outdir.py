@@ -25,6 +25,16 @@ def check_out(out: Path, force: bool) -> None:
         raise LmlabError(f"--out {out} is not empty; choose another folder or pass --force")
 
 
+def check_not_source(out: str | Path, source: str | Path) -> None:
+    """Refuse an ``--out`` that is the model being read or a folder holding it: with --force it
+    would replace the model (a run's checkpoints, a .gguf beside it) with the written copy."""
+    o, s = Path(out).resolve(), Path(source).resolve()
+    if s == o or o in s.parents:
+        raise LmlabError(
+            f"--out {out} would replace the model it reads ({source}); choose another folder"
+        )
+
+
 @contextmanager
 def staged_folder(out: str | Path, force: bool = False) -> Iterator[Path]:
     """Yield an empty temporary folder beside ``out``; on normal exit it replaces ``out``.

@@ -222,9 +222,22 @@ def train(
     consecutive steps with a non-finite loss or gradient (the last good state is checkpointed).
     Ctrl-C and SIGTERM finish the step in progress, checkpoint, and raise Interrupted (exit code
     130, 143) with the command that resumes; a second Ctrl-C stops at once, without checkpoint.
+    A run folder this call created is removed again when it fails before its first checkpoint
+    (one process only; under torchrun it stays and the next attempt starts it afresh).
     """
+    fresh = None  # the run folder this call creates: removed if it fails before a checkpoint
+    if resume is None and cfg is not None:
+        target = Path(out) if out else Path("runs") / cfg.name
+        fresh = None if target.exists() else target
     with session() as par:
-        return _train(par, cfg, out, resume, max_steps, time_budget, device, progress, init_from)
+        try:
+            return _train(
+                par, cfg, out, resume, max_steps, time_budget, device, progress, init_from
+            )
+        except BaseException:
+            if fresh is not None and par.world_size == 1 and not has_checkpoint(fresh):
+                shutil.rmtree(fresh, ignore_errors=True)  # nothing to resume: leave no trace
+            raise
 
 
 def _train(
