@@ -75,7 +75,7 @@ def test_fill_mask_on_a_model_without_mlm_head(tmp_path: Path, capsys):
 
 def test_generate_on_an_encoder_run_points_to_fill_mask(encoder_run: Path, capsys):
     err = _error(capsys, "generate", str(encoder_run), "--prompt", "To be")
-    assert "need a decoder model" in err and "fill-mask" in err
+    assert "generate needs a decoder model" in err and "fill-mask" in err
 
 
 def test_eval_stride_on_an_encoder_run(encoder_run: Path, capsys):
