@@ -590,7 +590,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         hint = (
             f"lmlab fill-mask {args.run} --text '... [MASK] ...'"
             if model.cfg.kind == "encoder"
-            else "lmlab.generation.seq2seq.generate_seq2seq from Python (no CLI mode yet)"
+            else f"lmlab generate {args.run} --source '...'"
         )
         raise LmlabError(
             f"generate needs a decoder model (--prompt, --chat); {args.run} is model.kind="
