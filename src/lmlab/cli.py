@@ -37,7 +37,6 @@ lmlab: build, train, probe and compare Transformer language models.
   lmlab export runs/minigpt --format hf --out hf/minigpt    a Hugging Face folder (checked)
   lmlab import hf/minigpt --out runs/imported               any loadable model as a run
   lmlab train --init-from hf/minigpt --data my.txt          fine-tune a model on your text
-
   lmlab train --config configs/bert-mini.yaml           a BERT (masked LM) on the same corpus
   lmlab fill-mask runs/bert-mini --text "To be, or not to be, that is the [MASK]."
   lmlab embed MODEL_DIR --text "A man plays a guitar." --text "Someone plays music." --json
