@@ -26,6 +26,7 @@ from torch import nn
 
 from lmlab.config import ModelConfig
 from lmlab.errors import LmlabError
+from lmlab.models.counting import num_params
 from lmlab.models.init import INIT
 from lmlab.models.output import ModelOutput
 from lmlab.nn.block import BLOCK, DECODER_BLOCK
@@ -342,8 +343,4 @@ class EncoderDecoderLM(nn.Module):
     def num_params(self, non_embedding: bool = False) -> int:
         """Distinct parameters (tied weights counted once); ``non_embedding`` leaves out the
         token embedding (and a tied LM head, which is the same matrix)."""
-        seen = {id(p): p for p in self.parameters()}
-        n = sum(p.numel() for p in seen.values())
-        if non_embedding:
-            n -= self.embed.weight.numel()
-        return n
+        return num_params(self, non_embedding)
