@@ -347,28 +347,8 @@ def attention_report(
         w = maps.weights[li][heads]
         stats += head_stats(w, maps.mask, layer=li, heads=heads)
     if out is not None:
-        from lmlab.analysis.attention_plot import plot_heads, save_figure
-
-        folder = Path(out)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise LmlabError(f"cannot create the output folder {folder}: {e.strerror}") from None
-        for li in layers:
-            fig = plot_heads(
-                maps.weights[li][heads],
-                maps.query_labels,
-                maps.key_labels,
-                heads=heads,
-                mask=maps.mask,
-                title=f"{Path(path).name}: layer {li}",
-            )
-            files.append(save_figure(fig, folder / f"layer-{li:02d}.png"))
-    thresholds = {
-        "blurred_entropy_ratio": BLURRED_ENTROPY_RATIO,
-        "collapsed_max_weight": COLLAPSED_MAX_WEIGHT,
-    }
-    return AttentionReport(maps.query_labels, stats, files, thresholds)
+        files = _save_heatmaps(out, [(maps, layers, "", Path(path).name)], heads)
+    return AttentionReport(maps.query_labels, stats, files, _thresholds())
 
 
 def _seq2seq_report(
@@ -390,30 +370,54 @@ def _seq2seq_report(
         stats += head_stats(cross.weights[li][heads], None, distance=False, layer=li, heads=heads)
     files: list[Path] = []
     if out is not None:
-        from lmlab.analysis.attention_plot import plot_heads, save_figure
-
-        folder = Path(out)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise LmlabError(f"cannot create the output folder {folder}: {e.strerror}") from None
         titles = {"cross": "cross-attention", "encoder": "encoder", "decoder": "decoder self"}
-        for name, m in maps.items():
-            for li in _select(len(m.weights), layer, "layers", "--layer"):
-                fig = plot_heads(
-                    m.weights[li][heads],
-                    m.query_labels,
-                    m.key_labels,
-                    heads=heads,
-                    mask=m.mask,
-                    title=f"{Path(path).name}: {titles[name]}, layer {li}",
-                )
-                files.append(save_figure(fig, folder / f"{name}-layer-{li:02d}.png"))
-    thresholds = {
+        groups = [
+            (
+                m,
+                _select(len(m.weights), layer, "layers", "--layer"),
+                f"{name}-",
+                f"{Path(path).name}: {titles[name]}",
+            )
+            for name, m in maps.items()
+        ]
+        files = _save_heatmaps(out, groups, heads)
+    return AttentionReport(cross.key_labels, stats, files, _thresholds(), cross.query_labels)
+
+
+def _thresholds() -> dict[str, float]:
+    """The flag thresholds a report records next to its numbers."""
+    return {
         "blurred_entropy_ratio": BLURRED_ENTROPY_RATIO,
         "collapsed_max_weight": COLLAPSED_MAX_WEIGHT,
     }
-    return AttentionReport(cross.key_labels, stats, files, thresholds, cross.query_labels)
+
+
+def _save_heatmaps(
+    out: str | Path, groups: list[tuple[AttentionMaps, list[int], str, str]], heads: list[int]
+) -> list[Path]:
+    """One PNG per (maps, layer) into ``out``: ``{prefix}layer-LL.png`` titled ``{title}, layer
+    L`` (``{title}: layer L`` when the group has no prefix). Raises LmlabError if ``out``
+    cannot be created."""
+    from lmlab.analysis.attention_plot import plot_heads, save_figure
+
+    folder = Path(out)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LmlabError(f"cannot create the output folder {folder}: {e.strerror}") from None
+    files: list[Path] = []
+    for maps, layers, prefix, title in groups:
+        for li in layers:
+            fig = plot_heads(
+                maps.weights[li][heads],
+                maps.query_labels,
+                maps.key_labels,
+                heads=heads,
+                mask=maps.mask,
+                title=f"{title}, layer {li}" if prefix else f"{title}: layer {li}",
+            )
+            files.append(save_figure(fig, folder / f"{prefix}layer-{li:02d}.png"))
+    return files
 
 
 def format_stats(stats: list[HeadStats]) -> str:
