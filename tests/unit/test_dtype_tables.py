@@ -80,3 +80,13 @@ def test_sinusoidal_embedding_of_a_bf16_model_is_the_float32_table_cast_once():
     out = model.position.embed(x, LONG)
     expected = sinusoidal_table(LONG, model.cfg.d_model).to(torch.bfloat16)
     torch.testing.assert_close(out[0], expected, rtol=0, atol=0)
+
+
+def test_a_model_built_on_meta_gets_its_tables_back_from_to_empty():
+    """``to_empty`` allocates uninitialised buffers; the tables are recomputed, not garbage."""
+    cfg = tiny_model_config(position={"kind": "rope"})
+    reference = build_model(cfg).position.inv_freq
+    with torch.device("meta"):
+        model = build_model(cfg)
+    model.to_empty(device="cpu")
+    torch.testing.assert_close(model.position.inv_freq, reference, rtol=0, atol=0)
