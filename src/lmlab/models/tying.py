@@ -48,7 +48,9 @@ class TiedEmbeddingsModule(nn.Module):
         assert self.tied is not None
         weight = getattr(self, source).weight
         for name in self.tied:
-            getattr(self, name).weight = weight
+            module = getattr(self, name)
+            if module.weight is not weight:  # an ordinary (copying) load changes nothing here
+                module.weight = weight
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
