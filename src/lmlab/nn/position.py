@@ -40,7 +40,7 @@ class PositionEncoding(nn.Module):
     model's dtype: :meth:`float32_tables` names them, and a cast of the model (``model.to(
     torch.bfloat16)``, ``.half()``, ``.double()``) moves them to the new device but recomputes
     them in float32 instead of rounding them (a bf16 inverse frequency is off by up to 2^-9,
-    which at position 4000 turns the angle by radians). Only the cos/sin or bias computed from
+    which over a 4000-token distance turns the angle by radians). Only the cos/sin or bias from
     them is cast to the activations' dtype.
     """
 
