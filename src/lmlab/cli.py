@@ -213,7 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--max-new-tokens", type=int, default=200, help="at most this many new tokens (default 200)"
     )
-    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="0 = greedy, as is a value too small for float32 such as 1e-45 (default 0.8)",
+    )
     g.add_argument(
         "--top-k", type=int, default=0, help="sample among the K most likely tokens (0 = off)"
     )
@@ -254,7 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--max-new-tokens", type=int, default=512, help="at most this many tokens per reply"
     )
-    c.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
+    c.add_argument(
+        "--temperature",
+        type=float,
+        default=0.7,
+        help="0 = greedy, as is a value too small for float32 such as 1e-45 (default 0.7)",
+    )
     c.add_argument(
         "--top-k", type=int, default=0, help="sample among the K most likely tokens (0 = off)"
     )

@@ -90,3 +90,17 @@ def test_math_backend_matches_sdpa_backend_in_module():
     slow = attn(x, pos, torch.arange(9), need_weights=True)
     assert slow.weights is not None and slow.weights.shape == (2, 4, 9, 9)
     torch.testing.assert_close(fast, slow.out, atol=1e-5, rtol=1e-5)
+
+
+def test_math_attention_of_float64_inputs_is_float64_exact():
+    """A float64 model is a reference: its softmax must not be demoted to float32 (error 1e-8)."""
+    q, k, v = (torch.randn(2, 3, 7, 8, dtype=torch.float64) * 3 for _ in range(3))
+    mask = causal_mask(7, 7)
+    out, w = attention_math(q, k, v, mask, scale=0.35)
+    scores = (q @ k.transpose(-2, -1)) * 0.35
+    scores = scores - scores.masked_fill(~mask, -math.inf).amax(-1, keepdim=True)
+    e = scores.exp() * mask  # the formula: exp(s_ij - max_j) / sum_j, masked keys weigh 0
+    expected = e / e.sum(-1, keepdim=True)
+    assert w.dtype == torch.float64 and out.dtype == torch.float64
+    torch.testing.assert_close(w, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(out, expected @ v, rtol=0, atol=1e-12)

@@ -167,6 +167,115 @@ def test_sampling_params_are_validated():
     assert math.isclose(SamplingParams().temperature, 0.8)
 
 
+BAD_SAMPLING = [
+    ({"temperature": -1.0}, "--temperature must be >= 0"),
+    ({"temperature": math.nan}, "--temperature must be a finite number"),
+    ({"temperature": math.inf}, "--temperature must be a finite number"),
+    ({"top_p": 0.0}, r"--top-p must be in \(0, 1\]"),
+    ({"top_p": 1.5}, r"--top-p must be in \(0, 1\]"),
+    ({"top_p": math.nan}, "--top-p must be a finite number"),
+    ({"top_k": -1}, "--top-k must be >= 0"),
+    ({"top_k": 2.5}, "--top-k must be an integer"),
+    ({"repetition_penalty": 0.0}, "--repetition-penalty must be > 0"),
+    ({"repetition_penalty": -2.0}, "--repetition-penalty must be > 0"),
+    ({"repetition_penalty": math.inf}, "--repetition-penalty must be a finite number"),
+]
+
+
+def _call_next_token(bad):
+    values = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0, **bad}
+    next_token(torch.tensor([0.1, 3.0, 0.2]), torch.tensor([1]), **values)
+
+
+def _call_processor(bad):
+    (name, value), logits, history = next(iter(bad.items())), torch.randn(5), torch.tensor([1])
+    if name == "top_k":
+        apply_top_k(logits, value)
+    elif name == "top_p":
+        apply_top_p(logits, value)
+    elif name == "repetition_penalty":
+        apply_repetition_penalty(logits, history, value)
+    else:  # temperature has no processor of its own: next_token divides by it
+        _call_next_token(bad)
+
+
+def _call_generate_ids(bad):
+    model = build_model(tiny_model_config(vocab_size=20)).eval()
+    generate_ids(model, [1, 2], SamplingParams(max_new_tokens=3, **bad), 16)  # not iterated
+
+
+def _call_generate_batch(bad):
+    from lmlab.generation.generate import generate_batch
+
+    model = build_model(tiny_model_config(vocab_size=20)).eval()
+    generate_batch(model, [[1, 2]], SamplingParams(max_new_tokens=3, **bad), 16)
+
+
+ENTRY_POINTS = {
+    "SamplingParams.validate": lambda bad: SamplingParams(**bad).validate(),
+    "next_token": _call_next_token,
+    "apply_top_k / apply_top_p / apply_repetition_penalty": _call_processor,
+    "generate_ids (when called)": _call_generate_ids,
+    "generate_batch": _call_generate_batch,
+}
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+@pytest.mark.parametrize(("bad", "message"), BAD_SAMPLING, ids=lambda v: str(v))
+def test_every_sampling_entry_point_refuses_bad_values(entry, bad, message):
+    from lmlab.errors import LmlabError
+
+    with pytest.raises(LmlabError, match=message):
+        ENTRY_POINTS[entry](bad)
+
+
+def test_top_k_above_the_vocabulary_keeps_every_token():
+    logits = torch.randn(7)
+    assert torch.equal(apply_top_k(logits, 7), logits)
+    assert torch.equal(apply_top_k(logits, 10**9), logits)
+    g = torch.Generator().manual_seed(0)
+    assert 0 <= next_token(logits, torch.tensor([]), 1.0, top_k=10**9, generator=g) < 7
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-45, 1e-300, 5e-324])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_tiny_temperature_acts_as_greedy_never_nan(temperature, dtype):
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        logits = (torch.randn(50) * 10).to(dtype)
+        greedy = next_token(logits, torch.tensor([]), 0.0)
+        for top_k, top_p in ((0, 1.0), (5, 0.9)):
+            assert next_token(logits, torch.tensor([]), temperature, top_k, top_p, generator=g) == (
+                greedy
+            )
+
+
+def test_generation_at_a_tiny_temperature_equals_greedy_generation():
+    model = build_model(tiny_model_config(vocab_size=40)).eval()
+    greedy = list(generate_ids(model, [3, 1, 4], SamplingParams(12, temperature=0.0), 32))
+    tiny = list(generate_ids(model, [3, 1, 4], SamplingParams(12, temperature=5e-324, seed=1), 32))
+    assert tiny == greedy
+
+
+@pytest.mark.parametrize("penalty", [1e-45, 5e-324, 1e300])
+def test_an_extreme_repetition_penalty_never_makes_logits_or_probabilities_nan(penalty):
+    logits = torch.tensor([-3.0, 0.0, 2.0, 5.0, -1.0])
+    history = torch.tensor([0, 1, 2, 4])
+    out = apply_repetition_penalty(logits, history, penalty)
+    assert bool(out.isfinite().all())
+    assert out[3] == logits[3]  # a token not in the history is untouched
+    g = torch.Generator().manual_seed(0)
+    for temperature in (0.0, 0.8, 1e-45):
+        tok = next_token(logits, history, temperature, repetition_penalty=penalty, generator=g)
+        assert 0 <= tok < 5
+
+
+def test_float64_logits_are_not_rounded_to_float32():
+    logits = torch.tensor([1.0, 1.0 + 1e-12, 0.5], dtype=torch.float64)  # equal in float32
+    assert next_token(logits, torch.tensor([]), 0.0) == 1
+    assert next_token(logits, torch.tensor([0]), 0.0, repetition_penalty=1.0 + 1e-13) == 1
+
+
 def test_stop_strings_typed_with_escapes_mean_control_characters():
     assert unescape("\\n\\n") == "\n\n"
     assert unescape("a\\tb\\\\n") == "a\tb\\n"

@@ -193,3 +193,90 @@ def test_config_round_trips_through_yaml(variant, tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(config_to_yaml(cfg))
     assert load_config(path) == cfg
+
+
+def _tied_models():
+    from tests_helpers_encoder import encoder_config
+
+    seq2seq = tiny_model_config(vocab_size=50, kind="encoder_decoder", position={"kind": "learned"})
+    return {
+        "decoder": build_model(tiny_model_config(vocab_size=50)),
+        "encoder": build_model(encoder_config(vocab_size=50)),
+        "encoder_decoder": build_model(seq2seq),
+    }
+
+
+def _other_weights(model):
+    """A state dict of the same shapes with new values (so a load visibly changes the model)."""
+    return {
+        k: torch.randn_like(v) if v.is_floating_point() else v
+        for k, v in model.state_dict().items()
+    }
+
+
+TIE_LOADS = {
+    "assign, both names": (lambda sd: sd, {"assign": True}),
+    "only the embedding": (lambda sd: {k: v for k, v in sd.items() if k != "lm_head.weight"}, {}),
+    "only the head": (lambda sd: {k: v for k, v in sd.items() if k != "embed.weight"}, {}),
+    "only the embedding, assign": (
+        lambda sd: {k: v for k, v in sd.items() if k != "lm_head.weight"},
+        {"assign": True},
+    ),
+    "only the head, assign": (
+        lambda sd: {k: v for k, v in sd.items() if k != "embed.weight"},
+        {"assign": True},
+    ),
+}
+
+
+@pytest.mark.parametrize("family", ["decoder", "encoder", "encoder_decoder"])
+@pytest.mark.parametrize("load", list(TIE_LOADS))
+def test_tied_embeddings_stay_tied_through_every_state_dict_load(family, load):
+    model = _tied_models()[family]
+    n = model.num_params()
+    sd = _other_weights(model)
+    sd["lm_head.weight"] = sd["embed.weight"]  # a tied model's state dict: one matrix
+    select, kwargs = TIE_LOADS[load]
+    model.load_state_dict(select(sd), strict=True, **kwargs)
+    assert model.lm_head.weight is model.embed.weight
+    assert model.num_params() == n
+    torch.testing.assert_close(model.embed.weight, sd["embed.weight"], rtol=0, atol=0)
+    model.embed.weight.grad = None
+    model.lm_head.weight.sum().backward()  # a gradient reaches the one shared parameter
+    assert model.embed.weight.grad is not None
+
+
+@pytest.mark.parametrize("family", ["decoder", "encoder", "encoder_decoder"])
+def test_tied_embeddings_stay_tied_through_safetensors_and_the_checkpoint_loader(family, tmp_path):
+    from lmlab.training.checkpoint import MODEL_FILE, load_model_weights
+
+    source, target = _tied_models()[family], _tied_models()[family]
+    with torch.no_grad():
+        source.embed.weight.mul_(-1)
+    n = target.num_params()
+    save_model(source, str(tmp_path / MODEL_FILE))  # keeps one name of the shared matrix
+    load_model_weights(tmp_path, target)
+    assert target.lm_head.weight is target.embed.weight and target.num_params() == n
+    torch.testing.assert_close(target.lm_head.weight, source.embed.weight, rtol=0, atol=0)
+    missing, unexpected = load_model(target, str(tmp_path / MODEL_FILE), strict=False)
+    assert not missing and not unexpected
+    assert target.lm_head.weight is target.embed.weight and target.num_params() == n
+
+
+def test_a_state_dict_with_two_different_tied_matrices_is_refused():
+    from lmlab.errors import LmlabError
+
+    model = build_model(tiny_model_config(vocab_size=50))
+    sd = _other_weights(model)  # lm_head.weight and embed.weight differ
+    before = model.embed.weight.detach().clone()
+    with pytest.raises(LmlabError, match="lm_head.weight.*tie_embeddings=false"):
+        model.load_state_dict(sd)
+    torch.testing.assert_close(model.embed.weight, before, rtol=0, atol=0)
+
+
+def test_a_model_nested_in_a_wrapper_stays_tied_after_an_assign_load():
+    wrapper = torch.nn.ModuleDict({"model": build_model(tiny_model_config(vocab_size=50))})
+    n = sum(p.numel() for p in wrapper.parameters())  # parameters() deduplicates
+    wrapper.load_state_dict(wrapper.state_dict(), assign=True)
+    assert wrapper["model"].lm_head.weight is wrapper["model"].embed.weight
+    assert sum(p.numel() for p in wrapper.parameters()) == n

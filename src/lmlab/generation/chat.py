@@ -135,6 +135,7 @@ class ChatSession:
         system: str | None = None,
     ) -> None:
         chat_template_of(tokenizer)  # fail early without a template
+        params.validate()  # and with a bad sampling value
         self.model, self.tokenizer, self.params = model, tokenizer, params
         self.max_context = max_context
         self.system = system

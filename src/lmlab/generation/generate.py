@@ -9,7 +9,6 @@ tokens, so generation can run past the window without ever attending beyond it.
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from torch import nn
 
 from lmlab.data.tokenizer import Tokenizer
 from lmlab.errors import LmlabError
-from lmlab.generation.sampling import next_token
+from lmlab.generation.sampling import check_sampling, next_token
 from lmlab.generation.stream import StopStrings, Utf8Stream
 from lmlab.nn.masks import position_ids_from_attention_mask
 
@@ -37,23 +36,11 @@ class SamplingParams:
     seed: int | None = None
 
     def validate(self) -> None:
-        for name, value in (
-            ("--temperature", self.temperature),
-            ("--top-p", self.top_p),
-            ("--repetition-penalty", self.repetition_penalty),
-        ):
-            if not math.isfinite(value):
-                raise LmlabError(f"{name} must be a finite number, got {value}")
+        """LmlabError for a bad value: the sampling ones through
+        :func:`~lmlab.generation.sampling.check_sampling`, then max_new_tokens and seed."""
+        check_sampling(self.temperature, self.top_k, self.top_p, self.repetition_penalty)
         if self.max_new_tokens < 0:
             raise LmlabError(f"--max-new-tokens must be >= 0, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise LmlabError(f"--temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise LmlabError(f"--top-k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise LmlabError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
-            raise LmlabError(f"--repetition-penalty must be > 0, got {self.repetition_penalty}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63 - 2**20:  # seed + row
             raise LmlabError(f"--seed must be a 64-bit integer (|seed| < 2**63), got {self.seed}")
 
@@ -178,8 +165,20 @@ def generate_ids(
     loop of :func:`generate_batch` on a batch of one, streamed.
 
     prompt_ids must be non-empty and at most ``max_seq_len`` long (the caller truncates).
-    Sampling draws from a generator seeded with ``params.seed``.
+    Sampling draws from a generator seeded with ``params.seed``. Raises LmlabError for a bad
+    sampling value when called, before any id is asked for (:meth:`SamplingParams.validate`).
     """
+    params.validate()
+    return _ids(model, prompt_ids, params, max_seq_len, eos_id)
+
+
+def _ids(
+    model: nn.Module,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    max_seq_len: int,
+    eos_id: int | None,
+) -> Iterator[int]:
     for toks in _decode(model, [prompt_ids], params, max_seq_len, eos_id, pad_id=0):
         if toks[0] is not None:
             yield toks[0]

@@ -15,6 +15,7 @@ from lmlab.errors import LmlabError
 from lmlab.models.counting import num_params
 from lmlab.models.init import INIT
 from lmlab.models.output import ModelOutput
+from lmlab.models.tying import TiedEmbeddingsModule
 from lmlab.nn.block import BLOCK
 from lmlab.nn.kv_cache import KVCache
 from lmlab.nn.moe import MoE, moe_losses
@@ -22,7 +23,7 @@ from lmlab.nn.norm import build_norm
 from lmlab.nn.position import POSITION
 
 
-class DecoderLM(nn.Module):
+class DecoderLM(TiedEmbeddingsModule):
     """A causal Transformer language model (Radford et al. 2018/2019, GPT)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -39,7 +40,7 @@ class DecoderLM(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.reset_parameters()
         if cfg.tie_embeddings:
-            self.lm_head.weight = self.embed.weight
+            self.tie_embeddings()  # lm_head.weight is embed.weight, through every load too
         self.has_moe = any(isinstance(m, MoE) for m in self.modules())  # routing losses to take
 
     def reset_parameters(self) -> None:

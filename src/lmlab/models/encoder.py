@@ -19,13 +19,14 @@ from lmlab.errors import LmlabError
 from lmlab.models.counting import num_params
 from lmlab.models.init import INIT
 from lmlab.models.output import ModelOutput
+from lmlab.models.tying import TiedEmbeddingsModule
 from lmlab.nn.block import BLOCK
 from lmlab.nn.ffn import ACTIVATIONS
 from lmlab.nn.norm import build_norm
 from lmlab.nn.position import POSITION
 
 
-class EncoderLM(nn.Module):
+class EncoderLM(TiedEmbeddingsModule):
     """A bidirectional Transformer encoder with a masked-LM head (Devlin et al. 2019, BERT)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -51,7 +52,7 @@ class EncoderLM(nn.Module):
         self.lm_head = nn.Linear(d, cfg.vocab_size) if cfg.mlm_head else None
         self.reset_parameters()
         if self.lm_head is not None and cfg.tie_embeddings:
-            self.lm_head.weight = self.embed.weight
+            self.tie_embeddings()  # lm_head.weight is embed.weight, through every load too
 
     def reset_parameters(self) -> None:
         """Initialise every weight with the scheme named by ``model.init`` (see models/init.py)."""

@@ -29,6 +29,7 @@ from lmlab.errors import LmlabError
 from lmlab.models.counting import num_params
 from lmlab.models.init import INIT
 from lmlab.models.output import ModelOutput
+from lmlab.models.tying import TiedEmbeddingsModule
 from lmlab.nn.block import BLOCK, DECODER_BLOCK
 from lmlab.nn.kv_cache import EncoderDecoderCache
 from lmlab.nn.norm import build_norm
@@ -147,7 +148,7 @@ class Seq2SeqDecoder(nn.Module):
         return x, states, attns, cross
 
 
-class EncoderDecoderLM(nn.Module):
+class EncoderDecoderLM(TiedEmbeddingsModule):
     """A sequence-to-sequence Transformer: T5-style (Pre-Norm, RMSNorm, relative position bias,
     unscaled attention) or BART-style (Post-Norm, LayerNorm, learned positions) by config."""
 
@@ -169,7 +170,7 @@ class EncoderDecoderLM(nn.Module):
         self.register_buffer("final_logits_bias", bias)  # BART: a fixed (1, V) logit offset
         self.reset_parameters()
         if cfg.tie_embeddings:
-            self.lm_head.weight = self.embed.weight
+            self.tie_embeddings()  # lm_head.weight is embed.weight, through every load too
 
     def reset_parameters(self) -> None:
         """Initialise every weight with the scheme named by ``model.init`` (see models/init.py)."""

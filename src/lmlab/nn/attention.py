@@ -53,14 +53,17 @@ def attention_math(
     broadcastable (True = may attend); bias: additive float scores broadcastable to (B, H, T, S).
 
     Returns (out (B, H, T, hd), weights (B, H, T, S), rows summing to 1). A row whose keys are all
-    masked gets weights of 0 (and so an output of 0) instead of NaN.
+    masked gets weights of 0 (and so an output of 0) instead of NaN. The softmax runs in the
+    scores' dtype promoted to at least float32 (bf16/fp16 up to float32, float64 stays float64),
+    so a float64 model is a float64 reference.
     """
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, T, S)
     if bias is not None:
         scores = scores + bias
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(q.dtype)
+    softmax_dtype = torch.promote_types(scores.dtype, torch.float32)  # promote, never demote
+    weights = torch.softmax(scores, dim=-1, dtype=softmax_dtype).nan_to_num(0.0).to(q.dtype)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
     return torch.matmul(weights, v), weights

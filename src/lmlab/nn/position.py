@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,11 +34,29 @@ POSITION: Registry[type[PositionEncoding]] = Registry("position", "model.positio
 
 
 class PositionEncoding(nn.Module):
-    """Base class: every hook leaves its input unchanged."""
+    """Base class: every hook leaves its input unchanged.
+
+    Precomputed tables (RoPE inverse frequencies, ALiBi slopes) are float32 buffers whatever the
+    model's dtype: :meth:`float32_tables` names them, and a cast of the model (``model.to(
+    torch.bfloat16)``, ``.half()``, ``.double()``) moves them to the new device but recomputes
+    them in float32 instead of rounding them (a bf16 inverse frequency is off by up to 2^-9,
+    which over a 4000-token distance turns the angle by radians). Only the cos/sin or bias from
+    them is cast to the activations' dtype.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.max_seq_len = cfg.max_seq_len
+
+    def float32_tables(self) -> dict[str, torch.Tensor]:
+        """Buffer name -> its float32 value (CPU), recomputed from the config; none by default."""
+        return {}
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        super()._apply(fn, recurse)
+        for name, table in self.float32_tables().items():  # keep the tables float32
+            setattr(self, name, table.to(getattr(self, name).device))
+        return self
 
     def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x (B, T, D), positions (T,) or (B, T) int64 -> (B, T, D)."""
@@ -135,7 +154,11 @@ class ALiBiPosition(PositionEncoding):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
-        self.register_buffer("slopes", alibi_slopes(cfg.attention.n_heads), persistent=False)
+        self.n_heads = cfg.attention.n_heads
+        self.register_buffer("slopes", alibi_slopes(self.n_heads), persistent=False)
+
+    def float32_tables(self) -> dict[str, torch.Tensor]:
+        return {"slopes": alibi_slopes(self.n_heads)}
 
     def score_bias(self, positions: torch.Tensor, s: int) -> torch.Tensor:
         """Queries at ``positions`` (T,) or (B, T), the last T of S keys -> (H, T, S) float32.
@@ -273,9 +296,13 @@ class RotaryPosition(PositionEncoding):
         )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    def float32_tables(self) -> dict[str, torch.Tensor]:
+        return {"inv_freq": self.scale_fn(self.rotary_dim, self.theta, self.scaling, None)[0]}
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(T,) or (B, T) positions -> cos, sin each (T, r) or (B, T, r) float32 in this layout,
-        times the scaling's attention factor (any position, no table limit)."""
+        times the scaling's attention factor (any position, no table limit). Computed in float32
+        whatever the model's dtype (the caller casts the result)."""
         inv_freq, factor = self.inv_freq, self.attention_factor
         if self.length_dependent and positions.numel():
             inv_freq, factor = self.scale_fn(
