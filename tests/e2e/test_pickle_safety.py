@@ -96,7 +96,7 @@ REPLACED = [  # a pickle in place of each file lmlab does read: refused as corru
     ("model.safetensors", "eval", "is corrupt"),
     ("model.safetensors", "generate", "is corrupt"),
     ("optimizer.safetensors", "train", "optimizer.safetensors is corrupt"),
-    ("trainer_state.json", "eval", "cannot read trainer_state.json"),
+    ("trainer_state.json", "eval", "trainer_state.json is not"),
     ("tokenizer.json", "generate", "is corrupt or not a tokenizer.json"),
     ("config.yaml", "eval", "not valid YAML"),
     ("latest", "generate", "is empty or damaged"),

@@ -90,9 +90,9 @@ def test_corrupt_or_missing_checkpoints_are_reported(tmp_path: Path):
     with pytest.raises(CheckpointError, match="is corrupt"):
         ck.load_model_weights(ckpt, build_model(tiny_model_config()))
     (ckpt / ck.STATE_FILE).write_text("{")
-    with pytest.raises(CheckpointError, match="is corrupt: cannot read trainer_state.json"):
+    with pytest.raises(CheckpointError, match="trainer_state.json is not valid JSON"):
         ck.read_trainer_state(ckpt)
-    with pytest.raises(CheckpointError, match="does not fit this model"):
+    with pytest.raises(CheckpointError, match="has no tensor layers.2.*was model.n_layers"):
         other = ck.save_checkpoint(tmp_path, 2, model, opt, {"step": 2, "tokens": 0})
         ck.load_model_weights(other, build_model(tiny_model_config(n_layers=3)))
 
