@@ -4,6 +4,15 @@ A checkpoint folder holds ``model.safetensors``, ``optimizer.safetensors`` and
 ``trainer_state.json``. It is written under a temporary name, every file fsynced, then renamed into
 place; ``checkpoints/latest`` (a one-line text file naming the folder) is replaced last. A run
 killed at any moment therefore always finds a complete checkpoint through ``latest``.
+
+This is the only checkpoint format, in one process, DDP and FSDP2 alike (FSDP2 gathers its
+shards first: :mod:`.sharded_checkpoint`); nothing in it is a pickle. Reading trusts nothing:
+``latest`` must hold a ``step-NNNNNN`` name; ``checkpoints/``, the folder and its files must not
+lead outside the run (symlinks); ``trainer_state.json`` is strict JSON with typed, ranged fields;
+every weight is checked by name, shape and dtype against the model before it is loaded (an
+error names the tensor, both shapes and the config field that likely changed); optimizer state
+is checked for keys, shapes, dtype and finiteness before the optimizer sees it. Reading writes
+nothing.
 """
 
 from __future__ import annotations
