@@ -253,6 +253,22 @@ def test_ranks_draw_disjoint_windows_that_make_up_the_one_process_batch():
         assert sorted(per_rank[0] + per_rank[1]) == sorted(one)
 
 
+def test_a_non_finite_loss_is_checkpointed_as_null_so_the_run_stays_resumable(tmp_path):
+    from lmlab.models.build import build_model
+    from lmlab.training.checkpoint import latest_checkpoint, read_trainer_state
+    from lmlab.training.optim import build_optimizer
+
+    cfg = config()
+    cfg.model.vocab_size = 50
+    model = build_model(cfg.model)
+    state = {"step": 1, "tokens": 8, "val_loss": float("inf"), "train_loss": 2.5}
+    Parallel().save_checkpoint(
+        tmp_path, 1, model, build_optimizer(model, cfg.train), state, 2, cfg.model
+    )
+    read = read_trainer_state(latest_checkpoint(tmp_path))  # strict JSON: Infinity is refused
+    assert read["val_loss"] is None and read["train_loss"] == 2.5
+
+
 def test_parallel_config_is_validated():
     with pytest.raises(ConfigError, match="train.parallel: 'zero' is not allowed"):
         tiny_config(train={"parallel": "zero"})

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import os
 import signal
 import sys
@@ -295,7 +296,12 @@ class Parallel:
         """Write the usual safetensors checkpoint, whatever the mode: an FSDP2-sharded model and
         its optimizer state are gathered to rank 0 first (collective,
         :mod:`~lmlab.training.sharded_checkpoint`); otherwise rank 0 writes its full replica.
-        Call on every rank."""
+        Call on every rank. A non-finite number in ``state`` (a val_loss of inf) is written as
+        null: trainer_state.json stays strict JSON, which is all lmlab reads."""
+        state = {
+            k: None if isinstance(v, float) and not math.isfinite(v) else v
+            for k, v in state.items()
+        }
         if self._fsdp is not None:
             sharded_io.save_sharded_checkpoint(
                 run_dir, step, model, optimizer, state, keep, model_cfg
