@@ -408,13 +408,13 @@ def check_weights_fit(
     for name in target:
         present = [n for n in alias.get(name, [name]) if n in header]
         if not present:
-            layer = re.match(r"(?:.*\.)?layers\.(\d+)\.", name)
+            layer = re.match(r"layers\.\d+\.", name)  # decoder blocks: model.n_layers
             hint = ": was model.n_layers changed?" if layer else ""
             raise _fit_error(path, f"has no tensor {name}, which the model needs", hint)
         source[name] = present[0]
     for name in header:
         if name not in target:
-            layer = re.match(r"(?:.*\.)?layers\.(\d+)\.", name)
+            layer = re.match(r"layers\.\d+\.", name)  # decoder blocks: model.n_layers
             hint = ": was model.n_layers changed?" if layer else ""
             raise _fit_error(path, f"has {name}, which the model does not have", hint)
     for name, file_name in source.items():
