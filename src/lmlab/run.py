@@ -2,7 +2,9 @@
 
 ``RUN/config.yaml`` (the resolved config), ``RUN/tokenizer.json``, ``RUN/data/`` (token cache),
 ``RUN/checkpoints/step-NNNNNN/`` + ``latest``, ``RUN/metrics.jsonl``, ``RUN/tb/``, ``RUN/loss.png``.
-A run folder never holds ``config.json`` (that marks a Hugging Face model folder).
+A run folder never holds ``config.json`` (that marks a Hugging Face model folder). lmlab reads
+a run's files only inside its folder: a file or checkpoint that is a symlink leading out of it is
+refused.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from lmlab.config import RunConfig, load_config
 from lmlab.data.tokenizer import Tokenizer, load_tokenizer
 from lmlab.errors import LmlabError
 from lmlab.models.build import build_model
+from lmlab.safeio import inside
 from lmlab.training.checkpoint import latest_checkpoint, load_checkpoint
 from lmlab.training.hardware import resolve_device
 
@@ -37,6 +40,17 @@ class LoadedRun:
     device: torch.device
 
 
+def run_file(run_dir: str | Path, name: str) -> Path:
+    """``run_dir / name``, refused with LmlabError when it is a symlink leading out of the run."""
+    try:
+        return inside(run_dir, name, "run file")
+    except LmlabError:
+        raise LmlabError(
+            f"{Path(run_dir) / name} leads outside the run folder {run_dir} (a symlink); lmlab "
+            "reads a run's files only inside it"
+        ) from None
+
+
 def read_run_config(run_dir: str | Path) -> RunConfig:
     """The resolved config of a run folder. Raises LmlabError if the folder is not a run."""
     p = Path(run_dir)
@@ -45,13 +59,13 @@ def read_run_config(run_dir: str | Path) -> RunConfig:
     if not (p / CONFIG_FILE).is_file():
         hint = " (it looks like a Hugging Face folder)" if (p / "config.json").is_file() else ""
         raise LmlabError(f"{p} is not an lmlab run folder: it has no {CONFIG_FILE}{hint}")
-    return load_config(p / CONFIG_FILE)
+    return load_config(run_file(p, CONFIG_FILE))
 
 
 def load_run_tokenizer(run_dir: str | Path, cfg: RunConfig) -> Tokenizer:
     """The run's ``tokenizer.json``. Raises LmlabError if it is missing or corrupt, or if its
     vocabulary differs from the model's (a tokenizer.json copied from another run)."""
-    path = Path(run_dir) / TOKENIZER_FILE
+    path = run_file(run_dir, TOKENIZER_FILE)
     tokenizer = load_tokenizer(path)
     if tokenizer.vocab_size != cfg.model.vocab_size:
         raise LmlabError(

@@ -381,7 +381,7 @@ CASES: dict[str, Case] = {
     ),
     "run-config-does-not-match-weights": Case(
         ("generate", "{copy}"),
-        "does not fit this model (missing ['layers.2.",
+        "has no tensor layers.2.attn_norm.weight, which the model needs: was model.n_layers",
         in_copy("config.yaml", replace_text("n_layers: 2", "n_layers: 3")),
     ),
     "run-config-yaml-corrupt": Case(
@@ -431,7 +431,7 @@ CASES: dict[str, Case] = {
     ),
     "run-trainer-state-corrupt": Case(
         ("eval", "{copy}"),
-        "is corrupt: cannot read trainer_state.json",
+        f"trainer state {{copy}}/{CKPT}/trainer_state.json is not valid JSON",
         in_copy(f"{CKPT}/trainer_state.json", truncate),
     ),
     "run-optimizer-truncated": Case(

@@ -96,7 +96,7 @@ REPLACED = [  # a pickle in place of each file lmlab does read: refused as corru
     ("model.safetensors", "eval", "is corrupt"),
     ("model.safetensors", "generate", "is corrupt"),
     ("optimizer.safetensors", "train", "optimizer.safetensors is corrupt"),
-    ("trainer_state.json", "eval", "cannot read trainer_state.json"),
+    ("trainer_state.json", "eval", "trainer_state.json is not"),
     ("tokenizer.json", "generate", "is corrupt or not a tokenizer.json"),
     ("config.yaml", "eval", "not valid YAML"),
     ("latest", "generate", "is empty or damaged"),
@@ -142,10 +142,18 @@ UNSAFE = [
     (r"allow_pickle\s*=\s*True", "numpy allow_pickle=True"),
     (r"\byaml\.(unsafe_)?load\(", "yaml.load (not safe_load)"),
     (r"\b(dill|joblib|cloudpickle|shelve|marshal)\b", "another unpickler"),
+    (r"\btorch\.load\(", "torch.load (weights_only is no design guarantee: refuse pickles)"),
+    (
+        r"(import|from) torch\.distributed\.checkpoint\b|\bdcp\.load\(",
+        "DCP (its metadata: a pickle)",
+    ),
+    (r"\bFileSystemReader\(", "DCP's reader"),
 ]
 
 
 def test_no_unpickling_loader_anywhere_in_lmlab():
+    """No unpickling reader in lmlab's source, and none reached through torch: no
+    torch.distributed.checkpoint load (its .metadata is a pickle), no torch.load at all."""
     found = []
     for path in sorted(SRC.rglob("*.py")):
         text = path.read_text()
@@ -154,3 +162,48 @@ def test_no_unpickling_loader_anywhere_in_lmlab():
                 line = text.count("\n", 0, m.start()) + 1
                 found.append(f"{path.relative_to(SRC)}:{line}: {what}")
     assert found == []
+
+
+def _legacy_sharded_checkpoint(ckpt: Path, marker: Path, keep_optimizer: bool) -> None:
+    """Craft the torch.distributed.checkpoint layout earlier lmlab wrote: ``sharded/.metadata``
+    (a pickle, here one whose payload creates ``marker``), a shard file, and a manifest whose
+    SHA-256 sums are recomputed to match, as anyone crafting the folder can."""
+    import hashlib
+    import json
+
+    plant(ckpt / "sharded" / ".metadata", marker, "pickle")
+    plant(ckpt / "sharded" / "__0_0.distcp", marker, "torch")
+    if not keep_optimizer:
+        (ckpt / "optimizer.safetensors").unlink()
+    files = sorted(p for p in ckpt.rglob("*") if p.is_file())
+    sums = {
+        p.relative_to(ckpt).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in files
+    }
+    manifest = {"format": "lmlab-sharded-checkpoint-1", "sha256": sums}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_crafted_sharded_checkpoint_is_never_unpickled(tiny_run: Path, tmp_path: Path, capsys):
+    """The old DCP layout with a matching manifest: resume refuses it in one line, unchanged;
+    eval reads only model.safetensors. The .metadata payload never runs."""
+    from catalogue_helpers import assert_one_error, assert_unchanged, snapshot
+
+    run, marker = tmp_path / "run", tmp_path / "pwned"
+    shutil.copytree(tiny_run, run)
+    _legacy_sharded_checkpoint(run / CKPT, marker, keep_optimizer=False)
+    before = snapshot(run)
+    code, err = run_cli(capsys, "train", "--resume", str(run), "--max-steps", "31")
+    assert_one_error(code, err, f"{run / CKPT} keeps its optimizer state in sharded/", "pickle")
+    assert_unchanged(run, before)
+    assert run_cli(capsys, "eval", str(run), "--max-tokens", "200")[0] == 0
+    assert not marker.exists()
+
+
+def test_a_sharded_folder_beside_the_safetensors_is_never_opened(
+    tiny_run: Path, tmp_path: Path, capsys
+):
+    run, marker = tmp_path / "run", tmp_path / "pwned"
+    shutil.copytree(tiny_run, run)
+    _legacy_sharded_checkpoint(run / CKPT, marker, keep_optimizer=True)
+    assert run_cli(capsys, "train", "--resume", str(run), "--max-steps", "31")[0] == 0
+    assert not marker.exists()

@@ -1,14 +1,18 @@
 """Token ids cached on disk as NumPy memmaps, and random training batches drawn from them.
 
 Layout of a token cache folder (``RUN/data/``): ``<split>.bin`` (uint16 when the vocabulary fits,
-else uint32) and ``meta.json`` (dtype, token counts, the corpus fingerprint).
+else uint32) and ``meta.json`` (dtype, token counts, the corpus fingerprint). Reading checks
+meta.json's fields (:func:`read_token_meta`), each ``.bin`` file's size against its token count
+and every id against the vocabulary (:func:`open_token_cache`) before a batch is drawn.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,6 +20,10 @@ import torch
 from lmlab.data.corpus import Corpus
 from lmlab.data.tokenizer import Tokenizer
 from lmlab.errors import DataError
+from lmlab.safeio import MiB, inside, read_json_object, regular_file
+
+META_FILE = "meta.json"
+MAX_TOKENS = 1 << 50
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -24,7 +32,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def build_token_cache(
     corpus: Corpus, tokenizer: Tokenizer, folder: str | Path
-) -> dict[str, np.memmap]:
+) -> dict[str, np.ndarray]:
     """Tokenise every split of ``corpus`` into ``folder`` (once; reused while the corpus
     fingerprint and vocabulary size match) and return read-only memmaps, split -> (N,) ids."""
     out = Path(folder)
@@ -32,9 +40,12 @@ def build_token_cache(
     meta_path = out / "meta.json"
     fp = corpus.fingerprint()
     dtype = token_dtype(tokenizer.vocab_size)
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else None
+    meta = read_token_meta(out)
     if not (
-        meta and meta.get("fingerprint") == fp and meta.get("vocab_size") == tokenizer.vocab_size
+        meta
+        and meta["fingerprint"] == fp
+        and meta["vocab_size"] == tokenizer.vocab_size
+        and set(meta["tokens"]) == set(corpus.splits)
     ):
         counts = {}
         for name, text in corpus.splits.items():
@@ -52,10 +63,80 @@ def build_token_cache(
         tmp = out / "meta.json.tmp"
         tmp.write_text(json.dumps(meta, indent=1))
         os.replace(tmp, meta_path)
-    return {
-        name: np.memmap(out / f"{name}.bin", dtype=np.dtype(meta["dtype"]), mode="r")
-        for name in meta["tokens"]
-    }
+        return open_token_cache(out, meta, check_ids=False)  # just written from the corpus
+    return open_token_cache(out, meta)
+
+
+def read_token_meta(folder: str | Path) -> dict[str, Any] | None:
+    """The token cache's ``meta.json`` (None when there is none), checked: ``fingerprint`` a
+    string, ``vocab_size`` a positive integer, ``dtype`` the one :func:`token_dtype` picks for
+    it, ``tokens`` an object of split names (letters, digits, ``_``, ``-``) to non-negative
+    token counts. Raises DataError naming the file and field (also when it is a symlink out of
+    the folder)."""
+    base = Path(folder)
+    if not os.path.lexists(base / META_FILE):
+        return None
+    path = inside(base, META_FILE, "token cache", DataError)
+    meta = read_json_object(path, "token cache metadata", 1 * MiB, DataError)
+
+    def bad(field: str, want: str) -> DataError:
+        shown = repr(meta.get(field))[:60]
+        return DataError(
+            f"token cache metadata {path}: {field} must be {want}, not {shown}; delete {base} "
+            "to rebuild the cache from the corpus"
+        )
+
+    if not isinstance(meta.get("fingerprint"), str):
+        raise bad("fingerprint", "a string")
+    vocab = meta.get("vocab_size")
+    if not (isinstance(vocab, int) and not isinstance(vocab, bool) and 0 < vocab <= 1 << 32):
+        raise bad("vocab_size", "a positive integer")
+    if meta.get("dtype") != token_dtype(vocab).name:
+        raise bad("dtype", f"{token_dtype(vocab).name!r} for vocab_size {vocab}")
+    tokens = meta.get("tokens")
+    if not isinstance(tokens, dict) or not tokens:
+        raise bad("tokens", "an object of split name -> token count")
+    for name, count in tokens.items():
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+            raise bad("tokens", "keyed by split names (letters, digits, _ and -)")
+        if not (
+            isinstance(count, int) and not isinstance(count, bool) and 0 <= count <= MAX_TOKENS
+        ):
+            raise bad("tokens", f"non-negative token counts (tokens.{name} is not)")
+    return meta
+
+
+def open_token_cache(
+    folder: str | Path, meta: dict[str, Any], check_ids: bool = True
+) -> dict[str, np.ndarray]:
+    """Read-only memmaps of the splits ``meta`` (from :func:`read_token_meta`) lists, split ->
+    (N,) ids. Each ``<split>.bin`` must be a regular file inside ``folder`` of exactly N x the
+    dtype's bytes; with ``check_ids``, every id must be below ``vocab_size`` (one pass over the
+    file). Raises DataError naming the file and what differs."""
+    base = Path(folder)
+    dtype = np.dtype(meta["dtype"])
+    out: dict[str, np.ndarray] = {}
+    for name, count in meta["tokens"].items():
+        path = inside(base, f"{name}.bin", "token cache", DataError)
+        size = regular_file(path, "token cache file", None, DataError).st_size
+        if size != count * dtype.itemsize:
+            raise DataError(
+                f"token cache file {path} is {size:,} bytes, but {base / META_FILE} says "
+                f"tokens.{name} is {count:,} {dtype.name} ids ({count * dtype.itemsize:,} "
+                f"bytes); delete {base} to rebuild the cache from the corpus"
+            )
+        ids = (
+            np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+            if count
+            else np.zeros(0, dtype)  # mmap cannot map an empty file
+        )
+        if check_ids and count and int(ids.max()) >= meta["vocab_size"]:
+            raise DataError(
+                f"token cache file {path} holds id {int(ids.max())}, outside the vocabulary of "
+                f"{meta['vocab_size']} in {base / META_FILE}; delete {base} to rebuild the cache"
+            )
+        out[name] = ids
+    return out
 
 
 def check_split_length(tokens: np.ndarray, seq_len: int, split: str) -> None:

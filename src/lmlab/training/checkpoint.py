@@ -4,11 +4,21 @@ A checkpoint folder holds ``model.safetensors``, ``optimizer.safetensors`` and
 ``trainer_state.json``. It is written under a temporary name, every file fsynced, then renamed into
 place; ``checkpoints/latest`` (a one-line text file naming the folder) is replaced last. A run
 killed at any moment therefore always finds a complete checkpoint through ``latest``.
+
+This is the only checkpoint format, in one process, DDP and FSDP2 alike (FSDP2 gathers its
+shards first: :mod:`.sharded_checkpoint`); nothing in it is a pickle. Reading trusts nothing:
+``latest`` must hold a ``step-NNNNNN`` name; ``checkpoints/``, the folder and its files must not
+lead outside the run (symlinks); ``trainer_state.json`` is strict JSON with typed, ranged fields;
+every weight is checked by name, shape and dtype against the model before it is loaded (an
+error names the tensor, both shapes and the config field that likely changed); optimizer state
+is checked for keys, shapes, dtype and finiteness before the optimizer sees it. Reading writes
+nothing.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -16,16 +26,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file, save_model
 from torch import nn
 
 from lmlab.errors import CheckpointError
+from lmlab.safeio import KiB, MiB, inside, read_bytes, read_json_object
+from lmlab.training.weights_fit import check_weights_fit, safetensors_header
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "trainer_state.json"
 LATEST = "latest"
+LEGACY_SHARDED_DIR = "sharded"  # earlier lmlab's torch.distributed.checkpoint shards: refused
+POINTER_BYTES = 4 * KiB  # checkpoints/latest
+STATE_BYTES = 1 * MiB  # trainer_state.json
+MAX_STEP = 10**12  # optimizer steps
+MAX_TOKENS = 10**18
 
 
 def _fsync(path: Path) -> None:
@@ -43,28 +60,92 @@ def checkpoint_name(step: int) -> str:
 def optimizer_tensors(
     optimizer: torch.optim.Optimizer, model: nn.Module
 ) -> dict[str, torch.Tensor]:
-    """The optimizer state as flat tensors keyed ``<param name>::<state key>``."""
+    """The optimizer state as flat tensors keyed ``<param name>::<state key>``.
+
+    The state of FSDP2-sharded parameters (DTensors) is gathered into whole tensors: then the
+    call is collective (every rank calls it, in the same order)."""
     names = _optimizer_param_names(optimizer, model)
     out: dict[str, torch.Tensor] = {}
     for idx, state in optimizer.state_dict()["state"].items():
         for key, value in state.items():
             t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-            out[f"{names[idx]}::{key}"] = t.detach().cpu().contiguous()
+            out[f"{names[idx]}::{key}"] = whole_tensor(t).detach().cpu().contiguous()
     return out
 
 
+def whole_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole (global) tensor, gathered from every rank (collective); else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _place(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``whole`` laid out like ``like``: for a DTensor, this rank's shard of it under the same
+    mesh and placements (cut from the local copy, no communication: every rank has read the same
+    file); else ``whole`` itself."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(like, DTensor):
+        return whole
+    local = whole.to(like.device)
+    return distribute_tensor(local, like.device_mesh, like.placements, src_data_rank=None)
+
+
+def _adam_state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...] | None:
+    """The per-parameter state keys of Adam/AdamW (None for another optimizer: not checked)."""
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return None
+    amsgrad = any(g.get("amsgrad") for g in optimizer.param_groups)
+    return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+
+
 def load_optimizer_tensors(
-    optimizer: torch.optim.Optimizer, model: nn.Module, tensors: dict[str, torch.Tensor]
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    tensors: dict[str, torch.Tensor],
+    source: str = "the optimizer state",
 ) -> None:
-    """Inverse of :func:`optimizer_tensors`. Raises CheckpointError on a parameter mismatch."""
+    """Inverse of :func:`optimizer_tensors`. Every tensor is checked before the optimizer sees
+    it: its key names a parameter the optimizer holds and (Adam/AdamW) a state key it keeps, with
+    all of that parameter's keys present; it is a finite floating-point tensor; ``step`` is a
+    non-negative scalar and every other tensor has its parameter's whole shape. State of an
+    FSDP2-sharded parameter is cut to this rank's shard. Raises CheckpointError naming
+    ``source``, the tensor, and (for a shape) both shapes."""
     names = _optimizer_param_names(optimizer, model)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
     index = {n: i for i, n in enumerate(names)}
+    keys = _adam_state_keys(optimizer)
     state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
-        pname, _, skey = key.partition("::")
-        if pname not in index:
-            raise CheckpointError(f"optimizer state names unknown parameter {pname!r}")
-        state.setdefault(index[pname], {})[skey] = value
+    for key in sorted(tensors):
+        value = tensors[key]
+        pname, sep, skey = key.partition("::")
+        if not sep or pname not in index:
+            raise CheckpointError(
+                f"{source} holds {key!r}, which names no parameter of this model's optimizer"
+            )
+        if keys is not None and skey not in keys:
+            raise CheckpointError(
+                f"{source} holds {key!r}: {skey!r} is not {type(optimizer).__name__} state "
+                f"({', '.join(keys)})"
+            )
+        if not value.is_floating_point():
+            raise CheckpointError(f"{source} holds {key} as {value.dtype}, not floating point")
+        param = params[index[pname]]
+        scalar = skey == "step" if keys is not None else value.ndim == 0
+        want = () if scalar else tuple(param.shape)
+        if tuple(value.shape) != want:
+            raise CheckpointError(
+                f"{source} has {key} of shape {tuple(value.shape)}, but parameter {pname} "
+                f"needs {want}"
+            )
+        if not bool(value.isfinite().all()) or (scalar and float(value) < 0):
+            raise CheckpointError(f"{source} holds non-finite or negative values in {key}")
+        state.setdefault(index[pname], {})[skey] = value if scalar else _place(value, param)
+    for i, got in state.items():
+        lacking = [k for k in keys or () if k not in got]
+        if lacking:
+            raise CheckpointError(f"{source} lacks {names[i]}::{lacking[0]}")
     sd = optimizer.state_dict()
     sd["state"] = state
     optimizer.load_state_dict(sd)
@@ -150,24 +231,47 @@ def other_checkpoints(ckpt: Path) -> str:
     )
 
 
+def _in_run(folder: Path, rel: str, what: str) -> Path:
+    """``folder / rel``, refused when it leads outside ``folder`` (through a symlink)."""
+    try:
+        return inside(folder, rel, what, CheckpointError)
+    except CheckpointError:
+        raise CheckpointError(
+            f"{folder / rel} leads outside {folder} (a symlink); lmlab reads a run's "
+            f"{what} only inside its folder"
+        ) from None
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path:
-    """The folder ``latest`` points at. Raises CheckpointError if the run has no checkpoint."""
-    root = Path(run_dir) / "checkpoints"
+    """The folder ``latest`` points at (else the newest complete ``step-*`` folder).
+
+    Raises CheckpointError if the run has no checkpoint, when ``latest`` does not hold a
+    ``step-NNNNNN`` name, and when ``checkpoints/``, ``latest`` or the folder it names leads
+    outside the run folder (a symlink).
+    """
+    run = Path(run_dir)
+    root = run / "checkpoints"
+    if os.path.lexists(root):
+        _in_run(run, "checkpoints", "checkpoints")
     pointer = root / LATEST
-    if pointer.is_file():
-        try:
-            name = pointer.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError):
-            name = ""
-        if not re.fullmatch(r"step-\d+", name):
+    if os.path.lexists(pointer):
+        _in_run(run, f"checkpoints/{LATEST}", "checkpoint pointer")
+        data = read_bytes(pointer, "checkpoint pointer", POINTER_BYTES, CheckpointError)
+        name = data.decode("utf-8", errors="replace").strip()
+        if not re.fullmatch(r"step-\d{1,12}", name):
             raise CheckpointError(
                 f"{pointer} is empty or damaged; write a step-NNNNNN name into it"
             )
-        ckpt = root / name
+        ckpt = _in_run(run, f"checkpoints/{name}", "checkpoints")
         if not ckpt.is_dir():
             raise CheckpointError(f"{pointer} names {ckpt.name}, which does not exist")
         return ckpt
-    complete = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file())
+    complete = sorted(
+        p
+        for p in (root.glob("step-*") if root.is_dir() else ())
+        if re.fullmatch(r"step-\d{1,12}", p.name) and not p.is_symlink() and p.is_dir()
+        if os.path.isfile(p / STATE_FILE)
+    )
     if complete:
         return complete[-1]
     raise CheckpointError(
@@ -176,51 +280,107 @@ def latest_checkpoint(run_dir: str | Path) -> Path:
     )
 
 
+def _checkpoint_file(ckpt: Path, name: str) -> Path:
+    """A file of a checkpoint folder, refused when it is a symlink leading out of the folder."""
+    return _in_run(ckpt, name, "checkpoint files")
+
+
+# trainer_state.json: key -> (kind, lowest, highest); "count" is an int, "seconds" a finite
+# number >= 0, "loss" a finite number or null, "text" a string. Unknown keys are kept as read.
+STATE_FIELDS: dict[str, tuple[str, float, float]] = {
+    "step": ("count", 0, MAX_STEP),
+    "tokens": ("count", 0, MAX_TOKENS),
+    "elapsed_s": ("seconds", 0, 1e12),
+    "train_loss": ("loss", -1e9, 1e9),
+    "val_loss": ("loss", -1e9, 1e9),
+    "val_loss_step": ("count?", 0, MAX_STEP),
+    "world_size": ("count", 1, 1 << 20),
+    "grad_accum_steps": ("count", 1, 1 << 20),
+    "imported_from": ("text", 0, 0),
+}
+REQUIRED_STATE = ("step", "tokens")
+
+
+def check_trainer_state(data: dict[str, Any], path: Path) -> dict[str, Any]:
+    """``data`` (a parsed trainer_state.json) when every known field has its type and range
+    (:data:`STATE_FIELDS`; ``step`` and ``tokens`` required). Raises CheckpointError naming
+    ``path`` and the field."""
+    for key in REQUIRED_STATE:
+        if key not in data:
+            raise CheckpointError(f"trainer state {path} has no {key}")
+    for key, (kind, lo, hi) in STATE_FIELDS.items():
+        if key not in data:
+            continue
+        value = data[key]
+        if value is None and kind in ("loss", "count?"):
+            continue
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if kind == "text":
+            ok = isinstance(value, str)
+            want = "a string"
+        elif kind.startswith("count"):
+            ok = number and isinstance(value, int) and lo <= value <= hi
+            want = f"an integer from {lo:,} to {hi:,}" + (" or null" if kind == "count?" else "")
+        else:
+            ok = number and math.isfinite(value) and lo <= value <= hi
+            want = f"a finite number from {lo:g} to {hi:g}" + (" or null" if kind == "loss" else "")
+        if not ok:
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
+            raise CheckpointError(f"trainer state {path}: {key} must be {want}, not {shown}")
+    return data
+
+
 def read_trainer_state(ckpt: Path) -> dict[str, Any]:
-    """The JSON trainer state of a checkpoint folder. Raises CheckpointError if unreadable."""
-    try:
-        state = json.loads((ckpt / STATE_FILE).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(
-            f"checkpoint {ckpt} is corrupt: cannot read {STATE_FILE} ({e})"
-        ) from None
-    if not isinstance(state, dict) or "step" not in state:
-        raise CheckpointError(f"checkpoint {ckpt} is corrupt: {STATE_FILE} has no step")
-    return state
+    """The trainer state of a checkpoint folder (strict JSON object of at most 1 MiB, checked by
+    :func:`check_trainer_state`). Raises CheckpointError naming the file and the field."""
+    path = _checkpoint_file(ckpt, STATE_FILE)
+    data = read_json_object(path, "trainer state", STATE_BYTES, CheckpointError)
+    return check_trainer_state(data, path)
 
 
 def load_model_weights(ckpt: Path, model: nn.Module) -> None:
-    """Load ``model.safetensors`` into ``model`` (strict). Raises CheckpointError if the file is
-    missing, truncated or corrupt, or its tensors do not fit the model."""
-    path = ckpt / MODEL_FILE
-    if not path.is_file():
+    """Load ``model.safetensors`` into ``model`` (every tensor, checked first by
+    :func:`check_weights_fit`; FSDP2-sharded parameters take this rank's shard). Raises
+    CheckpointError if the file is missing, truncated or corrupt, holds non-finite values, or
+    its tensors do not fit the model."""
+    path = _checkpoint_file(ckpt, MODEL_FILE)
+    if not os.path.lexists(path):
         raise CheckpointError(f"checkpoint {ckpt} is incomplete: {MODEL_FILE} is missing")
+    source = check_weights_fit(path, safetensors_header(path), model)
     try:
-        missing, unexpected = load_model(model, str(path), strict=False)
+        with safe_open(str(path), "pt") as f:
+            tensors = {n: f.get_tensor(n) for n in sorted(set(source.values()))}
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"checkpoint file {path} is corrupt: {_short(e)}") from None
-    if missing or unexpected:
-        raise CheckpointError(
-            f"checkpoint {path} does not fit this model (missing {sorted(missing)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]})"
-        )
-    bad = [
-        n for n, t in model.state_dict().items() if t.is_floating_point() and not t.isfinite().all()
-    ]
-    if bad:
-        raise CheckpointError(f"checkpoint file {path} is corrupt: non-finite values in {bad[0]}")
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(t.isfinite().all()):
+            raise CheckpointError(f"checkpoint file {path} is corrupt: non-finite values in {name}")
+    target = model.state_dict()
+    model.load_state_dict({n: _place(tensors[f], target[n]) for n, f in source.items()})
 
 
 def load_optimizer(ckpt: Path, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-    """Load ``optimizer.safetensors`` into ``optimizer``. Raises CheckpointError when corrupt."""
-    path = ckpt / OPTIMIZER_FILE
-    if not path.is_file():
+    """Load ``optimizer.safetensors`` into ``optimizer`` (checked by
+    :func:`load_optimizer_tensors`). Raises CheckpointError when it is missing, corrupt or does
+    not fit; a folder in the old torch.distributed.checkpoint layout (``sharded/``, whose
+    metadata is a pickle) is refused without reading it."""
+    path = _checkpoint_file(ckpt, OPTIMIZER_FILE)
+    if not os.path.lexists(path):
+        if os.path.lexists(ckpt / LEGACY_SHARDED_DIR):
+            raise CheckpointError(
+                f"checkpoint {ckpt} keeps its optimizer state in {LEGACY_SHARDED_DIR}/, the "
+                "torch.distributed.checkpoint layout of older lmlab versions, whose metadata is a "
+                "pickle that lmlab never reads: it cannot be resumed; its model.safetensors still "
+                f"serves lmlab eval / generate, and lmlab train --init-from {ckpt.parent.parent} "
+                "starts a new run from it"
+            )
         raise CheckpointError(f"checkpoint {ckpt} is incomplete: {OPTIMIZER_FILE} is missing")
+    safetensors_header(path)
     try:
         tensors = load_file(str(path))
-        load_optimizer_tensors(optimizer, model, tensors)
-    except (SafetensorError, OSError, ValueError, RuntimeError, KeyError) as e:
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"checkpoint file {path} is corrupt: {_short(e)}") from None
+    load_optimizer_tensors(optimizer, model, tensors, f"optimizer state {path}")
 
 
 def _short(e: BaseException) -> str:
@@ -232,7 +392,9 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load weights (and optimizer state) from a checkpoint folder; return its trainer state.
 
-    Raises CheckpointError naming the damaged file and any older checkpoints beside it.
+    Works for a plain model and for an FSDP2-sharded one (each rank reads the whole files and
+    keeps its shards), whatever world size wrote the checkpoint. Nothing is written. Raises
+    CheckpointError naming the damaged file and any older checkpoints beside it.
     """
     try:
         state = read_trainer_state(ckpt)

@@ -14,9 +14,9 @@ the trainer needs, and is a no-op in a plain single process:
   ``r * grad_accum_steps + m``, so W ranks x G micro-batches draw exactly the windows one process
   draws with W * G micro-batches (the global batch is ``W * batch_size * G`` sequences);
 - scalar all-reduces for the logged loss, agreed stop/checkpoint decisions, and the eval loss;
-- checkpoints: DDP runs keep the single-process safetensors format (written by rank 0, portable
-  to any world size); FSDP runs write torch.distributed.checkpoint shards (see
-  :mod:`lmlab.training.sharded_checkpoint`), resharded on load to any world size;
+- checkpoints: every run keeps the single-process safetensors format, portable to any world
+  size: rank 0 writes it (FSDP2 shards gathered first, :mod:`lmlab.training.sharded_checkpoint`)
+  and every rank reads it whole on resume, keeping its own shards;
 - a clean shutdown (wrapped model dropped, garbage collected, barrier, destroy_process_group).
 
 :func:`launch` is ``lmlab train --nproc N``: torchrun (``torch.distributed.run``) on this machine.
@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import os
 import signal
 import sys
@@ -46,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lmlab.config import ModelConfig
-from lmlab.errors import CheckpointError, LmlabError
+from lmlab.errors import LmlabError
 from lmlab.training import checkpoint as ckpt_io
 from lmlab.training import sharded_checkpoint as sharded_io
 
@@ -135,12 +136,13 @@ class Parallel:
 
     @property
     def sharded(self) -> bool:
-        """``train.parallel: fsdp``: checkpoints are DCP shards (in one process too)."""
+        """``train.parallel: fsdp``: parameters are sharded over the ranks (in a process group)."""
         return self.mode == "fsdp"
 
     @property
     def collective_checkpoints(self) -> bool:
-        """Every rank must take part in writing a checkpoint (sharded and distributed)."""
+        """Every rank must take part in writing a checkpoint (sharded and distributed: the
+        shards are gathered to rank 0)."""
         return self.sharded and self.distributed
 
     # ------------------------------------------------------------------ set-up and wrapping
@@ -291,10 +293,16 @@ class Parallel:
         keep: int,
         model_cfg: ModelConfig,
     ) -> None:
-        """``fsdp``: every rank writes its DCP shard (and rank 0 a consolidated
-        model.safetensors and the manifest); ``ddp``: rank 0 writes the usual safetensors
-        checkpoint of its full replica. Call on every rank."""
-        if self.sharded:
+        """Write the usual safetensors checkpoint, whatever the mode: an FSDP2-sharded model and
+        its optimizer state are gathered to rank 0 first (collective,
+        :mod:`~lmlab.training.sharded_checkpoint`); otherwise rank 0 writes its full replica.
+        Call on every rank. A non-finite number in ``state`` (a val_loss of inf) is written as
+        null: trainer_state.json stays strict JSON, which is all lmlab reads."""
+        state = {
+            k: None if isinstance(v, float) and not math.isfinite(v) else v
+            for k, v in state.items()
+        }
+        if self._fsdp is not None:
             sharded_io.save_sharded_checkpoint(
                 run_dir, step, model, optimizer, state, keep, model_cfg
             )
@@ -304,20 +312,10 @@ class Parallel:
     def load_checkpoint(
         self, ckpt: Path, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> dict[str, Any]:
-        """Load a checkpoint into ``model``/``optimizer`` whatever the world size that wrote it:
-        a sharded (DCP) one is verified against its manifest and resharded to this job; a
-        safetensors one is read whole by every rank (before DDP wrapping). Returns the trainer
+        """Load a checkpoint into ``model``/``optimizer`` whatever the world size and mode that
+        wrote it: every rank reads the whole files (before DDP wrapping; after FSDP2 sharding,
+        keeping its own shards). No communication, nothing unpickled. Returns the trainer
         state. Raises CheckpointError."""
-        if sharded_io.is_sharded(ckpt):
-            try:
-                return sharded_io.load_sharded_checkpoint(ckpt, model, optimizer)
-            except CheckpointError as e:
-                raise CheckpointError(f"{e}{ckpt_io.other_checkpoints(ckpt)}") from None
-        if self.collective_checkpoints:
-            raise CheckpointError(
-                f"checkpoint {ckpt} holds whole-model safetensors, not the sharded (DCP) state an "
-                "FSDP run resumes from"
-            )
         return ckpt_io.load_checkpoint(ckpt, model, optimizer)
 
     def resume_grad_accum(self, state: dict[str, Any], grad_accum_steps: int) -> int:
