@@ -22,8 +22,8 @@ from torch import nn
 
 from lmlab.data.tokenizer import Tokenizer
 from lmlab.errors import LmlabError
-from lmlab.generation.generate import SamplingParams, generate_ids
-from lmlab.generation.stream import StopStrings, Utf8Stream
+from lmlab.generation.generate import SamplingParams, generate_ids, text_stream
+from lmlab.generation.stream import StopStrings
 
 Message = dict[str, str]
 
@@ -100,10 +100,12 @@ def stream_reply(
     max_context: int,
 ) -> Iterator[str]:
     """Stream the assistant's reply to ``prompt_ids`` as text pieces (whole characters), ending
-    at an end-of-turn id (not emitted), a stop string or ``params.max_new_tokens``."""
+    at an end-of-turn id (not emitted), a stop string or ``params.max_new_tokens``. A character
+    cut by the token budget is dropped, never shown as U+FFFD; one the prompt's last ids begin
+    is completed by the reply's first bytes and emitted whole."""
     params.validate()
     stops = stop_ids_of(tokenizer)
-    utf8, stop_strings = Utf8Stream(), StopStrings(params.stop)
+    utf8, stop_strings = text_stream(tokenizer, prompt_ids), StopStrings(params.stop)
     for tok in generate_ids(model, prompt_ids, params, max_context, tokenizer.eos_id):
         if tok in stops:
             break

@@ -19,6 +19,7 @@ from lmlab.config import ModelConfig
 from lmlab.errors import LmlabError
 from lmlab.generation.generate import SamplingParams, _generator
 from lmlab.generation.sampling import next_token
+from lmlab.generation.stream import decode_whole_characters
 
 if TYPE_CHECKING:
     from lmlab.data.tokenizer import Tokenizer
@@ -161,4 +162,13 @@ def generate_from_sources(
                 f"{cfg.max_seq_len} tokens (model.max_seq_len); shorten it"
             )
         ids.append(x)
-    return [tokenizer.decode(out) for out in generate_seq2seq(model, ids, params)]
+    return [_text(tokenizer, out) for out in generate_seq2seq(model, ids, params)]
+
+
+def _text(tokenizer: Tokenizer, ids: list[int]) -> str:
+    """Generated ids -> text without a replacement character for a character cut by
+    ``max_new_tokens``: byte-level vocabularies join whole characters only; a pretrained
+    tokenizer.json (kind hf: Metaspace, WordPiece) decodes with its own decoder."""
+    if tokenizer.kind == "hf":
+        return tokenizer.decode(ids)
+    return decode_whole_characters(tokenizer.token_bytes(i) for i in ids)[0]
