@@ -32,9 +32,10 @@ from lmlab.config import RunConfig, diff_configs, save_config
 from lmlab.data.corpus import load_corpus
 from lmlab.data.dataset import batch_rng, build_token_cache, check_split_length
 from lmlab.data.tokenizer import fit_tokenizer
+from lmlab.data.tokenizer_config import save_tokenizer
 from lmlab.errors import Interrupted, LmlabError
 from lmlab.models.build import build_model
-from lmlab.run import CONFIG_FILE, TOKENIZER_FILE, load_run_tokenizer, read_run_config
+from lmlab.run import CONFIG_FILE, load_run_tokenizer, read_run_config
 from lmlab.training import checkpoint as ckpt_io
 from lmlab.training.checkpoint import has_checkpoint
 from lmlab.training.distributed import Parallel, session
@@ -291,7 +292,7 @@ def _train(
         check_split_length(splits["train"], seq_len, "train")
         check_split_length(splits["val"], seq_len, "val")
     if is_main and not resuming:  # only now is the folder a run (see prepare_run)
-        tokenizer.save(run_dir / TOKENIZER_FILE)
+        save_tokenizer(tokenizer, run_dir)  # --init-from: + the model's chat template
         save_config(cfg, run_dir / CONFIG_FILE)
 
     # ---- model and optimizer
