@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 from pathlib import Path
 from typing import Any
@@ -170,10 +171,18 @@ def latest_checkpoint(run_dir: str | Path) -> Path:
     complete = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file())
     if complete:
         return complete[-1]
-    raise CheckpointError(
-        f"{run_dir} has no checkpoint yet; train it first (lmlab train --out {run_dir} starts it "
-        "afresh)"
-    )
+    raise CheckpointError(f"{run_dir} has no checkpoint yet; {_train_hint(Path(run_dir))}")
+
+
+def _train_hint(run_dir: Path) -> str:
+    """How to train ``run_dir`` from the start with its own config.yaml (not the defaults)."""
+    config = run_dir / "config.yaml"
+    if config.is_file():
+        command = (
+            f"lmlab train --config {shlex.quote(str(config))} --out {shlex.quote(str(run_dir))}"
+        )
+        return f"train it first with its own config: {command}"
+    return f"train it first: lmlab train --config CONFIG.yaml --out {shlex.quote(str(run_dir))}"
 
 
 def read_trainer_state(ckpt: Path) -> dict[str, Any]:
