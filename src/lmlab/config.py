@@ -333,7 +333,7 @@ def _leaf_fields(cls: type, prefix: str) -> list[tuple[str, str]]:
 
 
 def _field_names(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    return [f.name for f in dataclasses.fields(cls)]
 
 
 def _did_you_mean(cls: type, key: str, prefix: str) -> str | None:
