@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,6 +137,13 @@ def verify_hf_folder(
     return diff, note
 
 
+def _umask_mode() -> int:
+    """The mode ``open`` gives a new file under the process umask (0644 under umask 022)."""
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def export_model(
     source: str | Path,
     out: str | Path,
@@ -168,6 +176,7 @@ def export_model(
             json.dumps(hf_config_json(family, kwargs), indent=2) + "\n"
         )
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        os.chmod(tmp / "model.safetensors", _umask_mode())  # safetensors creates it 0600
         if tokenizer is not None:
             _write_tokenizer(tokenizer, tmp, cfg.max_seq_len)
         files = sorted(p.name for p in tmp.iterdir())
