@@ -139,8 +139,11 @@ def _token_id(tokenizer: Tokenizer, value: Any, path: Path, field: str) -> int:
         raise DataError(f"{path}: {field} must be a token's text, got {value!r:.80}")
     hf = getattr(tokenizer, "hf", None)
     token_id = hf.token_to_id(value) if hf is not None else None
-    if token_id is None:
-        ids = tokenizer.encode(value) if hf is None else []
+    if token_id is None and hf is None:  # a char vocabulary: the text must be one character
+        try:
+            ids = tokenizer.encode(value)
+        except DataError:
+            ids = []
         token_id = ids[0] if len(ids) == 1 else None
     if token_id is None:
         raise DataError(f"{path}: {field} {value!r:.80} is not a token of tokenizer.json")
