@@ -250,3 +250,13 @@ def test_stop_strings_treat_windows_line_endings_as_newlines():
     assert s.push("a\r") == ("a", False) and s.flush() == ""  # a final "\r" ends the line
     s = StopStrings([])
     assert s.push("a\r\nb\r") == ("a\nb", False) and s.flush() == "\n"
+
+
+def test_seq2seq_output_cut_inside_a_character_has_no_replacement_character():
+    from lmlab.generation.seq2seq import _text
+
+    tok = _chinese_bpe()
+    char, ids = _split_character(tok)
+    assert "\ufffd" in tok.decode(tok.encode("一") + ids[:1])  # what a plain decode gives
+    assert _text(tok, tok.encode("一") + ids[:1]) == "一"
+    assert _text(tok, tok.encode("一") + ids) == "一" + char
