@@ -231,14 +231,11 @@ def test_a_character_begun_by_the_prompt_ids_is_completed_not_replaced():
 
 
 def test_utf8_stream_drops_invalid_and_unfinished_bytes():
-    from lmlab.generation.stream import decode_whole_characters
-
     s = Utf8Stream()
     assert s.push(b"\x80a\xe4\xb8") == "a"  # a stray continuation byte, then half of 世
     assert s.push(b"\x96") == "世"
     assert s.push(b"\xe4") == "" and s.flush() == ""
     assert s.dropped == 2
-    assert decode_whole_characters([b"\xe4\xb8", b"\x96\xe7"]) == ("世", 1)
 
 
 def test_stop_strings_treat_windows_line_endings_as_newlines():
@@ -260,3 +257,41 @@ def test_seq2seq_output_cut_inside_a_character_has_no_replacement_character():
     assert "\ufffd" in tok.decode(tok.encode("一") + ids[:1])  # what a plain decode gives
     assert _text(tok, tok.encode("一") + ids[:1]) == "一"
     assert _text(tok, tok.encode("一") + ids) == "一" + char
+
+
+def _metaspace_byte_fallback_tokenizer():
+    """A Llama-2 / Mistral style tokenizer.json (data.tokenizer.kind hf): Metaspace "▁" for
+    spaces and <0xNN> byte-fallback tokens for characters outside its merges."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from lmlab.data.tokenizer import PretrainedTokenizer
+
+    hf = HFTokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace()
+    hf.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    specials = ["<unk>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials)
+    hf.train_from_iterator(["hello world, the cat sat on the mat"] * 20, trainer)
+    return PretrainedTokenizer(hf)
+
+
+def test_a_metaspace_byte_fallback_tokenizer_streams_its_decoded_text():
+    tok = _metaspace_byte_fallback_tokenizer()
+    script = tok.encode(" world 世界")  # "▁world", "▁", then six <0xNN> byte tokens
+    assert any(tok.token_bytes(i).startswith(b"<0x") for i in script)
+    params = SamplingParams(max_new_tokens=len(script), temperature=0.0)
+    out = "".join(generate_text(Scripted(tok.vocab_size, script), tok, "hello", params, 32))
+    assert out == " world 世界"  # spaces, not "▁"; characters, not "<0xE4>"
+    warnings: list[str] = []
+    cut = SamplingParams(max_new_tokens=len(script) - 1, temperature=0.0)
+    model = Scripted(tok.vocab_size, script)
+    out = "".join(generate_text(model, tok, "hello", cut, 32, warn=warnings.append))
+    assert out == " world 世" and len(warnings) == 1  # the cut 界 is dropped, said so

@@ -22,8 +22,8 @@ from torch import nn
 
 from lmlab.data.tokenizer import Tokenizer
 from lmlab.errors import LmlabError
-from lmlab.generation.generate import SamplingParams, generate_ids, text_stream
-from lmlab.generation.stream import StopStrings
+from lmlab.generation.generate import SamplingParams, generate_ids
+from lmlab.generation.stream import StopStrings, token_text
 
 Message = dict[str, str]
 
@@ -105,16 +105,16 @@ def stream_reply(
     is completed by the reply's first bytes and emitted whole."""
     params.validate()
     stops = stop_ids_of(tokenizer)
-    utf8, stop_strings = text_stream(tokenizer, prompt_ids), StopStrings(params.stop)
+    pieces, stop_strings = token_text(tokenizer, prompt_ids), StopStrings(params.stop)
     for tok in generate_ids(model, prompt_ids, params, max_context, tokenizer.eos_id):
         if tok in stops:
             break
-        text, stopped = stop_strings.push(utf8.push(tokenizer.token_bytes(tok)))
+        text, stopped = stop_strings.push(pieces.push(tok))
         if text:
             yield text
         if stopped:
             return
-    text, stopped = stop_strings.push(utf8.flush())
+    text, stopped = stop_strings.push(pieces.flush())
     tail = text if stopped else text + stop_strings.flush()
     if tail:
         yield tail

@@ -20,7 +20,7 @@ from torch import nn
 from lmlab.data.tokenizer import Tokenizer
 from lmlab.errors import LmlabError
 from lmlab.generation.sampling import next_token
-from lmlab.generation.stream import StopStrings, Utf8Stream, dropped_warning
+from lmlab.generation.stream import StopStrings, dropped_warning, token_text
 from lmlab.nn.masks import position_ids_from_attention_mask
 
 
@@ -275,13 +275,13 @@ def generate_texts(
         _prompt_ids(tokenizer, p, max_seq_len, warn, f"prompt {i + 1}")
         for i, p in enumerate(prompts)
     ]
-    utf8 = [text_stream(tokenizer, row) for row in ids]
+    texts_of = [token_text(tokenizer, row) for row in ids]
     stops = [StopStrings(params.stop) for _ in prompts]
     texts = ["" for _ in prompts]
     stopped = [False] * len(prompts)
 
     def push(row: int, tok: int) -> bool:
-        text, stopped[row] = stops[row].push(utf8[row].push(tokenizer.token_bytes(tok)))
+        text, stopped[row] = stops[row].push(texts_of[row].push(tok))
         texts[row] += text
         return stopped[row]
 
@@ -289,10 +289,10 @@ def generate_texts(
         pass
     for row in range(len(prompts)):
         if not stopped[row]:
-            text, stopped[row] = stops[row].push(utf8[row].flush())
+            text, stopped[row] = stops[row].push(texts_of[row].flush())
             texts[row] += text if stopped[row] else text + stops[row].flush()
-        if utf8[row].dropped:
-            warn(f"prompt {row + 1}: {dropped_warning(utf8[row].dropped)}")
+        if texts_of[row].dropped:
+            warn(f"prompt {row + 1}: {dropped_warning(texts_of[row].dropped)}")
     return texts
 
 
@@ -315,12 +315,6 @@ def _prompt_ids(
     return ids
 
 
-def text_stream(tokenizer: Tokenizer, prompt_ids: list[int]) -> Utf8Stream:
-    """A :class:`Utf8Stream` for the tokens that follow ``prompt_ids``, primed with the bytes of
-    a character the prompt's last ids begin without finishing."""
-    return Utf8Stream(b"".join(tokenizer.token_bytes(i) for i in prompt_ids[-3:]))
-
-
 def _stream(
     model: nn.Module,
     tokenizer: Tokenizer,
@@ -329,17 +323,17 @@ def _stream(
     max_seq_len: int,
     warn: Callable[[str], None],
 ) -> Iterator[str]:
-    utf8, stops = text_stream(tokenizer, ids), StopStrings(params.stop)
+    pieces, stops = token_text(tokenizer, ids), StopStrings(params.stop)
     for tok in generate_ids(model, ids, params, max_seq_len, tokenizer.eos_id):
-        text, stopped = stops.push(utf8.push(tokenizer.token_bytes(tok)))
+        text, stopped = stops.push(pieces.push(tok))
         if text:
             yield text
         if stopped:
             return
-    text, stopped = stops.push(utf8.flush())
+    text, stopped = stops.push(pieces.flush())
     tail = text if stopped else text + stops.flush()
-    if utf8.dropped:
-        warn(dropped_warning(utf8.dropped))
+    if pieces.dropped:
+        warn(dropped_warning(pieces.dropped))
     if tail:
         yield tail
 

@@ -19,7 +19,7 @@ from lmlab.config import ModelConfig
 from lmlab.errors import LmlabError
 from lmlab.generation.generate import SamplingParams, _generator
 from lmlab.generation.sampling import next_token
-from lmlab.generation.stream import decode_whole_characters
+from lmlab.generation.stream import token_text
 
 if TYPE_CHECKING:
     from lmlab.data.tokenizer import Tokenizer
@@ -166,9 +166,7 @@ def generate_from_sources(
 
 
 def _text(tokenizer: Tokenizer, ids: list[int]) -> str:
-    """Generated ids -> text without a replacement character for a character cut by
-    ``max_new_tokens``: byte-level vocabularies join whole characters only; a pretrained
-    tokenizer.json (kind hf: Metaspace, WordPiece) decodes with its own decoder."""
-    if tokenizer.kind == "hf":
-        return tokenizer.decode(ids)
-    return decode_whole_characters(tokenizer.token_bytes(i) for i in ids)[0]
+    """Generated ids -> text of whole characters (:func:`lmlab.generation.stream.token_text`):
+    no replacement character for a character cut by ``max_new_tokens``."""
+    pieces = token_text(tokenizer)
+    return "".join(pieces.push(i) for i in ids) + pieces.flush()

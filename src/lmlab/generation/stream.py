@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import codecs
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
+
+from lmlab.data.tokenizer import Tokenizer
 
 
 class Utf8Stream:
@@ -65,12 +67,84 @@ def dropped_warning(dropped: int) -> str:
     )
 
 
-def decode_whole_characters(token_bytes: Iterable[bytes]) -> tuple[str, int]:
-    """Join token bytes into text of whole characters -> (text, bytes dropped), as
-    :class:`Utf8Stream` does: no replacement character for a cut or invalid sequence."""
-    stream = Utf8Stream()
-    text = "".join(stream.push(b) for b in token_bytes) + stream.flush()
-    return text, stream.dropped
+class TokenText:
+    """Token ids in, whole characters out, for the tokens that follow ``prompt_ids``.
+
+    ``push(token_id) -> text``, ``flush() -> text`` at the end, ``dropped``: bytes (or, for a
+    tokenizer that decodes itself, replacement characters) left out because they did not form
+    a whole character. Two ways, chosen by :func:`token_text`: the token bytes through a
+    :class:`Utf8Stream` (char, bpe, wordlevel: ``token_bytes`` is exactly the token's bytes),
+    or the tokenizer's own decoder run incrementally (kind hf: Metaspace ``▁`` spaces and
+    ``<0xE4>`` byte-fallback tokens only mean something to its decoder).
+    """
+
+    dropped: int
+
+    def push(self, token_id: int) -> str:
+        raise NotImplementedError
+
+    def flush(self) -> str:
+        raise NotImplementedError
+
+
+class ByteText(TokenText):
+    """:class:`TokenText` over ``tokenizer.token_bytes``, primed with the bytes of a character
+    the prompt's last ids begin without finishing (the completed character is emitted whole)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.utf8 = Utf8Stream(b"".join(tokenizer.token_bytes(i) for i in prompt_ids[-3:]))
+        self.dropped = 0
+
+    def push(self, token_id: int) -> str:
+        text = self.utf8.push(self.tokenizer.token_bytes(token_id))
+        self.dropped = self.utf8.dropped
+        return text
+
+    def flush(self) -> str:
+        text = self.utf8.flush()
+        self.dropped = self.utf8.dropped
+        return text
+
+
+class DecodedText(TokenText):
+    """:class:`TokenText` by the tokenizer's own decoder, incrementally: the new tokens are
+    decoded after a few tokens of context (the prompt's last ids, so a leading space survives a
+    decoder that strips one), and text is emitted once it no longer ends in U+FFFD (a character
+    whose byte-fallback tokens have not all arrived). Replacement characters left at the end or
+    inside the text are dropped and counted."""
+
+    CONTEXT = 4  # tokens decoded before the new ones, for their spacing
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-self.CONTEXT :])
+        self.start, self.read = 0, len(self.ids)  # ids[start:read] decoded and emitted already
+        self.dropped = 0
+
+    def _new_text(self, final: bool) -> str:
+        before = self.tokenizer.decode(self.ids[self.start : self.read])
+        text = self.tokenizer.decode(self.ids[self.start :])
+        if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
+            return ""
+        out = text[len(before) :] if text.startswith(before) else text
+        self.start, self.read = max(self.read, len(self.ids) - self.CONTEXT), len(self.ids)
+        self.dropped += out.count("\ufffd")
+        return out.replace("\ufffd", "")
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        return self._new_text(final=False)
+
+    def flush(self) -> str:
+        return self._new_text(final=True)
+
+
+def token_text(tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()) -> TokenText:
+    """The :class:`TokenText` for ``tokenizer``'s tokens after ``prompt_ids``."""
+    if tokenizer.kind == "hf":
+        return DecodedText(tokenizer, prompt_ids)
+    return ByteText(tokenizer, prompt_ids)
 
 
 class StopStrings:
