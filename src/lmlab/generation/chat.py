@@ -1,8 +1,9 @@
 """Chat with an instruction-tuned model: its own chat template, a history, and a token budget.
 
-The template is the model's Jinja source (GGUF ``tokenizer.chat_template``, or a tokenizer that
-carries ``chat_template``), rendered in Jinja's immutable sandbox with the variables Hugging Face
-``apply_chat_template`` passes: ``messages`` (a list of ``{"role", "content"}``),
+The template is the model's Jinja source (GGUF ``tokenizer.chat_template``, or ``chat_template``
+in the ``tokenizer_config.json`` beside a run's or Hugging Face folder's tokenizer.json,
+:mod:`lmlab.data.tokenizer_config`), rendered in Jinja's immutable sandbox with the variables
+Hugging Face ``apply_chat_template`` passes: ``messages`` (a list of ``{"role", "content"}``),
 ``add_generation_prompt``, ``bos_token``, ``eos_token`` and ``raise_exception``. A reply ends at
 the model's end-of-turn token (``tokenizer.stop_ids``: eos and eot, ``<|im_end|>`` in ChatML),
 which is not printed.
@@ -33,8 +34,9 @@ def chat_template_of(tokenizer: Tokenizer) -> str:
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise LmlabError(
-            "this model's tokenizer has no chat template (a GGUF file with "
-            "tokenizer.chat_template has one); use --prompt for plain continuation"
+            "this model's tokenizer has no chat template (a GGUF file's "
+            "tokenizer.chat_template, or chat_template in the tokenizer_config.json beside its "
+            "tokenizer.json); use --prompt for plain continuation"
         )
     return str(template)
 
