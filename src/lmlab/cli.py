@@ -596,11 +596,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model, tokenizer = _load_with_tokenizer(args.run, args.device)
     max_seq_len = model.cfg.max_seq_len
     if model.cfg.kind != "decoder":
-        hint = (
-            f"lmlab fill-mask {args.run} --text '... [MASK] ...'"
-            if model.cfg.kind == "encoder"
-            else f"lmlab generate {args.run} --source '...'"
-        )
+        if model.cfg.kind == "encoder" and model.cfg.mlm_head:
+            hint = f"lmlab fill-mask {args.run} --text '... [MASK] ...'"
+        elif model.cfg.kind == "encoder":  # no masked-LM head: a sentence-embedding model
+            hint = f"lmlab embed {args.run} --text '...'"
+        else:
+            hint = f"lmlab generate {args.run} --source '...'"
         raise LmlabError(
             f"generate needs a decoder model (--prompt, --chat); {args.run} is model.kind="
             f"{model.cfg.kind}: use {hint}"

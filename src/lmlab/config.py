@@ -314,11 +314,43 @@ def _from_dict(cls: type[C], data: dict[str, Any], prefix: str) -> C:
     for key, value in data.items():
         where = f"{prefix}.{key}" if prefix else str(key)
         if key not in names:
-            hint = difflib.get_close_matches(str(key), names, n=1)
-            extra = f" (did you mean {hint[0]!r}?)" if hint else ""
+            hint = _did_you_mean(cls, str(key), prefix)
+            extra = f" (did you mean {hint!r}?)" if hint else ""
             raise ConfigError(f"unknown config field {where!r}{extra}; allowed: {', '.join(names)}")
         kwargs[key] = _coerce(value, hints[key], where)
     return cls(**kwargs)
+
+
+def _leaf_fields(cls: type, prefix: str) -> list[tuple[str, str]]:
+    """(dotted path, field name) of every field in the nested sections of ``cls``."""
+    out: list[tuple[str, str]] = []
+    for name, tp in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+            path = f"{prefix}.{name}" if prefix else name
+            out += [(f"{path}.{leaf}", leaf) for leaf in _field_names(tp)]
+            out += _leaf_fields(tp, path)
+    return out
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _did_you_mean(cls: type, key: str, prefix: str) -> str | None:
+    """The field meant by an unknown ``key`` of section ``cls`` (at ``prefix``): a field of the
+    section by its bare name, or a field of a section nested in it by its dotted path
+    (``model.n_heads`` -> ``model.attention.n_heads``), whichever is spelt closest (a nested
+    field spelt exactly ``key`` wins)."""
+    names = _field_names(cls)
+    nested = _leaf_fields(cls, prefix)
+    exact = [path for path, leaf in nested if leaf == key]
+    if exact:
+        return exact[0]
+    candidates = {name: name for name in names}
+    for path, leaf in nested:
+        candidates.setdefault(leaf, path)
+    best = difflib.get_close_matches(key, list(candidates), n=1)
+    return candidates[best[0]] if best else None
 
 
 def config_from_dict(data: dict[str, Any] | None) -> RunConfig:

@@ -587,3 +587,26 @@ def test_lmlab_load_refuses_bad_folders(tmp_path: Path, setup, message):
     setup(tmp_path, tmp_path / "unused")
     with pytest.raises(LmlabError, match=re.escape(message)):
         lmlab.load(tmp_path / "hf")
+
+
+def test_no_checkpoint_hint_trains_the_folders_own_config(tmp_path: Path, capsys):
+    """The command the "no checkpoint yet" error suggests trains the config in the folder
+    (here d_model 24, 1 layer), not lmlab's default model."""
+    import shlex
+
+    from lmlab.config import save_config
+    from lmlab.run import load_run
+    from tests.conftest import tiny_config
+
+    run = tmp_path / "planned"
+    run.mkdir()
+    cfg = tiny_config(model={"d_model": 24, "n_layers": 1}, train={"max_steps": 2})
+    save_config(cfg, run / "config.yaml")
+    code = main(["generate", str(run), "--prompt", "To"])
+    err = capsys.readouterr().err
+    assert code == 2 and "has no checkpoint yet" in err
+    command = shlex.split(err.split(": lmlab ", 1)[1].strip())
+    assert command[0] == "train" and str(run / "config.yaml") in command
+    assert main([*command, "--no-progress"]) == 0
+    trained = load_run(run, "cpu")
+    assert (trained.config.model.d_model, trained.config.model.n_layers, trained.step) == (24, 1, 2)

@@ -222,3 +222,25 @@ def test_compare_cli_prints_the_report(tmp_path, capsys):
     assert code == 0, err
     assert out.startswith("# tinycmp") and "| `only` |" in out
     assert "[1/1] only seed 3" in err
+
+
+def test_plots_draw_measured_points_not_an_interpolated_end(tmp_path):
+    """Two seeds measured at the same steps, one twice as slow: against wall time each seed's
+    own points are drawn (the slow seed's last loss included), the band only where both have
+    data; against steps, the mean at the shared steps."""
+    from lmlab.experiments.report import plot_curves
+
+    fast = [[0, 0.0, 4.0], [10, 1.0, 3.0], [20, 2.0, 2.5], [30, 3.0, 2.2]]
+    slow = [[0, 0.0, 4.2], [10, 2.0, 3.1], [20, 4.0, 2.6], [30, 6.0, 2.0]]
+    groups = {"mha": [{"val_curve": fast}, {"val_curve": slow}]}
+    path, (series,) = plot_curves(groups, tmp_path / "time.png", "time", "t")
+    assert path.is_file() and series.n_runs == 2
+    measured = {(t, loss) for curve in (fast, slow) for _, t, loss in curve}
+    drawn = {(x, y) for xs, ys in series.lines for x, y in zip(xs, ys, strict=True)}
+    assert drawn == measured  # every measured point, nothing interpolated
+    assert max(xs[-1] for xs, _ in series.lines) == 6.0  # the slow seed's end is drawn
+    assert series.band is not None and max(series.band[0]) == 3.0  # both seeds ran to 3 s
+    _, (by_step,) = plot_curves(groups, tmp_path / "step.png", "step", "s")
+    ((steps, means),) = by_step.lines
+    assert steps == [0.0, 10.0, 20.0, 30.0] and means == pytest.approx([4.1, 3.05, 2.55, 2.1])
+    assert by_step.band is not None and by_step.band[1][-1] == 2.0 and by_step.band[2][-1] == 2.2

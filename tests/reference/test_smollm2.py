@@ -146,3 +146,29 @@ def test_score_tokens_bounds_logits_memory(smollm2):
     b = score_tokens(model, ids, lengths, 40, batch_size=1)
     assert a.tokens == b.tokens == 119
     assert abs(a.loss - b.loss) < 1e-5
+
+
+def test_chat_template_and_specials_survive_a_saved_tokenizer_and_an_export(smollm2, tmp_path):
+    """The tokenizer files import and export write (tokenizer.json + tokenizer_config.json +
+    generation_config.json) keep SmolLM2's template and <|im_end|>: lmlab reads them back with
+    the same prompt ids and stop ids, and transformers' apply_chat_template agrees."""
+    transformers = pytest.importorskip("transformers")
+    from lmlab.data.tokenizer import load_tokenizer
+    from lmlab.data.tokenizer_config import save_tokenizer
+    from lmlab.interop.export import _write_tokenizer
+
+    _, _, tok = smollm2
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    want = chat_prompt_ids(tok, messages)
+    (tmp_path / "run").mkdir()
+    save_tokenizer(tok, tmp_path / "run")  # what import and --init-from runs write
+    back = load_tokenizer(tmp_path / "run" / "tokenizer.json")
+    assert back.chat_template == tok.chat_template and back.stop_ids == tok.stop_ids
+    assert (back.eos_id, back.bos_id) == (tok.eos_id, tok.bos_id)
+    assert chat_prompt_ids(back, messages) == want
+    (tmp_path / "hf").mkdir()
+    _write_tokenizer(back, tmp_path / "hf", 2048)  # what export writes
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    ids = hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    assert list(ids) == want and hf_tok.eos_token == "<|im_end|>"

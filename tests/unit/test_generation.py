@@ -1,11 +1,18 @@
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from lmlab.config import TokenizerConfig
 from lmlab.data.tokenizer import train_tokenizer
-from lmlab.generation.generate import SamplingParams, generate_ids, generate_text
+from lmlab.generation.chat import stream_reply
+from lmlab.generation.generate import (
+    SamplingParams,
+    generate_ids,
+    generate_text,
+    generate_texts,
+)
 from lmlab.generation.sampling import (
     apply_repetition_penalty,
     apply_top_k,
@@ -98,9 +105,9 @@ class Scripted(torch.nn.Module):
     def new_cache(self) -> KVCache:
         return KVCache(0)
 
-    def forward(self, x, cache=None, last_only=False):
-        logits = torch.full((1, 1, self.vocab), -1e9)
-        logits[0, 0, self.script[min(self.calls, len(self.script) - 1)]] = 0.0
+    def forward(self, x, cache=None, last_only=False, **masks):
+        logits = torch.full((x.shape[0], 1, self.vocab), -1e9)  # every row follows the script
+        logits[:, 0, self.script[min(self.calls, len(self.script) - 1)]] = 0.0
         self.calls += 1
         return ModelOutput(logits)
 
@@ -280,3 +287,120 @@ def test_stop_strings_typed_with_escapes_mean_control_characters():
     assert unescape("\\n\\n") == "\n\n"
     assert unescape("a\\tb\\\\n") == "a\tb\\n"
     assert unescape("日本\\x") == "日本\\x"
+
+
+HONGLOUMENG = Path("/work/shared/data/hongloumeng/hongloumeng.txt")
+
+
+def _chinese_bpe():
+    """A byte-level BPE fitted on the first lines of 红楼梦 (or, without the file, a few
+    hand-written lines), small enough that rarer characters stay split into byte tokens."""
+    if HONGLOUMENG.is_file():
+        text = "\n".join(HONGLOUMENG.read_text(encoding="utf-8").splitlines()[:3])
+    else:
+        text = "第一回　甄士隐梦幻识通灵　贾雨村风尘怀闺秀\n此开卷第一回也。作者自云。\n" * 3
+    return train_tokenizer(text, TokenizerConfig(kind="bpe", vocab_size=300))
+
+
+def _split_character(tok) -> tuple[str, list[int]]:
+    """A CJK character that the tokenizer spells with more than one id, and those ids."""
+    for c in "甄士隐梦幻识通灵贾雨村风尘怀闺秀卷":
+        ids = tok.encode(c)
+        if len(ids) > 1:
+            return c, ids
+    raise AssertionError("every character is one token; lower the vocabulary size")
+
+
+def test_generation_cut_inside_a_character_drops_it_and_says_so():
+    tok = _chinese_bpe()
+    whole = tok.encode("一")
+    char, ids = _split_character(tok)
+    script = whole + ids  # "一" then a multi-id character, cut after its first id
+    params = SamplingParams(max_new_tokens=len(whole) + 1, temperature=0.0)
+    warnings: list[str] = []
+    model = Scripted(tok.vocab_size, script)
+    out = "".join(generate_text(model, tok, "第", params, 32, warn=warnings.append))
+    assert out == "一", repr(out)  # no U+FFFD for the cut character
+    assert len(warnings) == 1 and f"dropped {len(tok.token_bytes(ids[0]))} generated" in warnings[0]
+    model = Scripted(tok.vocab_size, script)
+    texts = generate_texts(model, tok, ["第", "回"], params, 32, warn=warnings.append)
+    assert texts == ["一", "一"]
+    model = Scripted(tok.vocab_size, script)
+    reply = "".join(stream_reply(model, tok, tok.encode("第"), params, 32))
+    assert reply == "一"
+
+
+def test_a_character_begun_by_the_prompt_ids_is_completed_not_replaced():
+    tok = _chinese_bpe()
+    char, ids = _split_character(tok)
+    model = Scripted(tok.vocab_size, ids[1:])  # the reply's first ids finish the character
+    params = SamplingParams(max_new_tokens=len(ids) - 1, temperature=0.0)
+    reply = "".join(stream_reply(model, tok, tok.encode("第") + ids[:1], params, 32))
+    assert reply == char
+
+
+def test_utf8_stream_drops_invalid_and_unfinished_bytes():
+    s = Utf8Stream()
+    assert s.push(b"\x80a\xe4\xb8") == "a"  # a stray continuation byte, then half of 世
+    assert s.push(b"\x96") == "世"
+    assert s.push(b"\xe4") == "" and s.flush() == ""
+    assert s.dropped == 2
+
+
+def test_stop_strings_treat_windows_line_endings_as_newlines():
+    s = StopStrings(["\n\n"])  # a model that learnt "\r\n" from a Windows corpus
+    assert s.push("one\r") == ("one", False)  # "\r" waits: "\n" may follow
+    assert s.push("\ntwo\r\n") == ("\ntwo", False)
+    assert s.push("\r\nthree") == ("", True)
+    s = StopStrings(["\n"])
+    assert s.push("a\r") == ("a", False) and s.flush() == ""  # a final "\r" ends the line
+    s = StopStrings([])
+    assert s.push("a\r\nb\r") == ("a\nb", False) and s.flush() == "\n"
+
+
+def test_seq2seq_output_cut_inside_a_character_has_no_replacement_character():
+    from lmlab.generation.seq2seq import _text
+
+    tok = _chinese_bpe()
+    char, ids = _split_character(tok)
+    assert "\ufffd" in tok.decode(tok.encode("一") + ids[:1])  # what a plain decode gives
+    assert _text(tok, tok.encode("一") + ids[:1]) == "一"
+    assert _text(tok, tok.encode("一") + ids) == "一" + char
+
+
+def _metaspace_byte_fallback_tokenizer():
+    """A Llama-2 / Mistral style tokenizer.json (data.tokenizer.kind hf): Metaspace "▁" for
+    spaces and <0xNN> byte-fallback tokens for characters outside its merges."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from lmlab.data.tokenizer import PretrainedTokenizer
+
+    hf = HFTokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace()
+    hf.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    specials = ["<unk>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials)
+    hf.train_from_iterator(["hello world, the cat sat on the mat"] * 20, trainer)
+    return PretrainedTokenizer(hf)
+
+
+def test_a_metaspace_byte_fallback_tokenizer_streams_its_decoded_text():
+    tok = _metaspace_byte_fallback_tokenizer()
+    script = tok.encode(" world 世界")  # "▁world", "▁", then six <0xNN> byte tokens
+    assert any(tok.token_bytes(i).startswith(b"<0x") for i in script)
+    params = SamplingParams(max_new_tokens=len(script), temperature=0.0)
+    out = "".join(generate_text(Scripted(tok.vocab_size, script), tok, "hello", params, 32))
+    assert out == " world 世界"  # spaces, not "▁"; characters, not "<0xE4>"
+    warnings: list[str] = []
+    cut = SamplingParams(max_new_tokens=len(script) - 1, temperature=0.0)
+    model = Scripted(tok.vocab_size, script)
+    out = "".join(generate_text(model, tok, "hello", cut, 32, warn=warnings.append))
+    assert out == " world 世" and len(warnings) == 1  # the cut 界 is dropped, said so

@@ -164,3 +164,50 @@ def test_measured_matmul_peak_is_a_plausible_rate():
 
     rate = measure_matmul_peak(torch.device("cpu"), "fp32", seconds=0.05)
     assert 1e9 < rate < 1e14  # FLOP/s: between 1 GFLOP/s and 100 TFLOP/s
+
+
+def _train_on_a_pty(tmp_path: Path, monkeypatch) -> str:
+    """Train 20 steps (validation every 5) with stderr on a fresh pseudo-terminal, which reports
+    0 columns as some CI terminals do; returns what the terminal showed."""
+    import io
+    import os
+    import pty
+    import sys
+    import threading
+
+    from lmlab.training.trainer import train
+    from tests.conftest import tiny_config
+
+    master, slave = pty.openpty()  # a new pty: 0 rows, 0 columns
+    assert os.get_terminal_size(slave).columns == 0
+    chunks: list[bytes] = []
+
+    def drain() -> None:
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    tty = io.TextIOWrapper(os.fdopen(slave, "wb", buffering=0), encoding="utf-8")
+    monkeypatch.setattr(sys, "stderr", tty)
+    cfg = tiny_config(train={"max_steps": 20, "eval_every": 5})
+    train(cfg, out=tmp_path / "run", progress=None)  # progress=None: a bar when on a terminal
+    tty.flush()
+    tty.close()
+    reader.join(timeout=5)
+    os.close(master)
+    return b"".join(chunks).decode("utf-8", errors="replace")
+
+
+def test_the_progress_bar_shows_validation_even_on_a_zero_column_terminal(tmp_path, monkeypatch):
+    shown = _train_on_a_pty(tmp_path, monkeypatch)
+    assert "| 20/20 [" in shown  # the bar is drawn, at a sane width
+    assert "val_loss=" in shown  # the bar carries the latest validation loss
+    for step in (5, 10, 15):  # and each periodic validation line is printed above it
+        assert f"step {step}/20  val_loss " in shown, shown[-2000:]

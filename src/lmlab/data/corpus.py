@@ -21,9 +21,11 @@ SPLIT_FILES = {"train": ("train.txt",), "val": ("valid.txt", "val.txt"), "test":
 
 
 def read_text(path: str | Path) -> str:
-    """Read a UTF-8 text file. Raises DataError if it is missing, a folder, empty, not UTF-8
-    (naming the byte offset of the first bad byte) or binary (holds a NUL byte, which text never
-    does but executables, images and archives nearly always do, even when they decode)."""
+    r"""Read a UTF-8 text file, with ``\r\n`` (Windows) and lone ``\r`` line endings turned into
+    ``\n`` (so no model learns ``\r`` as a token, and ``--stop "\n\n"`` works). Raises DataError
+    if it is missing, a folder, empty, not UTF-8 (naming the byte offset of the first bad byte)
+    or binary (holds a NUL byte, which text never does but executables, images and archives
+    nearly always do, even when they decode)."""
     p = Path(path)
     if not p.exists():
         raise DataError(f"corpus file not found: {p}")
@@ -45,6 +47,7 @@ def read_text(path: str | Path) -> str:
         ) from None
     if text.startswith("\ufeff"):
         text = text[1:]
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
     if not text.strip():
         raise DataError(f"corpus file {p} is empty")
     return text

@@ -247,7 +247,7 @@ class BPETokenizer(Tokenizer):
 
     @property
     def eos_id(self) -> int | None:
-        return self._eos
+        return self.roles.get("eos")
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False).ids)
@@ -402,8 +402,16 @@ def fit_tokenizer(splits: dict[str, str], cfg: TokenizerConfig) -> Tokenizer:
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """Read a ``tokenizer.json``: lmlab's own kinds (char, bpe, wordlevel) by their layout, any
-    other through the ``tokenizers`` library (:class:`PretrainedTokenizer`). Raises DataError
-    if it is missing or unreadable."""
+    other through the ``tokenizers`` library (:class:`PretrainedTokenizer`), with the chat
+    template and specials of a ``tokenizer_config.json`` beside it
+    (:func:`lmlab.data.tokenizer_config.apply_tokenizer_config`). Raises DataError if it is
+    missing or unreadable."""
+    from lmlab.data.tokenizer_config import apply_tokenizer_config
+
+    return apply_tokenizer_config(_read_tokenizer_json(path), Path(path).parent)
+
+
+def _read_tokenizer_json(path: str | Path) -> Tokenizer:
     p = Path(path)
     if not p.is_file():
         raise DataError(f"tokenizer file not found: {p}")

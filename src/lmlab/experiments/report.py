@@ -12,6 +12,7 @@ only the first holds, the difference is reported as suggestive; with one seed no
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,42 +74,86 @@ def _sentence(name: str, ref_name: str, ref: list[float], other: list[float], wh
     )
 
 
-def _band(curves: list[list[tuple[float, float]]]) -> tuple[np.ndarray, ...] | None:
-    """Seeds' (x, y) curves -> (grid, mean, min, max) over the x range every seed covers."""
-    curves = [[(x, y) for x, y in c if math.isfinite(y)] for c in curves]
-    curves = [sorted(c) for c in curves if c]
-    if not curves:
-        return None
+Curve = list[tuple[float, float]]  # one run's (x, val loss) points, x in steps or seconds
+
+
+@dataclass
+class CurveSeries:
+    """What :func:`plot_curves` draws for one variant. ``lines``: each drawn line's (xs, ys),
+    every point a measured one (the mean over seeds at x values every seed has, or, when the
+    seeds were measured at different x, as the wall times always are, each seed's own curve);
+    ``band``: (x, min, max) over seeds, only over the x range every seed covers (None for one
+    seed)."""
+
+    name: str
+    n_runs: int
+    lines: list[tuple[list[float], list[float]]]
+    band: tuple[list[float], list[float], list[float]] | None
+
+
+def _band(curves: list[Curve]) -> tuple[list[float], list[float], list[float]] | None:
+    """Seeds' sorted curves -> (x, min, max) over the x range every seed covers, each seed
+    read at the others' x by linear interpolation (the band is an envelope, not data)."""
     lo, hi = max(c[0][0] for c in curves), min(c[-1][0] for c in curves)
     grid = np.array(sorted({x for c in curves for x, _ in c if lo <= x <= hi}))
     if grid.size == 0:
         return None
     ys = np.stack([np.interp(grid, [x for x, _ in c], [y for _, y in c]) for c in curves])
-    return grid, ys.mean(0), ys.min(0), ys.max(0)
+    return grid.tolist(), ys.min(0).tolist(), ys.max(0).tolist()
 
 
-def plot_curves(groups: dict[str, list[dict[str, Any]]], out: Path, axis: str, title: str) -> Path:
-    """Val loss against ``axis`` ('step' or 'time'), one line per variant (mean over seeds) with a
-    min/max band over seeds. Writes ``out`` (PNG)."""
+def curve_series(groups: dict[str, list[dict[str, Any]]], axis: str) -> list[CurveSeries]:
+    """The series of val loss against ``axis`` ('step' or 'time') per variant, from each run's
+    ``val_curve`` of (step, seconds, val loss) points; non-finite losses are left out."""
+    col = 0 if axis == "step" else 1
+    out: list[CurveSeries] = []
+    for name, runs in groups.items():
+        curves = [
+            sorted(
+                (float(p[col]), float(p[2])) for p in r.get("val_curve", []) if math.isfinite(p[2])
+            )
+            for r in runs
+        ]
+        curves = [c for c in curves if c]
+        if not curves:
+            continue
+        xs = [[x for x, _ in c] for c in curves]
+        if all(x == xs[0] for x in xs):  # measured at the same x: the mean is exact
+            ys = np.array([[y for _, y in c] for c in curves])
+            lines = [(xs[0], ys.mean(0).tolist())]
+            band = (xs[0], ys.min(0).tolist(), ys.max(0).tolist()) if len(curves) > 1 else None
+        else:  # each seed's real points; the band only where every seed has data
+            lines = [([x for x, _ in c], [y for _, y in c]) for c in curves]
+            band = _band(curves)
+        out.append(CurveSeries(name, len(runs), lines, band))
+    return out
+
+
+def plot_curves(
+    groups: dict[str, list[dict[str, Any]]], out: Path, axis: str, title: str
+) -> tuple[Path, list[CurveSeries]]:
+    """Val loss against ``axis`` ('step' or 'time'), per variant: the mean over seeds where the
+    seeds share their x values (steps), else each seed's own measured curve (wall time), with a
+    min/max band over seeds where every seed has data (:func:`curve_series`). Writes ``out``
+    (PNG); returns it and the series drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    col = 0 if axis == "step" else 1
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     starts = []
-    for name, runs in groups.items():
-        curves = [[(p[col], p[2]) for p in r.get("val_curve", [])] for r in runs]
-        band = _band(curves)
-        if band is None:
-            continue
-        grid, mean, low, high = band
-        n = len(runs)
-        (line,) = ax.plot(grid, mean, "-", marker="o", ms=2.5, label=f"{name} (n={n})")
-        if n > 1:
-            ax.fill_between(grid, low, high, color=line.get_color(), alpha=0.2)
-        starts.append(float(mean[0]))
+    series = curve_series(groups, axis)
+    for s in series:
+        color = None
+        for i, (xs, ys) in enumerate(s.lines):
+            label = f"{s.name} (n={s.n_runs})" if i == 0 else None
+            width = 1.5 if len(s.lines) == 1 else 1.0
+            (line,) = ax.plot(xs, ys, "-", marker="o", ms=2.5, lw=width, color=color, label=label)
+            color = line.get_color()
+            starts.append(ys[0])
+        if s.band is not None:
+            ax.fill_between(s.band[0], s.band[1], s.band[2], color=color, alpha=0.2)
     if starts:  # keep a blown-up variant from flattening the others
         ymin = ax.get_ylim()[0]
         ax.set_ylim(ymin, max(starts) * 1.05)
@@ -120,7 +165,7 @@ def plot_curves(groups: dict[str, list[dict[str, Any]]], out: Path, axis: str, t
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
-    return out
+    return out, series
 
 
 def _fmt(value: float | None, spec: str = ".4f") -> str:
@@ -156,8 +201,8 @@ def write_report(exp: Experiment, out: Path, summaries: list[dict[str, Any]]) ->
     for s in summaries:
         groups.setdefault(s["variant"], []).append(s)
     plots = [
-        plot_curves(groups, out / STEP_PLOT, "step", f"{exp.name}: val loss vs step"),
-        plot_curves(groups, out / TIME_PLOT, "time", f"{exp.name}: val loss vs training time"),
+        plot_curves(groups, out / STEP_PLOT, "step", f"{exp.name}: val loss vs step")[0],
+        plot_curves(groups, out / TIME_PLOT, "time", f"{exp.name}: val loss vs training time")[0],
     ]
     lengths = exp.eval.lengths
     rows: list[tuple[str, str | None, list[dict[str, Any]]]] = [

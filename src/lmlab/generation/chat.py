@@ -1,8 +1,9 @@
 """Chat with an instruction-tuned model: its own chat template, a history, and a token budget.
 
-The template is the model's Jinja source (GGUF ``tokenizer.chat_template``, or a tokenizer that
-carries ``chat_template``), rendered in Jinja's immutable sandbox with the variables Hugging Face
-``apply_chat_template`` passes: ``messages`` (a list of ``{"role", "content"}``),
+The template is the model's Jinja source (GGUF ``tokenizer.chat_template``, or ``chat_template``
+in the ``tokenizer_config.json`` beside a run's or Hugging Face folder's tokenizer.json,
+:mod:`lmlab.data.tokenizer_config`), rendered in Jinja's immutable sandbox with the variables
+Hugging Face ``apply_chat_template`` passes: ``messages`` (a list of ``{"role", "content"}``),
 ``add_generation_prompt``, ``bos_token``, ``eos_token`` and ``raise_exception``. A reply ends at
 the model's end-of-turn token (``tokenizer.stop_ids``: eos and eot, ``<|im_end|>`` in ChatML),
 which is not printed.
@@ -23,7 +24,7 @@ from torch import nn
 from lmlab.data.tokenizer import Tokenizer
 from lmlab.errors import LmlabError
 from lmlab.generation.generate import SamplingParams, generate_ids
-from lmlab.generation.stream import StopStrings, Utf8Stream
+from lmlab.generation.stream import StopStrings, token_text
 
 Message = dict[str, str]
 
@@ -33,8 +34,9 @@ def chat_template_of(tokenizer: Tokenizer) -> str:
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise LmlabError(
-            "this model's tokenizer has no chat template (a GGUF file with "
-            "tokenizer.chat_template has one); use --prompt for plain continuation"
+            "this model's tokenizer has no chat template (a GGUF file's "
+            "tokenizer.chat_template, or chat_template in the tokenizer_config.json beside its "
+            "tokenizer.json); use --prompt for plain continuation"
         )
     return str(template)
 
@@ -100,19 +102,21 @@ def stream_reply(
     max_context: int,
 ) -> Iterator[str]:
     """Stream the assistant's reply to ``prompt_ids`` as text pieces (whole characters), ending
-    at an end-of-turn id (not emitted), a stop string or ``params.max_new_tokens``."""
+    at an end-of-turn id (not emitted), a stop string or ``params.max_new_tokens``. A character
+    cut by the token budget is dropped, never shown as U+FFFD; one the prompt's last ids begin
+    is completed by the reply's first bytes and emitted whole."""
     params.validate()
     stops = stop_ids_of(tokenizer)
-    utf8, stop_strings = Utf8Stream(), StopStrings(params.stop)
+    pieces, stop_strings = token_text(tokenizer, prompt_ids), StopStrings(params.stop)
     for tok in generate_ids(model, prompt_ids, params, max_context, tokenizer.eos_id):
         if tok in stops:
             break
-        text, stopped = stop_strings.push(utf8.push(tokenizer.token_bytes(tok)))
+        text, stopped = stop_strings.push(pieces.push(tok))
         if text:
             yield text
         if stopped:
             return
-    text, stopped = stop_strings.push(utf8.flush())
+    text, stopped = stop_strings.push(pieces.flush())
     tail = text if stopped else text + stop_strings.flush()
     if tail:
         yield tail

@@ -19,7 +19,7 @@ from torch import nn
 from lmlab.data.tokenizer import Tokenizer
 from lmlab.errors import LmlabError
 from lmlab.generation.sampling import check_sampling, next_token
-from lmlab.generation.stream import StopStrings, Utf8Stream
+from lmlab.generation.stream import StopStrings, dropped_warning, token_text
 from lmlab.nn.masks import position_ids_from_attention_mask
 
 
@@ -238,12 +238,14 @@ def generate_text(
     the tokenizer's end-of-sequence token, a stop string (not emitted) or ``max_new_tokens``.
 
     A prompt longer than ``max_seq_len`` tokens keeps its last ``max_seq_len`` tokens and says so
-    through ``warn``. Raises DataError for characters a char-level vocabulary lacks, LmlabError
-    for an empty prompt.
+    through ``warn``. Bytes that do not form a whole UTF-8 character (a character cut by
+    ``max_new_tokens``) are dropped, never shown as U+FFFD, and ``warn`` says how many. Raises
+    DataError for characters a char-level vocabulary lacks, LmlabError for an empty prompt.
     """
     params.validate()  # checked here, before the first piece is asked for
-    ids = _prompt_ids(tokenizer, prompt, max_seq_len, warn or _stderr, "the prompt")
-    return _stream(model, tokenizer, ids, params, max_seq_len)
+    warn = warn or _stderr
+    ids = _prompt_ids(tokenizer, prompt, max_seq_len, warn, "the prompt")
+    return _stream(model, tokenizer, ids, params, max_seq_len, warn)
 
 
 def generate_texts(
@@ -260,23 +262,25 @@ def generate_texts(
 
     A row stops at the end-of-sequence token, a stop string (cut, not included) or
     ``max_new_tokens``. Prompts longer than ``max_seq_len`` tokens keep their last
-    ``max_seq_len`` tokens, with a warning naming the prompt (numbered from 1). Raises DataError
+    ``max_seq_len`` tokens, with a warning naming the prompt (numbered from 1); so do bytes
+    dropped because they do not form a whole UTF-8 character. Raises DataError
     for characters a char-level vocabulary lacks, LmlabError for no prompt or an empty prompt.
     """
     params.validate()
     if not prompts:
         raise LmlabError("give at least one --prompt")
+    warn = warn or _stderr
     ids = [
-        _prompt_ids(tokenizer, p, max_seq_len, warn or _stderr, f"prompt {i + 1}")
+        _prompt_ids(tokenizer, p, max_seq_len, warn, f"prompt {i + 1}")
         for i, p in enumerate(prompts)
     ]
-    utf8 = [Utf8Stream() for _ in prompts]
+    texts_of = [token_text(tokenizer, row) for row in ids]
     stops = [StopStrings(params.stop) for _ in prompts]
     texts = ["" for _ in prompts]
     stopped = [False] * len(prompts)
 
     def push(row: int, tok: int) -> bool:
-        text, stopped[row] = stops[row].push(utf8[row].push(tokenizer.token_bytes(tok)))
+        text, stopped[row] = stops[row].push(texts_of[row].push(tok))
         texts[row] += text
         return stopped[row]
 
@@ -284,8 +288,10 @@ def generate_texts(
         pass
     for row in range(len(prompts)):
         if not stopped[row]:
-            text, stopped[row] = stops[row].push(utf8[row].flush())
+            text, stopped[row] = stops[row].push(texts_of[row].flush())
             texts[row] += text if stopped[row] else text + stops[row].flush()
+        if texts_of[row].dropped:
+            warn(f"prompt {row + 1}: {dropped_warning(texts_of[row].dropped)}")
     return texts
 
 
@@ -309,17 +315,24 @@ def _prompt_ids(
 
 
 def _stream(
-    model: nn.Module, tokenizer: Tokenizer, ids: list[int], params: SamplingParams, max_seq_len: int
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    ids: list[int],
+    params: SamplingParams,
+    max_seq_len: int,
+    warn: Callable[[str], None],
 ) -> Iterator[str]:
-    utf8, stops = Utf8Stream(), StopStrings(params.stop)
+    pieces, stops = token_text(tokenizer, ids), StopStrings(params.stop)
     for tok in generate_ids(model, ids, params, max_seq_len, tokenizer.eos_id):
-        text, stopped = stops.push(utf8.push(tokenizer.token_bytes(tok)))
+        text, stopped = stops.push(pieces.push(tok))
         if text:
             yield text
         if stopped:
             return
-    text, stopped = stops.push(utf8.flush())
+    text, stopped = stops.push(pieces.flush())
     tail = text if stopped else text + stops.flush()
+    if pieces.dropped:
+        warn(dropped_warning(pieces.dropped))
     if tail:
         yield tail
 

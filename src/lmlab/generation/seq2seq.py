@@ -19,6 +19,7 @@ from lmlab.config import ModelConfig
 from lmlab.errors import LmlabError
 from lmlab.generation.generate import SamplingParams, _generator
 from lmlab.generation.sampling import next_token
+from lmlab.generation.stream import token_text
 
 if TYPE_CHECKING:
     from lmlab.data.tokenizer import Tokenizer
@@ -161,4 +162,11 @@ def generate_from_sources(
                 f"{cfg.max_seq_len} tokens (model.max_seq_len); shorten it"
             )
         ids.append(x)
-    return [tokenizer.decode(out) for out in generate_seq2seq(model, ids, params)]
+    return [_text(tokenizer, out) for out in generate_seq2seq(model, ids, params)]
+
+
+def _text(tokenizer: Tokenizer, ids: list[int]) -> str:
+    """Generated ids -> text of whole characters (:func:`lmlab.generation.stream.token_text`):
+    no replacement character for a character cut by ``max_new_tokens``."""
+    pieces = token_text(tokenizer)
+    return "".join(pieces.push(i) for i in ids) + pieces.flush()

@@ -4,7 +4,8 @@ The folder holds ``config.json`` (the ``transformers`` config of the one family 
 computes exactly what the model does, :func:`lmlab.interop.families.match_family`),
 ``model.safetensors`` (float32, the tied LM head left out as ``save_pretrained`` does),
 ``tokenizer.json`` + ``tokenizer_config.json`` (``PreTrainedTokenizerFast``, so ``AutoTokenizer``
-loads it) and ``generation_config.json`` when the tokenizer has an end-of-text token.
+loads it, with the model's chat template and bos / eos / pad tokens, so ``apply_chat_template``
+works) and ``generation_config.json`` (every stop id) when the tokenizer has an end-of-text token.
 
 When ``transformers`` is importable the folder is loaded back with
 ``AutoModelForCausalLM.from_pretrained`` (every tensor must be used, none missing) and its
@@ -16,15 +17,16 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
 from lmlab.data.tokenizer import Tokenizer
+from lmlab.data.tokenizer_config import generation_config_json, tokenizer_config_json
 from lmlab.errors import LmlabError
 from lmlab.interop.families import hf_config_json, match_family
 from lmlab.interop.importer import model_config
@@ -60,18 +62,15 @@ def _distinct_tensors(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _write_tokenizer(tokenizer: Tokenizer, folder: Path, max_len: int) -> None:
+    """tokenizer.json, tokenizer_config.json (with the chat template and bos / eos / pad
+    spellings, as Hugging Face writes them) and, with an end token, generation_config.json."""
     tokenizer.save(folder / "tokenizer.json")
-    eos = tokenizer.eos_id
-    spec: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": max_len,
-        "clean_up_tokenization_spaces": False,
-    }
-    if eos is not None:
-        spec["eos_token"] = tokenizer.decode([eos])
-    (folder / "tokenizer_config.json").write_text(json.dumps(spec, indent=2) + "\n")
-    if eos is not None:
-        generation = {"eos_token_id": eos, "bos_token_id": None, "pad_token_id": None}
+    spec = tokenizer_config_json(tokenizer, max_len)
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(spec, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
+    generation = generation_config_json(tokenizer)
+    if generation is not None:
         (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
@@ -138,6 +137,13 @@ def verify_hf_folder(
     return diff, note
 
 
+def _umask_mode() -> int:
+    """The mode ``open`` gives a new file under the process umask (0644 under umask 022)."""
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def export_model(
     source: str | Path,
     out: str | Path,
@@ -170,6 +176,7 @@ def export_model(
             json.dumps(hf_config_json(family, kwargs), indent=2) + "\n"
         )
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        os.chmod(tmp / "model.safetensors", _umask_mode())  # safetensors creates it 0600
         if tokenizer is not None:
             _write_tokenizer(tokenizer, tmp, cfg.max_seq_len)
         files = sorted(p.name for p in tmp.iterdir())

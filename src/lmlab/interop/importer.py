@@ -2,7 +2,9 @@
 as an lmlab run folder.
 
 The run holds ``config.yaml`` (the model's ModelConfig; data and train sections at their
-defaults, the tokenizer kind set to the model's), ``tokenizer.json`` (the model's own) and one
+defaults, the tokenizer kind set to the model's), ``tokenizer.json`` (the model's own; with
+``tokenizer_config.json`` / ``generation_config.json`` holding its chat template, bos / eos
+tokens and stop ids, :mod:`lmlab.data.tokenizer_config`, when it has them) and one
 checkpoint ``checkpoints/step-000000`` + ``latest`` written by the checkpoint code (weights only,
 no optimizer state; its ``trainer_state.json`` records ``imported_from``). ``lmlab eval``,
 ``generate`` and ``train --init-from`` then take the run like any other. The folder is written
@@ -19,10 +21,11 @@ from torch import nn
 
 from lmlab.config import ModelConfig, RunConfig, save_config
 from lmlab.data.tokenizer import Tokenizer
+from lmlab.data.tokenizer_config import save_tokenizer
 from lmlab.errors import LmlabError
 from lmlab.interop.load import load
 from lmlab.interop.outdir import check_not_source, staged_folder
-from lmlab.run import CONFIG_FILE, TOKENIZER_FILE
+from lmlab.run import CONFIG_FILE
 from lmlab.training.checkpoint import save_checkpoint
 
 
@@ -85,7 +88,7 @@ def write_run(
     cfg = run_config_for(model, tokenizer, final.name or "imported")
     with staged_folder(final, force) as tmp:
         save_config(cfg, tmp / CONFIG_FILE)
-        tokenizer.save(tmp / TOKENIZER_FILE)
+        save_tokenizer(tokenizer, tmp, cfg.model.max_seq_len)  # + its chat template, if any
         state = {"step": 0, "tokens": 0, "elapsed_s": 0.0, "imported_from": source}
         save_checkpoint(tmp, 0, model, None, state)
     return final

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 from pathlib import Path
 from typing import Any
@@ -274,10 +275,18 @@ def latest_checkpoint(run_dir: str | Path) -> Path:
     )
     if complete:
         return complete[-1]
-    raise CheckpointError(
-        f"{run_dir} has no checkpoint yet; train it first (lmlab train --out {run_dir} starts it "
-        "afresh)"
-    )
+    raise CheckpointError(f"{run_dir} has no checkpoint yet; {_train_hint(Path(run_dir))}")
+
+
+def _train_hint(run_dir: Path) -> str:
+    """How to train ``run_dir`` from the start with its own config.yaml (not the defaults)."""
+    config = run_dir / "config.yaml"
+    if config.is_file():
+        command = (
+            f"lmlab train --config {shlex.quote(str(config))} --out {shlex.quote(str(run_dir))}"
+        )
+        return f"train it first with its own config: {command}"
+    return f"train it first: lmlab train --config CONFIG.yaml --out {shlex.quote(str(run_dir))}"
 
 
 def _checkpoint_file(ckpt: Path, name: str) -> Path:

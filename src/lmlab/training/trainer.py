@@ -16,6 +16,7 @@ between them, losses all-reduced); logs, plots and run files are written by rank
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import sys
 import time
@@ -32,9 +33,10 @@ from lmlab.config import RunConfig, diff_configs, save_config
 from lmlab.data.corpus import load_corpus
 from lmlab.data.dataset import batch_rng, build_token_cache, check_split_length
 from lmlab.data.tokenizer import fit_tokenizer
+from lmlab.data.tokenizer_config import save_tokenizer
 from lmlab.errors import Interrupted, LmlabError
 from lmlab.models.build import build_model
-from lmlab.run import CONFIG_FILE, TOKENIZER_FILE, load_run_tokenizer, read_run_config
+from lmlab.run import CONFIG_FILE, load_run_tokenizer, read_run_config
 from lmlab.training import checkpoint as ckpt_io
 from lmlab.training.checkpoint import has_checkpoint
 from lmlab.training.distributed import Parallel, session
@@ -291,7 +293,7 @@ def _train(
         check_split_length(splits["train"], seq_len, "train")
         check_split_length(splits["val"], seq_len, "val")
     if is_main and not resuming:  # only now is the folder a run (see prepare_run)
-        tokenizer.save(run_dir / TOKENIZER_FILE)
+        save_tokenizer(tokenizer, run_dir)  # --init-from: + the model's chat template
         save_config(cfg, run_dir / CONFIG_FILE)
 
     # ---- model and optimizer
@@ -398,12 +400,11 @@ def _train(
                 }
             )
             plot_losses(run_dir)
-        if bar is None and is_main and progress is not False:
-            print(
-                f"step {step}/{tc.max_steps}  val_loss {val_loss:.4f}  {tok_s:,.0f} tokens/s",
-                file=sys.stderr,
-                flush=True,
-            )
+        line = f"step {step}/{tc.max_steps}  val_loss {val_loss:.4f}  {tok_s:,.0f} tokens/s"
+        if bar is not None:  # above the bar, which keeps its place below
+            bar.write(line, file=sys.stderr)
+        elif is_main and progress is not False:
+            print(line, file=sys.stderr, flush=True)
         paused += time.perf_counter() - t0
 
     def skip_step(step_loss: float, bad_grad: str | None) -> None:
@@ -521,7 +522,10 @@ def _train(
             if bar is not None:
                 bar.update(1)
                 loss_text = f"{train_loss:.4f}" if train_loss is not None else "n/a"
-                bar.set_postfix(loss=loss_text, tok_s=f"{tok_s:,.0f}", refresh=False)
+                val_text = f"{val_loss:.4f}" if val_loss is not None else "n/a"
+                bar.set_postfix(
+                    loss=loss_text, val_loss=val_text, tok_s=f"{tok_s:,.0f}", refresh=False
+                )
             if step % tc.eval_every == 0 and step < tc.max_steps:
                 evaluate()
             due = tc.checkpoint_every is not None and step % tc.checkpoint_every == 0
@@ -594,4 +598,13 @@ def _progress_bar(total: int, initial: int, progress: bool | None) -> Any:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
+    kw: dict[str, Any] = {"total": total, "initial": initial, "unit": "step", "file": sys.stderr}
+    try:
+        size: os.terminal_size | None = os.get_terminal_size(sys.stderr.fileno())
+    except (OSError, ValueError, AttributeError):  # not a real terminal: tqdm's own guess
+        size = None
+    if size is not None and (size.columns < 20 or size.lines < 1):
+        # a terminal that reports 0 x 0 (a fresh pty, some CI runners): tqdm would draw
+        # nothing, so draw at a fixed size instead
+        return tqdm(**kw, ncols=size.columns if size.columns >= 20 else 100, nrows=24)
+    return tqdm(**kw, dynamic_ncols=True)
