@@ -111,6 +111,25 @@ def test_checkpoint_bytes_counts_tied_weights_once_and_the_optimizer_state():
     assert checkpoint.checkpoint_bytes(model, opt) == sum(weights.values()) + 44 + 64 * 1024
 
 
+def test_resuming_a_run_on_a_read_only_file_system_is_one_error(run: Path, capsys, monkeypatch):
+    import os
+
+    import lmlab.runlock as runlock
+
+    class ReadOnly:  # the os module, except that creating or opening for writing fails
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        def open(self, path, flags, *args):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(runlock, "os", ReadOnly())
+    before = snapshot(run)
+    code, _, err = run_cli(capsys, "train", "--resume", str(run), "--max-steps", "31")
+    assert_one_error(code, err, str(run / ".lmlab-run"), "read-only file system")
+    assert snapshot(run) == before
+
+
 # ---------------------------------------------------------------------------- token cache
 
 
@@ -225,6 +244,14 @@ def test_a_config_inside_the_out_folder_is_never_replaced(tmp_path: Path, capsys
         assert_one_error(code, err, f"--config {config}", "writes its resolved config")
     assert config.read_text() == "name: mine\n# my comments\n"
     assert sorted(p.name for p in out.iterdir()) == ["config.yaml"]
+
+
+def test_overwrite_cannot_delete_the_init_from_model(run: Path, capsys):
+    before = snapshot(run)
+    argv = ["train", "--init-from", str(run), "--out", str(run), "--overwrite", "--max-steps", "1"]
+    code, _, err = run_cli(capsys, *argv)
+    assert_one_error(code, err, f"--out {run} holds the --init-from model")
+    assert snapshot(run) == before
 
 
 def test_out_the_root_folder_is_refused(capsys):

@@ -242,6 +242,13 @@ def train(
         raise LmlabError("--init-from starts a new run and --resume continues one; give one")
     if time_budget is not None and not time_budget > 0:
         raise LmlabError(f"--time-budget must be a positive number of seconds, got {time_budget}")
+    if init_from is not None and cfg is not None:  # --overwrite would delete what it reads
+        target = Path(out) if out else Path("runs") / cfg.name
+        source = Path(init_from).resolve()
+        if source == target.resolve() or target.resolve() in source.parents:
+            raise LmlabError(
+                f"--out {target} holds the --init-from model {init_from}; choose another --out"
+            )
     with session() as par:
         run = prepare_run(
             cfg,
