@@ -713,8 +713,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_attention(args: argparse.Namespace) -> int:
     from lmlab.analysis.attention_maps import attention_report, format_stats
 
-    if not args.no_plot:
-        check_out_path(args.out)
     report = attention_report(
         args.model,
         args.text,

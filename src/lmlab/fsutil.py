@@ -102,8 +102,12 @@ def write_error(e: OSError, path: str | Path, needed: int | None = None) -> Lmla
             "is intact"
         )
     if e.errno in READ_ONLY:
-        why = "is on a read-only file system" if e.errno == errno.EROFS else "cannot be written"
-        return LmlabError(f"{where} {why} ({e.strerror}); lmlab needs to write there")
+        why = (
+            "is on a read-only file system"
+            if e.errno == errno.EROFS
+            else f"cannot be written ({e.strerror})"
+        )
+        return LmlabError(f"{where} {why}; lmlab needs to write there")
     return None
 
 

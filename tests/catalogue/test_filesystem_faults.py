@@ -277,14 +277,11 @@ def command_writing(out: str, run: Path) -> dict[str, list[str]]:
         "export": ["export", str(run), "--out", out],
         "import": ["import", str(run), "--out", out],
         "compare": ["compare", "experiments/positions.yaml", "--out", out, "--smoke"],
-        "attention": ["attention", str(run), "--text", "ROMEO:", "--out", out],
         "eval --plot": ["eval", str(run), "--lengths", "16", "--plot", out + "/plot.png"],
     }
 
 
-@pytest.mark.parametrize(
-    "command", ["train", "export", "import", "compare", "attention", "eval --plot"]
-)
+@pytest.mark.parametrize("command", ["train", "export", "import", "compare", "eval --plot"])
 def test_an_out_under_a_file_is_one_error_naming_the_file(
     run: Path, tmp_path: Path, capsys, command: str
 ):
@@ -296,7 +293,7 @@ def test_an_out_under_a_file_is_one_error_naming_the_file(
     assert blocker.read_text() == "keep"
 
 
-@pytest.mark.parametrize("command", ["train", "export", "import", "compare", "attention"])
+@pytest.mark.parametrize("command", ["train", "export", "import", "compare"])
 def test_an_out_that_is_a_file_is_one_error(run: Path, tmp_path: Path, capsys, command: str):
     blocker = tmp_path / "a-file"
     blocker.write_text("keep")
