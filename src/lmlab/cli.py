@@ -559,8 +559,6 @@ def _eval_lengths(args: argparse.Namespace) -> int:
 
     if args.stride is not None:
         raise LmlabError("--stride cannot be combined with --lengths (windows do not overlap)")
-    if args.plot is not None:
-        check_out_path(args.plot, "--plot", folder=False)
     res = eval_lengths(
         args.run,
         args.lengths,  # None (--set alone): the trained context
