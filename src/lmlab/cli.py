@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lmlab.errors import Interrupted, LmlabError
+from lmlab.fsutil import check_out_path
 
 DESCRIPTION = """\
 lmlab: build, train, probe and compare Transformer language models.
@@ -84,7 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
         "validation) or folder with train.txt/valid.txt/test.txt; same as "
         "--set data.corpus=PATH",
     )
-    t.add_argument("--out", help="run folder (default: runs/<config name>)")
+    t.add_argument(
+        "--out",
+        help="run folder (default: runs/<config name>); must be new, empty, or left by an lmlab "
+        "attempt with no checkpoint",
+    )
+    t.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write the new run into an --out that holds a run or other files: replaces only "
+        "what a run folder holds (config.yaml, tokenizer.json, data/, checkpoints/, "
+        "metrics.jsonl, tb/, loss.png); other files stay",
+    )
     t.add_argument(
         "--max-steps", type=int, help="optimizer steps to train to (extends a resumed run)"
     )
@@ -471,6 +483,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, overrides)
     elif args.config or overrides:  # checked against the run's own config by train()
         cfg = load_config(args.config or Path(args.resume) / "config.yaml", overrides)
+    if not args.resume and args.config:  # the run writes its resolved config over it
+        name = cfg.name if cfg is not None else ""
+        written = Path(args.out or Path("runs") / name) / "config.yaml"
+        if Path(args.config).resolve() == written.resolve():
+            raise LmlabError(
+                f"--config {args.config} is the file the run writes its resolved config to; "
+                "copy it out of the run folder or choose another --out"
+            )
     if args.nproc is not None:  # torchrun starts N copies of this command without --nproc
         from lmlab.training.distributed import launch
 
@@ -484,6 +504,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         device=args.device,
         progress=args.progress,
         init_from=args.init_from,
+        overwrite=args.overwrite,
     )
     if os.environ.get("RANK", "0") != "0":  # under torchrun rank 0 reports
         return 0
@@ -749,6 +770,8 @@ def cmd_import(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from lmlab.experiments.compare import compare
 
+    if args.out is not None:
+        check_out_path(args.out)
     res = compare(
         args.experiment,
         out=args.out,

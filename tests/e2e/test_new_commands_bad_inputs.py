@@ -431,7 +431,7 @@ def test_a_failed_run_into_an_existing_folder_keeps_the_folder(tmp_path, capsys)
         + ["--out", str(out), "--max-steps", "1", "--no-progress"],
         capsys,
     )
-    assert_one_error(code, err, "not found")
+    assert_one_error(code, err, "not an lmlab run folder")  # refused before the corpus is read
     assert (out / "notes.txt").read_text() == "keep me"
 
 

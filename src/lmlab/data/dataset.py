@@ -20,6 +20,7 @@ import torch
 from lmlab.data.corpus import Corpus
 from lmlab.data.tokenizer import Tokenizer
 from lmlab.errors import DataError
+from lmlab.fsutil import check_free_space, writing
 from lmlab.safeio import MiB, inside, read_json_object, regular_file
 
 META_FILE = "meta.json"
@@ -34,9 +35,14 @@ def build_token_cache(
     corpus: Corpus, tokenizer: Tokenizer, folder: str | Path
 ) -> dict[str, np.ndarray]:
     """Tokenise every split of ``corpus`` into ``folder`` (once; reused while the corpus
-    fingerprint and vocabulary size match) and return read-only memmaps, split -> (N,) ids."""
+    fingerprint and vocabulary size match) and return read-only memmaps, split -> (N,) ids.
+
+    The free space is checked before writing (n_tokens x itemsize bytes). Raises LmlabError
+    naming the folder and the bytes needed for a full disk or a read-only folder; ``meta.json``
+    is written last, so a cache left half-written is rebuilt by the next run."""
     out = Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
+    with writing(out):
+        out.mkdir(parents=True, exist_ok=True)
     meta_path = out / "meta.json"
     fp = corpus.fingerprint()
     dtype = token_dtype(tokenizer.vocab_size)
@@ -47,22 +53,21 @@ def build_token_cache(
         and meta["vocab_size"] == tokenizer.vocab_size
         and set(meta["tokens"]) == set(corpus.splits)
     ):
-        counts = {}
-        for name, text in corpus.splits.items():
-            ids = np.asarray(tokenizer.encode(text), dtype=dtype)
-            tmp = out / f"{name}.bin.tmp"
-            ids.tofile(tmp)
-            os.replace(tmp, out / f"{name}.bin")
-            counts[name] = int(ids.size)
+        encoded = {
+            n: np.asarray(tokenizer.encode(t), dtype=dtype) for n, t in corpus.splits.items()
+        }
+        needed = sum(ids.nbytes for ids in encoded.values())  # n_tokens x itemsize
+        check_free_space(out, needed, "the token cache")
         meta = {
             "fingerprint": fp,
             "vocab_size": tokenizer.vocab_size,
             "dtype": dtype.name,
-            "tokens": counts,
+            "tokens": {name: int(ids.size) for name, ids in encoded.items()},
         }
-        tmp = out / "meta.json.tmp"
-        tmp.write_text(json.dumps(meta, indent=1))
-        os.replace(tmp, meta_path)
+        if meta_path.exists():  # the old cache is invalid from the first file replaced on
+            meta_path.unlink()
+        _write_atomic(out, {f"{n}.bin": ids for n, ids in encoded.items()}, needed)
+        _write_atomic(out, {META_FILE: json.dumps(meta, indent=1).encode()}, needed)
         return open_token_cache(out, meta, check_ids=False)  # just written from the corpus
     return open_token_cache(out, meta)
 
@@ -137,6 +142,24 @@ def open_token_cache(
             )
         out[name] = ids
     return out
+
+
+def _write_atomic(folder: Path, files: dict[str, bytes | np.ndarray], needed: int) -> None:
+    """Write each name -> bytes into ``folder`` through a temporary file and a rename. A full
+    disk or read-only folder is one LmlabError naming the file and ``needed``; the temporary
+    file is removed and the file it would replace stays as it was."""
+    for name, data in files.items():
+        tmp = folder / f"{name}.tmp"
+        try:
+            with writing(tmp, needed):
+                with open(tmp, "wb") as fh:
+                    if isinstance(data, np.ndarray):
+                        data.tofile(fh)
+                    else:
+                        fh.write(data)
+                os.replace(tmp, folder / name)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def check_split_length(tokens: np.ndarray, seq_len: int, split: str) -> None:

@@ -171,7 +171,8 @@ def export_model(
     assert family.from_state is not None
     tensors = _distinct_tensors(family.from_state(model.state_dict(), cfg))
     final = Path(out)
-    with staged_folder(final, force) as tmp:
+    size = sum(t.numel() * t.element_size() for t in tensors.values())  # + small JSON files
+    with staged_folder(final, force, size) as tmp:
         (tmp / "config.json").write_text(
             json.dumps(hf_config_json(family, kwargs), indent=2) + "\n"
         )

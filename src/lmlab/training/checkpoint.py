@@ -3,7 +3,9 @@
 A checkpoint folder holds ``model.safetensors``, ``optimizer.safetensors`` and
 ``trainer_state.json``. It is written under a temporary name, every file fsynced, then renamed into
 place; ``checkpoints/latest`` (a one-line text file naming the folder) is replaced last. A run
-killed at any moment therefore always finds a complete checkpoint through ``latest``.
+killed at any moment therefore always finds a complete checkpoint through ``latest``. The free
+space is checked before writing; a full disk or read-only folder is one LmlabError, with the
+temporary folder removed and the previous checkpoint and ``latest`` untouched.
 
 This is the only checkpoint format, in one process, DDP and FSDP2 alike (FSDP2 gathers its
 shards first: :mod:`.sharded_checkpoint`); nothing in it is a pickle. Reading trusts nothing:
@@ -17,6 +19,7 @@ nothing.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -32,6 +35,7 @@ from safetensors.torch import load_file, save_file, save_model
 from torch import nn
 
 from lmlab.errors import CheckpointError
+from lmlab.fsutil import check_free_space, writing
 from lmlab.safeio import KiB, MiB, inside, read_bytes, read_json_object
 from lmlab.training.weights_fit import check_weights_fit, safetensors_header
 
@@ -157,6 +161,21 @@ def _optimizer_param_names(optimizer: torch.optim.Optimizer, model: nn.Module) -
     return [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
 
 
+def checkpoint_bytes(model: nn.Module, optimizer_state: dict[str, torch.Tensor] | None) -> int:
+    """Bytes a checkpoint of ``model`` (tied weights once) and ``optimizer_state`` takes on
+    disk, within the safetensors headers (a few kB per file)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for t in model.state_dict().values():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())  # a tied weight: once
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    for t in (optimizer_state or {}).values():
+        total += t.numel() * t.element_size()
+    return total + 64 * 1024
+
+
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -168,40 +187,68 @@ def save_checkpoint(
     """Write checkpoint ``step`` atomically, point ``latest`` at it, keep the newest ``keep``.
 
     Returns the checkpoint folder. Tied weights are stored once (safetensors ``save_model``).
+    The free space is checked first (:func:`checkpoint_bytes`); raises LmlabError naming the
+    folder and the bytes needed when it is short or a write meets a full disk or a read-only
+    folder. On any failure the temporary folder is removed and the previous checkpoint and
+    ``latest`` are left as they were.
     """
     root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(step)
     tmp = root / f".tmp-{checkpoint_name(step)}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_model(model, str(tmp / MODEL_FILE))
-    if optimizer is not None:
-        save_file(optimizer_tensors(optimizer, model), str(tmp / OPTIMIZER_FILE))
-    (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
-    publish_checkpoint(tmp, final, keep)
+    tensors = optimizer_tensors(optimizer, model) if optimizer is not None else None
+    needed = checkpoint_bytes(model, tensors)
+    with writing(root, needed):
+        root.mkdir(parents=True, exist_ok=True)
+        check_free_space(root, needed, f"checkpoint {final.name}")
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+            save_model(model, str(tmp / MODEL_FILE))
+            if tensors is not None:
+                save_file(tensors, str(tmp / OPTIMIZER_FILE))
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+            publish_checkpoint(tmp, final, keep)
+        except SafetensorError as e:  # safetensors reports a failed write as its own error
+            if "No space left" in str(e) or "os error 28" in str(e):
+                raise OSError(errno.ENOSPC, "No space left on device", str(tmp)) from None
+            raise
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
 def publish_checkpoint(tmp: Path, final: Path, keep: int) -> None:
     """Make a fully written temporary checkpoint folder the latest one, atomically: fsync every
-    file, rename the folder into place, then replace ``latest``; prune to the newest ``keep``."""
+    file, rename the folder into place, then replace ``latest``; prune to the newest ``keep``.
+
+    A failure before ``latest`` is replaced leaves ``latest`` and every older checkpoint as they
+    were (a checkpoint renamed into place but never pointed at is removed again)."""
     root = final.parent
     for f in sorted(tmp.rglob("*"), reverse=True):  # files before the folders holding them
         if f.is_file():
             os.chmod(f, 0o644)  # safetensors creates 0600 files; a run folder is shareable
         _fsync(f)
     _fsync(tmp)
+    old = root / f".old-{final.name}-{os.getpid()}"
     if final.exists():  # re-saving the same step (e.g. a resumed run that was already complete)
-        shutil.rmtree(final)
+        os.replace(final, old)
     os.replace(tmp, final)
-    _fsync(root)
     pointer = root / f".{LATEST}.tmp"
-    pointer.write_text(final.name + "\n")
-    _fsync(pointer)
-    os.replace(pointer, root / LATEST)
+    try:
+        _fsync(root)
+        pointer.write_text(final.name + "\n")
+        _fsync(pointer)
+        os.replace(pointer, root / LATEST)
+    except BaseException:
+        pointer.unlink(missing_ok=True)
+        shutil.rmtree(final, ignore_errors=True)
+        if old.exists():
+            os.replace(old, final)
+        raise
     _fsync(root)
+    shutil.rmtree(old, ignore_errors=True)
     _prune(root, keep, final.name)
 
 
@@ -210,7 +257,7 @@ def _prune(root: Path, keep: int, current: str) -> None:
     for old in steps[: max(0, len(steps) - keep)]:
         if old.name != current:
             shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob(".tmp-*"):
+    for stale in [*root.glob(".tmp-*"), *root.glob(".old-*")]:
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)
 

@@ -35,6 +35,7 @@ from lmlab.data.dataset import batch_rng, build_token_cache, check_split_length
 from lmlab.data.tokenizer import fit_tokenizer
 from lmlab.data.tokenizer_config import save_tokenizer
 from lmlab.errors import Interrupted, LmlabError
+from lmlab.fsutil import write_error
 from lmlab.models.build import build_model
 from lmlab.run import CONFIG_FILE, load_run_tokenizer, read_run_config
 from lmlab.training import checkpoint as ckpt_io
@@ -51,7 +52,7 @@ from lmlab.training.guard import (
 from lmlab.training.hardware import autocast, matmul_peak, resolve_device, synchronize
 from lmlab.training.init_from import start_from
 from lmlab.training.memory import check_training_memory
-from lmlab.training.metrics import METRICS_FILE, MetricsLogger, plot_losses, truncate_metrics
+from lmlab.training.metrics import MetricsLogger, plot_losses, truncate_metrics
 from lmlab.training.objectives import (
     CausalLM,
     Objective,
@@ -60,6 +61,7 @@ from lmlab.training.objectives import (
     set_seq2seq_ids,
 )
 from lmlab.training.optim import build_optimizer, lr_at
+from lmlab.training.run_folder import RunFolder, claim_new_run, claim_resumed_run
 
 # Settings that may differ when a run is resumed (they do not change what is computed).
 RESUMABLE_CHANGES = {"train.max_steps", "train.device"}
@@ -82,22 +84,40 @@ class TrainResult:
     steps_run: int = 0  # optimizer steps taken by this call (tokens_per_s and mfu average them)
 
 
+@dataclass
+class PreparedRun:
+    """What :func:`prepare_run` resolved: the config, the claimed (locked) run folder, and
+    whether the run continues from a checkpoint."""
+
+    cfg: RunConfig
+    folder: RunFolder
+    resuming: bool
+
+    @property
+    def run_dir(self) -> Path:
+        return self.folder.path
+
+
 def prepare_run(
     cfg: RunConfig | None,
     out: Path | None,
     resume: Path | None,
     max_steps: int | None,
     clean: bool = True,
-) -> tuple[RunConfig, Path, bool]:
-    """Resolve the config and run folder. Returns (config, run_dir, resuming).
+    overwrite: bool = False,
+) -> PreparedRun:
+    """Resolve the config and claim the run folder (:mod:`lmlab.training.run_folder`: locked
+    by rank 0, ``clean``, until the caller releases ``folder``).
 
-    A folder counts as a run once it holds a checkpoint; a folder left by a run that failed or
-    was stopped before its first checkpoint is started afresh (its stale files are removed when
-    ``clean``: by rank 0 only).
+    A folder counts as a run once it holds a checkpoint; a folder lmlab made for a run that
+    failed or was stopped before its first checkpoint is started afresh. A folder holding a run
+    or files lmlab did not write is refused unless ``overwrite``.
     """
     if resume is not None:
         if out is not None and Path(out).resolve() != Path(resume).resolve():
             raise LmlabError("--out cannot be combined with --resume (a run stays in its folder)")
+        if overwrite:
+            raise LmlabError("--overwrite starts a new run; it cannot be combined with --resume")
         saved = read_run_config(resume)
         if cfg is not None:
             # Fields a new run fills in (from the tokenizer, max_steps) compare as filled in.
@@ -129,31 +149,16 @@ def prepare_run(
                     f"it: {', '.join(changed)}. Only --max-steps (and --device, --time-budget) may "
                     "change on resume; start a new run for anything else"
                 )
+        folder = claim_resumed_run(Path(resume), clean)  # checked: now lock it
         if max_steps is not None:
             saved.train.max_steps = max_steps
-        return saved, Path(resume), True
+        return PreparedRun(saved, folder, True)
     assert cfg is not None
     run_dir = Path(out) if out is not None else Path("runs") / cfg.name
-    if run_dir.exists() and not run_dir.is_dir():
-        raise LmlabError(f"--out {run_dir} is a file; give a folder for the run")
-    if has_checkpoint(run_dir):
-        raise LmlabError(
-            f"{run_dir} already holds a run; continue it with --resume {run_dir} or choose "
-            "another --out"
-        )
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise LmlabError(f"cannot create run folder {run_dir}: {e.strerror or e}") from None
-    for stale in (METRICS_FILE, "tb") if clean else ():  # left by an attempt with no checkpoint
-        path = run_dir / stale
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
+    folder = claim_new_run(run_dir, overwrite, clean)
     if max_steps is not None:
         cfg.train.max_steps = max_steps
-    return cfg, run_dir, False
+    return PreparedRun(cfg, folder, False)
 
 
 def _batch_loss(
@@ -205,6 +210,7 @@ def train(
     device: str | None = None,
     progress: bool | None = None,
     init_from: str | Path | None = None,
+    overwrite: bool = False,
 ) -> TrainResult:
     """Train a model and write its run folder (see :mod:`lmlab.run` for the layout).
 
@@ -214,53 +220,90 @@ def train(
     this many seconds of training (checkpoint written). device: overrides ``train.device``.
     progress: show a progress bar (default: when stderr is a terminal). init_from: start a new
     run from this model's weights, config and tokenizer (:mod:`lmlab.training.init_from`).
+    overwrite: write a new run into a folder that holds a run or other files, replacing only
+    the entries a run folder has (:mod:`lmlab.training.run_folder`).
 
     Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK set) every rank calls this with the same
     arguments; see :mod:`lmlab.training.distributed`.
 
-    Raises LmlabError for bad input: missing/empty/non-UTF-8 corpus, an occupied run folder,
-    a changed config on resume, a corrupt checkpoint, a run whose estimated peak memory exceeds
-    the machine's (:mod:`lmlab.training.memory`), or more than ``train.max_skipped_steps``
-    consecutive steps with a non-finite loss or gradient (the last good state is checkpointed).
-    Ctrl-C and SIGTERM finish the step in progress, checkpoint, and raise Interrupted (exit code
-    130, 143) with the command that resumes; a second Ctrl-C stops at once, without checkpoint.
-    A run folder this call created is removed again when it fails before its first checkpoint
-    (one process only; under torchrun it stays and the next attempt starts it afresh).
+    The run folder is locked for the whole call (:mod:`lmlab.runlock`): a second writer gets an
+    LmlabError naming this process's pid. Raises LmlabError for bad input: missing/empty/non-UTF-8
+    corpus, an occupied run folder, a changed config on resume, a corrupt checkpoint, a run whose
+    estimated peak memory exceeds the machine's (:mod:`lmlab.training.memory`), a full disk or
+    read-only folder (naming the path and the bytes needed; the last checkpoint stays intact), or
+    more than ``train.max_skipped_steps`` consecutive steps with a non-finite loss or gradient
+    (the last good state is checkpointed). Ctrl-C and SIGTERM finish the step in progress,
+    checkpoint, and raise Interrupted (exit code 130, 143) with the command that resumes; a
+    second Ctrl-C stops at once, without checkpoint. A run folder this call created is removed
+    again when it fails before its first checkpoint (one process only; under torchrun it stays
+    and the next attempt starts it afresh), except when it was stopped by Ctrl-C or SIGTERM:
+    then it is kept and the message says so. A folder holding a checkpoint, or one this call did
+    not create, is never removed.
     """
-    fresh = None  # the run folder this call creates: removed if it fails before a checkpoint
-    if resume is None and cfg is not None:
+    if init_from is not None and resume is not None:
+        raise LmlabError("--init-from starts a new run and --resume continues one; give one")
+    if time_budget is not None and not time_budget > 0:
+        raise LmlabError(f"--time-budget must be a positive number of seconds, got {time_budget}")
+    if init_from is not None and cfg is not None:  # --overwrite would delete what it reads
         target = Path(out) if out else Path("runs") / cfg.name
-        fresh = None if target.exists() else target
-    with session() as par:
-        try:
-            return _train(
-                par, cfg, out, resume, max_steps, time_budget, device, progress, init_from
+        source = Path(init_from).resolve()
+        if source == target.resolve() or target.resolve() in source.parents:
+            raise LmlabError(
+                f"--out {target} holds the --init-from model {init_from}; choose another --out"
             )
-        except BaseException:
-            if fresh is not None and par.world_size == 1 and not has_checkpoint(fresh):
-                shutil.rmtree(fresh, ignore_errors=True)  # nothing to resume: leave no trace
-            raise
+    with session() as par:
+        run = prepare_run(
+            cfg,
+            Path(out) if out else None,
+            Path(resume) if resume else None,
+            max_steps,
+            par.is_main,
+            overwrite,
+        )
+        try:
+            return _train(par, run, time_budget, device, progress, init_from)
+        except BaseException as e:
+            replacement = _after_failure(e, run, par.world_size)
+            if replacement is None:
+                raise
+            raise replacement from None
+        finally:
+            run.folder.release()
+
+
+def _after_failure(e: BaseException, run: PreparedRun, world_size: int) -> BaseException | None:
+    """Tidy up after a failed run and return the error to raise instead of ``e`` (None: ``e``).
+
+    A folder this call created with no checkpoint is removed (nothing to resume), unless the
+    run was stopped by the user (Ctrl-C, SIGTERM): then it is kept and the message says so. A
+    full disk or read-only folder becomes one LmlabError naming the path."""
+    run_dir = run.run_dir
+    kept = has_checkpoint(run_dir)
+    stopped = isinstance(e, (KeyboardInterrupt, Interrupted))
+    if run.folder.created and world_size == 1 and not kept and not stopped:
+        shutil.rmtree(run_dir, ignore_errors=True)  # nothing to resume: leave no trace
+    if stopped and not kept and not run.resuming and run.folder.lock is not None:
+        said = str(e) if isinstance(e, Interrupted) else "interrupted before the first checkpoint"
+        return Interrupted(
+            f"{said}; {run_dir} keeps what was written so far (no checkpoint), and the same "
+            "lmlab train command starts the run afresh",
+            e.exit_code if isinstance(e, Interrupted) else 130,
+        )
+    if isinstance(e, OSError):
+        return write_error(e, run_dir)
+    return None
 
 
 def _train(
     par: Parallel,
-    cfg: RunConfig | None,
-    out: str | Path | None,
-    resume: str | Path | None,
-    max_steps: int | None,
+    run: PreparedRun,
     time_budget: float | None,
     device: str | None,
     progress: bool | None,
     init_from: str | Path | None = None,
 ) -> TrainResult:
-    if init_from is not None and resume is not None:
-        raise LmlabError("--init-from starts a new run and --resume continues one; give one")
-    if time_budget is not None and not time_budget > 0:
-        raise LmlabError(f"--time-budget must be a positive number of seconds, got {time_budget}")
     world_size, is_main = par.world_size, par.is_main
-    cfg, run_dir, resuming = prepare_run(
-        cfg, Path(out) if out else None, Path(resume) if resume else None, max_steps, is_main
-    )
+    cfg, run_dir, resuming = run.cfg, run.run_dir, run.resuming
     if device is not None:
         cfg.train.device = device
     dev = par.setup(resolve_device(cfg.train.device), cfg.train.parallel)
