@@ -484,9 +484,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     elif args.config or overrides:  # checked against the run's own config by train()
         cfg = load_config(args.config or Path(args.resume) / "config.yaml", overrides)
     if not args.resume and args.config:  # the run writes its resolved config over it
+        from lmlab.training.run_folder import made_by_lmlab
+
         name = cfg.name if cfg is not None else ""
         written = Path(args.out or Path("runs") / name) / "config.yaml"
-        if Path(args.config).resolve() == written.resolve():
+        # A config lmlab itself wrote (a run folder left without a checkpoint, whose hint says to
+        # train it again from its own config.yaml) may be replaced by its resolution; a user's not.
+        if Path(args.config).resolve() == written.resolve() and not made_by_lmlab(written.parent):
             raise LmlabError(
                 f"--config {args.config} is the file the run writes its resolved config to; "
                 "copy it out of the run folder or choose another --out"

@@ -596,17 +596,24 @@ def test_no_checkpoint_hint_trains_the_folders_own_config(tmp_path: Path, capsys
 
     from lmlab.config import save_config
     from lmlab.run import load_run
+    from lmlab.runlock import LOCK_FILE
     from tests.conftest import tiny_config
 
-    run = tmp_path / "planned"
-    run.mkdir()
     cfg = tiny_config(model={"d_model": 24, "n_layers": 1}, train={"max_steps": 2})
-    save_config(cfg, run / "config.yaml")
-    code = main(["generate", str(run), "--prompt", "To"])
-    err = capsys.readouterr().err
-    assert code == 2 and "has no checkpoint yet" in err
-    command = shlex.split(err.split(": lmlab ", 1)[1].strip())
-    assert command[0] == "train" and str(run / "config.yaml") in command
-    assert main([*command, "--no-progress"]) == 0
-    trained = load_run(run, "cpu")
-    assert (trained.config.model.d_model, trained.config.model.n_layers, trained.step) == (24, 1, 2)
+    # A folder lmlab made (its marker) is trained in place; a user's folder holding a config is
+    # never written into, so the hint trains into a new folder beside it.
+    for made_by_lmlab, trained_into in ((True, "planned"), (False, "planned-run")):
+        run = tmp_path / str(made_by_lmlab) / "planned"
+        run.mkdir(parents=True)
+        if made_by_lmlab:
+            (run / LOCK_FILE).touch()
+        save_config(cfg, run / "config.yaml")
+        code = main(["generate", str(run), "--prompt", "To"])
+        err = capsys.readouterr().err
+        assert code == 2 and "has no checkpoint yet" in err
+        command = shlex.split(err.split(": lmlab ", 1)[1].strip())
+        assert command[0] == "train" and str(run / "config.yaml") in command
+        assert main([*command, "--no-progress"]) == 0, capsys.readouterr().err
+        trained = load_run(run.parent / trained_into, "cpu")
+        got = (trained.config.model.d_model, trained.config.model.n_layers, trained.step)
+        assert got == (24, 1, 2)

@@ -327,12 +327,19 @@ def latest_checkpoint(run_dir: str | Path) -> Path:
 
 def _train_hint(run_dir: Path) -> str:
     """How to train ``run_dir`` from the start with its own config.yaml (not the defaults)."""
+    from lmlab.runlock import LOCK_FILE
+
     config = run_dir / "config.yaml"
     if config.is_file():
-        command = (
-            f"lmlab train --config {shlex.quote(str(config))} --out {shlex.quote(str(run_dir))}"
+        if (run_dir / LOCK_FILE).exists():  # lmlab's folder: train it in place from its config
+            command = f"--config {shlex.quote(str(config))} --out {shlex.quote(str(run_dir))}"
+            return f"train it first with its own config: lmlab train {command}"
+        # a folder lmlab did not make: train never writes into it, so train into a new one
+        out = shlex.quote(f"{run_dir}-run")
+        return (
+            f"{run_dir} is not a run lmlab made; train its config into a new folder: "
+            f"lmlab train --config {shlex.quote(str(config))} --out {out}"
         )
-        return f"train it first with its own config: {command}"
     return f"train it first: lmlab train --config CONFIG.yaml --out {shlex.quote(str(run_dir))}"
 
 
