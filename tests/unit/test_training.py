@@ -19,12 +19,37 @@ from tests.conftest import tiny_model_config
 def test_lr_schedule_warms_up_linearly_then_follows_the_cosine():
     cfg = TrainConfig(max_steps=110, warmup_steps=10, lr=1.0, min_lr=0.1)
     assert lr_at(0, cfg) == pytest.approx(0.1)
-    assert lr_at(9, cfg) == pytest.approx(1.0)
-    assert lr_at(60, cfg) == pytest.approx(0.1 + 0.5 * 0.9)  # half way: cos(pi/2) = 0
-    assert lr_at(110, cfg) == pytest.approx(0.1)
-    assert lr_at(500, cfg) == pytest.approx(0.1)  # an extended run stays at min_lr
-    lrs = [lr_at(s, cfg) for s in range(10, 111)]
-    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
+    assert lr_at(9, cfg) == 1.0  # the peak, at the last warmup step
+    assert lr_at(59, cfg) == pytest.approx(0.1 + 0.5 * 0.9)  # half way (9 -> 109): cos(pi/2) = 0
+    assert lr_at(109, cfg) == 0.1  # the last step
+    assert lr_at(500, cfg) == 0.1  # an extended run stays at min_lr
+
+
+@pytest.mark.parametrize(
+    ("max_steps", "warmup_steps", "lr_decay_steps"),
+    [(20, 5, None), (100, 10, None), (7, 0, None), (3, 1, None), (50, 49, None), (40, 5, 30)],
+)
+def test_lr_schedule_holds_the_peak_once_and_ends_exactly_at_min_lr(
+    max_steps, warmup_steps, lr_decay_steps
+):
+    cfg = TrainConfig(
+        max_steps=max_steps,
+        warmup_steps=warmup_steps,
+        lr_decay_steps=lr_decay_steps,
+        lr=2.0e-3,
+        min_lr=1.0e-4,
+    )
+    lrs = [lr_at(s, cfg) for s in range(max_steps)]
+    decay = lr_decay_steps or max_steps
+    for s in range(warmup_steps):  # the ramp: lr * (s + 1) / W
+        assert lrs[s] == pytest.approx(2.0e-3 * (s + 1) / warmup_steps, rel=1e-12)
+    assert lrs.count(2.0e-3) == 1  # the peak is used by one step, not two
+    peak = max(warmup_steps - 1, 0)
+    assert lrs[peak] == 2.0e-3
+    after = lrs[peak:decay]
+    assert all(a > b for a, b in zip(after, after[1:], strict=False))  # strictly decreasing
+    assert lrs[decay - 1] == 1.0e-4  # the last decay step uses exactly min_lr
+    assert all(lr == 1.0e-4 for lr in lrs[decay - 1 :])
 
 
 def test_no_weight_decay_on_norms_biases_and_embeddings():
