@@ -460,24 +460,43 @@ def _train(
             lr = lr_at(step, tc)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss_sum, aux_sum = 0.0, 0.0
-            for micro in range(tc.grad_accum_steps):
-                g = par.micro_index(micro, tc.grad_accum_steps)  # global micro-batch index
-                batch = objective.batch("train", tc.batch_size, batch_rng(tc.seed, step, g))
+            # Each micro-batch's loss is a mean over its targets; weighting it by its share of
+            # the step's targets (all micro-batches, all ranks) makes the step's loss and
+            # gradient those of one batch holding them all. When every micro-batch holds as many
+            # targets (CLM) this is the plain mean, computed as before: loss / grad_accum_steps.
+            accum = tc.grad_accum_steps
+            globals_ = [par.micro_index(micro, accum) for micro in range(accum)]
+            batches = [
+                objective.batch("train", tc.batch_size, batch_rng(tc.seed, step, g))
+                for g in globals_
+            ]
+            counts = [objective.n_targets(b) for b in batches]
+            n_total, n_squares = par.sum([float(sum(counts)), float(sum(c * c for c in counts))])
+            uniform = n_squares * accum * world_size == n_total * n_total  # all counts equal
+            loss_sum, aux_sum, weighted_sum = 0.0, 0.0, 0.0
+            for micro, (g, batch, n) in enumerate(zip(globals_, batches, counts, strict=True)):
                 torch.manual_seed(tc.seed * 1_000_003 + step * 1009 + g * 31)
-                with par.sync_gradients(micro == tc.grad_accum_steps - 1):
+                with par.sync_gradients(micro == accum - 1):
                     with autocast(dev, tc.precision):
                         output = fwd(**{k: v.to(dev) for k, v in batch.items()})
                     loss, aux = output.loss, output.aux_loss  # aux: MoE auxiliary losses or None
-                    ((loss if aux is None else loss + aux) / tc.grad_accum_steps).backward()
+                    if uniform:
+                        objective_loss = (loss if aux is None else loss + aux) / accum
+                    else:  # DDP and FSDP average gradients over ranks: hence * world_size
+                        objective_loss = loss * (n * world_size / n_total)
+                        if aux is not None:  # a mean over each micro-batch's tokens already
+                            objective_loss = objective_loss + aux / accum
+                    objective_loss.backward()
                 loss_sum += float(loss.detach())
+                weighted_sum += float(loss.detach()) * n
                 if aux is not None:
                     aux_sum += float(aux.detach())
-                    counts = torch.stack(output.expert_counts)
-                    expert_counts = counts if expert_counts is None else expert_counts + counts
-            loss_sum, aux_sum = par.mean([loss_sum, aux_sum])  # over ranks
+                    counts_e = torch.stack(output.expert_counts)
+                    expert_counts = counts_e if expert_counts is None else expert_counts + counts_e
+            loss_sum, aux_sum, weighted_sum = par.mean([loss_sum, aux_sum, weighted_sum])
             grad_norm, bad_grad = clip_gradients(model, tc.grad_clip)  # NaN/Inf: names the first
-            step_loss = loss_sum / tc.grad_accum_steps
+            # the mean over every target of the step (over ranks: mean * world_size = sum)
+            step_loss = loss_sum / accum if uniform else weighted_sum * world_size / n_total
             finite = bad_grad is None and math.isfinite(step_loss)  # the same on every rank
             if finite:
                 optimizer.step()
