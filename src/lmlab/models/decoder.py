@@ -31,6 +31,7 @@ class DecoderLM(nn.Module):
             raise LmlabError("model.vocab_size is not set (it normally comes from the tokenizer)")
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed_scale = cfg.embed_scale  # sqrt(d_model) or 1 (model.scale_embedding)
         self.position = POSITION.get(cfg.position.kind, "model.position.kind")(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         block_cls = BLOCK.get(cfg.block.kind, "model.block.kind")
@@ -89,7 +90,10 @@ class DecoderLM(nn.Module):
                     f"got {tuple(attention_mask.shape)}"
                 )
             key_mask = attention_mask.bool()  # (B, S)
-        x = self.position.embed(self.embed(input_ids), positions)  # (B, T, D)
+        x = self.embed(input_ids)  # (B, T, D)
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
+        x = self.position.embed(x, positions)
         x = self.drop(x)
         hidden: list[torch.Tensor] = []
         attns: list[torch.Tensor | None] = []
