@@ -115,7 +115,8 @@ class DecoderLM(nn.Module):
             loss = F.cross_entropy(
                 logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100
             )
-        aux_loss, expert_counts = None, []
+        aux_loss: torch.Tensor | None = None
+        expert_counts: list[torch.Tensor] = []
         if self.has_moe:  # padding (attention_mask 0) counts in neither auxiliary loss
             token_mask = None if attention_mask is None else attention_mask[:, past:]  # (B, T)
             aux_loss, expert_counts = moe_losses(self.layers, token_mask)
