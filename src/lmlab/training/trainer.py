@@ -327,7 +327,14 @@ def _train(
     fwd = torch.compile(par.wrap(model)) if tc.compile else par.wrap(model)
     tokens_per_step = objective.tokens_per_batch(tc.batch_size) * tc.grad_accum_steps * world_size
     flops_tok = flops_per_token(model, cfg.model, seq_len, True, tc.mask_prob)
-    peak = matmul_peak(dev, tc.precision) * world_size if is_main else float("nan")
+    # MFU's denominator: a robust, recorded peak (hardware.matmul_peak), never one measured while
+    # the cores were busy; NaN (MFU not reported) when there is none, or off the main rank
+    peak_info = matmul_peak(dev, tc.precision) if is_main else None
+    peak = float("nan")
+    if peak_info is not None and peak_info.flops is not None:
+        peak = peak_info.flops * world_size
+    if peak_info is not None and progress is not False:
+        print(f"MFU denominator (matmul peak): {peak_info.source}", file=sys.stderr, flush=True)
     logger = (
         MetricsLogger(run_dir, purge_step=start_step if resuming else None) if is_main else None
     )
@@ -516,10 +523,14 @@ def _train(
                 train_seconds += window_s
                 tok_s = window_tokens / window_s
                 window_t, window_tokens, paused = now, 0, 0.0
-                mfu = flops_tok * tok_s / peak if peak == peak else None
                 moe: dict[str, Any] = {}  # MoE: this step's aux loss, counts since the last log
+                mfu = min(1.0, flops_tok * tok_s / peak) if peak == peak else None
+                if peak_info is not None:  # the session's first record says which peak
+                    moe["mfu_peak_flops"] = peak if peak == peak else None  # all ranks' FLOP/s
+                    moe["mfu_peak_source"] = peak_info.source
+                    peak_info = None
                 if expert_counts is not None:
-                    moe = {"aux_loss": aux_sum / tc.grad_accum_steps}
+                    moe["aux_loss"] = aux_sum / tc.grad_accum_steps
                     moe["expert_counts"] = par.sum_tensor(expert_counts).tolist()
                     expert_counts = None
                 if logger is not None:
@@ -582,7 +593,7 @@ def _train(
             logger.close()
     steps_run = step - start_step
     avg_tok_s = steps_run * tokens_per_step / train_seconds if train_seconds > 0 else 0.0
-    avg_mfu = flops_tok * avg_tok_s / peak if avg_tok_s and peak == peak else None
+    avg_mfu = min(1.0, flops_tok * avg_tok_s / peak) if avg_tok_s and peak == peak else None
     return TrainResult(
         run_dir,
         step,
