@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -139,6 +140,10 @@ class ModelConfig:
     final_norm: bool = True
     init: str = "gpt2"  # weight initialisation scheme (lmlab list init)
     init_std: float = 0.02  # the schemes' base standard deviation
+    # token embeddings * sqrt(d_model) before positions are added (Vaswani et al. 2017), decoder
+    # and encoder; None: true for position.kind=sinusoidal (whose amplitude-1 table otherwise
+    # drowns std-0.02 embeddings), false otherwise. encoder_decoder: seq2seq.scale_embedding.
+    scale_embedding: bool | None = None
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     position: PositionConfig = field(default_factory=PositionConfig)
     norm: NormConfig = field(default_factory=NormConfig)
@@ -151,6 +156,14 @@ class ModelConfig:
     type_vocab_size: int = 2
     pooler: bool = True
     mlm_head: bool = True
+
+    @property
+    def embed_scale(self) -> float:
+        """The factor on the token embeddings of a decoder or encoder: sqrt(d_model) or 1."""
+        scale = self.scale_embedding
+        if scale is None:
+            scale = self.position.kind == "sinusoidal"
+        return math.sqrt(self.d_model) if scale else 1.0
 
     @property
     def head_dim(self) -> int:
@@ -496,6 +509,11 @@ def _validate_position(m: ModelConfig) -> None:
     from lmlab.nn.rope_scaling import ROPE_SCALING
 
     p, s = m.position, m.position.scaling
+    if m.kind == "encoder_decoder" and m.scale_embedding is not None:
+        raise ConfigError(
+            "model.scale_embedding applies to kind=decoder and encoder; an encoder_decoder "
+            "sets model.seq2seq.scale_embedding"
+        )
     ROPE_SCALING.get(s.kind, "model.position.scaling.kind")
     default = PositionConfig()
     _validate_position_tables(m)

@@ -2,10 +2,11 @@
 
 Usage: ``torchrun --nproc-per-node=2 _worker.py JOBS.json`` where JOBS.json is a list of
 ``{"config": <RunConfig dict> | null, "out": dir | null, "resume": dir | null,
-"max_steps": int | null}``. The script forms the process group itself, because torch resets its
-group counter on destroy_process_group, and a second init in the same torchrun process reuses
-stale rendezvous keys (a hang); ``train()`` uses an existing group and leaves it open. The
-shutdown is the one train() does for a group it owns.
+"max_steps": int | null, "uneven_targets": bool}`` (uneven_targets: CLM targets masked
+unequally per row, see _uneven.py). The script forms the process group itself, because torch
+resets its group counter on destroy_process_group, and a second init in the same torchrun
+process reuses stale rendezvous keys (a hang); ``train()`` uses an existing group and leaves it
+open. The shutdown is the one train() does for a group it owns.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ faulthandler.dump_traceback_later(90, exit=True)  # a hung collective fails the 
 def main(path: str) -> None:
     dist.init_process_group("gloo")
     for job in json.loads(Path(path).read_text()):
+        if job.get("uneven_targets"):
+            from _uneven import patch_uneven_clm
+
+            patch_uneven_clm(setattr)
         cfg = config_from_dict(job["config"]).validate() if job.get("config") else None
         train(
             cfg,

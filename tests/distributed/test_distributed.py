@@ -32,6 +32,7 @@ from lmlab.run import load_run
 from lmlab.training.distributed import Parallel, launch
 from lmlab.training.trainer import train
 from tests.conftest import tiny_config
+from tests.distributed._uneven import patch_uneven_clm
 
 WORKER = Path(__file__).with_name("_worker.py")
 TOL = 1e-6
@@ -194,6 +195,27 @@ def test_ddp_resume_two_ranks_to_one_continues_the_trajectory(ref4, two_ranks, t
     train(resume=run, max_steps=STEPS, progress=False)
     assert state(run, STEPS)["world_size"] == 1
     assert_same_trajectory(run, ref4, range(1, STEPS + 1))
+
+
+def test_ddp_weights_ranks_by_their_target_tokens(tmp_path, monkeypatch):
+    """2 ranks x 1 micro-batch whose rows hold unequal numbers of targets follow one process
+    training on one batch holding both ranks' rows: the loss and the gradient are the mean over
+    every target, not the mean of the ranks' means."""
+    jobs = [{"config": config(batch_size=2).to_dict(), "out": str(tmp_path / "ddp"),
+             "uneven_targets": True}]  # fmt: skip
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    assert_clean_exit(run_command([*cmd, str(WORKER), str(tmp_path / "jobs.json")]))
+    with monkeypatch.context() as m:
+        patch_uneven_clm(m.setattr, parts=2)
+        train(config(batch_size=4), out=tmp_path / "one", progress=False)
+    for key in ("train_loss", "grad_norm"):  # grad_norm: before clipping
+        got, want = metrics(tmp_path / "ddp", key), metrics(tmp_path / "one", key)
+        assert all(abs(got[s] - want[s]) < TOL for s in range(1, STEPS + 1)), (key, got, want)
+    # AdamW's first step moves each weight by lr * g / (|g| + 1e-8): entries with |g| near 1e-8
+    # turn the float32 rounding of a different summation order into ~4e-6
+    for step in range(1, STEPS + 1):
+        assert max_diff(weights(tmp_path / "ddp", step), weights(tmp_path / "one", step)) < 1e-5
 
 
 def test_cli_nproc_resumes_a_one_process_ddp_run_with_two_ranks(ref2, tmp_path):

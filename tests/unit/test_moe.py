@@ -159,6 +159,38 @@ def test_model_aux_loss_is_the_weighted_sum_pooled_over_layers():
     assert all(m.router_logits is None for m in model.modules() if isinstance(m, MoE))
 
 
+@torch.no_grad()
+def test_padding_counts_in_neither_aux_loss():
+    """Right padding under a causal mask leaves the real tokens' routing unchanged, so a padded
+    batch's aux loss must equal the unpadded rows' (padding ids differ from row to row)."""
+    model = build_model(moe_cfg(aux_loss_coef=0.3, z_loss_coef=0.02)).eval()
+    rows = torch.randint(0, 50, (2, 9))
+    pads = torch.randint(0, 50, (2, 5))
+    padded = torch.cat([rows, pads], dim=1)  # (2, 14)
+    mask = torch.cat([torch.ones(2, 9), torch.zeros(2, 5)], dim=1).long()
+    plain = model(rows).aux_loss
+    masked = model(padded, attention_mask=mask).aux_loss
+    torch.testing.assert_close(masked, plain, rtol=1e-6, atol=1e-7)
+    # each loss on its own: logits of the real rows, then of the padded batch under its mask
+    logits: list[torch.Tensor] = []
+    hooks = [
+        layer.ffn.register_forward_hook(lambda m, i, o: logits.append(m.router_logits))
+        for layer in model.layers
+    ]
+    model(rows)
+    real = list(logits)
+    logits.clear()
+    model(padded, attention_mask=mask)
+    for h in hooks:
+        h.remove()
+    flat = mask.reshape(-1)
+    torch.testing.assert_close(
+        load_balancing_loss(logits, 2, flat), load_balancing_loss(real, 2), rtol=1e-6, atol=1e-7
+    )
+    torch.testing.assert_close(router_z_loss(logits, flat), router_z_loss(real))
+    assert not torch.allclose(router_z_loss(logits), router_z_loss(real))  # padding would count
+
+
 def test_aux_loss_trains_the_router_even_with_top_1_topk_softmax():
     model = build_model(moe_cfg(top_k=1, router="topk_softmax"))
     x = torch.randint(0, 50, (2, 9))

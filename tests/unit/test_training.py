@@ -11,20 +11,46 @@ from lmlab.errors import CheckpointError
 from lmlab.evaluation.evaluate import score_tokens
 from lmlab.models import build_model
 from lmlab.training import checkpoint as ck
+from lmlab.training import trainer as trainer_module
 from lmlab.training.flops import flops_per_token, matmul_params
 from lmlab.training.optim import build_optimizer, lr_at, param_groups
-from tests.conftest import tiny_model_config
+from tests.conftest import tiny_config, tiny_model_config
 
 
 def test_lr_schedule_warms_up_linearly_then_follows_the_cosine():
     cfg = TrainConfig(max_steps=110, warmup_steps=10, lr=1.0, min_lr=0.1)
     assert lr_at(0, cfg) == pytest.approx(0.1)
-    assert lr_at(9, cfg) == pytest.approx(1.0)
-    assert lr_at(60, cfg) == pytest.approx(0.1 + 0.5 * 0.9)  # half way: cos(pi/2) = 0
-    assert lr_at(110, cfg) == pytest.approx(0.1)
-    assert lr_at(500, cfg) == pytest.approx(0.1)  # an extended run stays at min_lr
-    lrs = [lr_at(s, cfg) for s in range(10, 111)]
-    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
+    assert lr_at(9, cfg) == 1.0  # the peak, at the last warmup step
+    assert lr_at(59, cfg) == pytest.approx(0.1 + 0.5 * 0.9)  # half way (9 -> 109): cos(pi/2) = 0
+    assert lr_at(109, cfg) == 0.1  # the last step
+    assert lr_at(500, cfg) == 0.1  # an extended run stays at min_lr
+
+
+@pytest.mark.parametrize(
+    ("max_steps", "warmup_steps", "lr_decay_steps"),
+    [(20, 5, None), (100, 10, None), (7, 0, None), (3, 1, None), (50, 49, None), (40, 5, 30)],
+)
+def test_lr_schedule_holds_the_peak_once_and_ends_exactly_at_min_lr(
+    max_steps, warmup_steps, lr_decay_steps
+):
+    cfg = TrainConfig(
+        max_steps=max_steps,
+        warmup_steps=warmup_steps,
+        lr_decay_steps=lr_decay_steps,
+        lr=2.0e-3,
+        min_lr=1.0e-4,
+    )
+    lrs = [lr_at(s, cfg) for s in range(max_steps)]
+    decay = lr_decay_steps or max_steps
+    for s in range(warmup_steps):  # the ramp: lr * (s + 1) / W
+        assert lrs[s] == pytest.approx(2.0e-3 * (s + 1) / warmup_steps, rel=1e-12)
+    assert lrs.count(2.0e-3) == 1  # the peak is used by one step, not two
+    peak = max(warmup_steps - 1, 0)
+    assert lrs[peak] == 2.0e-3
+    after = lrs[peak:decay]
+    assert all(a > b for a, b in zip(after, after[1:], strict=False))  # strictly decreasing
+    assert lrs[decay - 1] == 1.0e-4  # the last decay step uses exactly min_lr
+    assert all(lr == 1.0e-4 for lr in lrs[decay - 1 :])
 
 
 def test_no_weight_decay_on_norms_biases_and_embeddings():
@@ -143,20 +169,59 @@ def test_metrics_records_are_json_lines(tmp_path: Path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_matmul_peak_keeps_the_best_measurement(tmp_path: Path, monkeypatch):
+def test_matmul_peak_keeps_the_best_good_measurement(tmp_path: Path, monkeypatch):
     from lmlab.training import hardware
 
     monkeypatch.setenv("LMLAB_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(hardware, "measure_matmul_peak", lambda device, precision: 5.0e10)
+    monkeypatch.setattr(hardware, "_cpu_busy", lambda device: None)  # a quiet machine
+    reading = {"flops": 5.0e10}
+    monkeypatch.setattr(hardware, "measure_matmul_peak", lambda device, prec: reading["flops"])
     cpu = torch.device("cpu")
-    assert hardware.matmul_peak(cpu, "bf16") == 5.0e10
-    monkeypatch.setattr(hardware, "measure_matmul_peak", lambda device, precision: 2.0e10)
-    assert hardware.matmul_peak(cpu, "bf16") == 5.0e10  # a low reading (busy cores) is ignored
-    monkeypatch.setattr(hardware, "measure_matmul_peak", lambda device, precision: 9.0e10)
-    assert hardware.matmul_peak(cpu, "bf16") == 9.0e10
-    assert hardware.matmul_peak(cpu, "fp32") == 9.0e10  # keyed by precision: a fresh entry
+    assert hardware.matmul_peak(cpu, "bf16").flops == 5.0e10
+    reading["flops"] = 2.0e10  # below 70% of the recorded best: something slowed it
+    peak = hardware.matmul_peak(cpu, "bf16")
+    assert peak.flops == 5.0e10 and "not used" in peak.source and "recorded" in peak.source
+    reading["flops"] = 9.0e10
+    assert hardware.matmul_peak(cpu, "bf16").flops == 9.0e10
+    reading["flops"] = 8.0e10  # a fair reading, not the best: the best stays
+    assert hardware.matmul_peak(cpu, "bf16").flops == 9.0e10
+    assert hardware.matmul_peak(cpu, "fp32").flops == 8.0e10  # keyed by precision: a fresh entry
     (tmp_path / "matmul_peak.json").write_text("garbage")
-    assert hardware.matmul_peak(cpu, "bf16") == 9.0e10
+    assert hardware.matmul_peak(cpu, "bf16").flops == 8.0e10  # an unreadable cache: measure
+
+
+def test_matmul_peak_measured_under_load_is_never_the_denominator(tmp_path: Path, monkeypatch):
+    from lmlab.training import hardware
+
+    monkeypatch.setenv("LMLAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(hardware, "measure_matmul_peak", lambda device, prec: 1.0e10)
+    monkeypatch.setattr(hardware, "_cpu_busy", lambda device: 7.5)  # load average 7.5
+    cpu = torch.device("cpu")
+    peak = hardware.matmul_peak(cpu, "fp32")  # busy, nothing recorded: no peak, no MFU
+    assert peak.flops is None and "busy" in peak.source and "not reported" in peak.source
+    assert not (tmp_path / "matmul_peak.json").exists()  # nor is it recorded
+    (tmp_path / "matmul_peak.json").write_text(json.dumps({"x": "bad", "y": -1.0}))
+    monkeypatch.setattr(hardware, "_cpu_busy", lambda device: None)
+    assert hardware.matmul_peak(cpu, "fp32").flops == 1.0e10  # quiet now: measured, recorded
+    monkeypatch.setattr(hardware, "_cpu_busy", lambda device: 7.5)
+    monkeypatch.setattr(hardware, "measure_matmul_peak", lambda device, prec: 3.0e10)
+    peak = hardware.matmul_peak(cpu, "fp32")  # even a higher busy reading is not recorded
+    assert peak.flops == 1.0e10 and "busy" in peak.source
+
+
+def test_mfu_is_at_most_1_and_the_log_names_the_peak(tmp_path: Path, monkeypatch, capsys):
+    from lmlab.training import hardware
+
+    tiny = hardware.MatmulPeak(1.0, "1 FLOP/s, a test's peak")  # far below any real rate
+    monkeypatch.setattr(trainer_module, "matmul_peak", lambda device, precision: tiny)
+    cfg = tiny_config(train={"max_steps": 2})
+    res = trainer_module.train(cfg, out=tmp_path / "run", progress=None)
+    assert "MFU denominator (matmul peak): 1 FLOP/s, a test's peak" in capsys.readouterr().err
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    steps = [r for r in records if "mfu" in r]
+    assert all(r["mfu"] == 1.0 for r in steps) and res.mfu == 1.0
+    assert steps[0]["mfu_peak_flops"] == 1.0 and steps[0]["mfu_peak_source"] == tiny.source
+    assert "mfu_peak_source" not in steps[1]
 
 
 def test_measured_matmul_peak_is_a_plausible_rate():

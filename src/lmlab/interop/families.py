@@ -87,6 +87,7 @@ def _common_checks(cfg: ModelConfig, c: _Checks) -> None:
     c.require(cfg.final_norm, "model.final_norm=false")
     c.require(cfg.block.kind == "pre", f"model.block.kind={cfg.block.kind}")
     c.require(cfg.block.residual, "model.block.residual=false")
+    c.require(cfg.embed_scale == 1.0, "model.scale_embedding (token embeddings * sqrt(d_model))")
 
 
 def _rope_checks(cfg: ModelConfig, c: _Checks, partial: bool = False) -> None:

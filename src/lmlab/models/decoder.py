@@ -32,6 +32,7 @@ class DecoderLM(TiedEmbeddingsModule):
             raise LmlabError("model.vocab_size is not set (it normally comes from the tokenizer)")
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed_scale = cfg.embed_scale  # sqrt(d_model) or 1 (model.scale_embedding)
         self.position = POSITION.get(cfg.position.kind, "model.position.kind")(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         block_cls = BLOCK.get(cfg.block.kind, "model.block.kind")
@@ -90,7 +91,10 @@ class DecoderLM(TiedEmbeddingsModule):
                     f"got {tuple(attention_mask.shape)}"
                 )
             key_mask = attention_mask.bool()  # (B, S)
-        x = self.position.embed(self.embed(input_ids), positions)  # (B, T, D)
+        x = self.embed(input_ids)  # (B, T, D)
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
+        x = self.position.embed(x, positions)
         x = self.drop(x)
         hidden: list[torch.Tensor] = []
         attns: list[torch.Tensor | None] = []
@@ -112,7 +116,11 @@ class DecoderLM(TiedEmbeddingsModule):
             loss = F.cross_entropy(
                 logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100
             )
-        aux_loss, expert_counts = moe_losses(self.layers) if self.has_moe else (None, [])
+        aux_loss: torch.Tensor | None = None
+        expert_counts: list[torch.Tensor] = []
+        if self.has_moe:  # padding (attention_mask 0) counts in neither auxiliary loss
+            token_mask = None if attention_mask is None else attention_mask[:, past:]  # (B, T)
+            aux_loss, expert_counts = moe_losses(self.layers, token_mask)
         return ModelOutput(logits, loss, cache, hidden, attns, aux_loss, expert_counts)
 
     def new_cache(self) -> KVCache:

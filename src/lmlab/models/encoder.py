@@ -36,6 +36,7 @@ class EncoderLM(TiedEmbeddingsModule):
         self.cfg = cfg
         d = cfg.d_model
         self.embed = nn.Embedding(cfg.vocab_size, d)
+        self.embed_scale = cfg.embed_scale  # sqrt(d_model) or 1 (model.scale_embedding)
         self.position = POSITION.get(cfg.position.kind, "model.position.kind")(cfg)
         self.token_type = nn.Embedding(cfg.type_vocab_size, d) if cfg.type_vocab_size else None
         self.embed_norm = build_norm(cfg)
@@ -89,7 +90,10 @@ class EncoderLM(TiedEmbeddingsModule):
         positions = (
             torch.arange(t, device=input_ids.device) if position_ids is None else position_ids
         )  # (T,) or (B, T)
-        x = self.position.embed(self.embed(input_ids), positions)  # (B, T, D)
+        x = self.embed(input_ids)  # (B, T, D)
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
+        x = self.position.embed(x, positions)
         if self.token_type is not None:
             if token_type_ids is None:
                 token_type_ids = torch.zeros_like(input_ids)

@@ -94,13 +94,19 @@ def load_balancing_loss(
     return n_experts * torch.sum((counts / rows) * (prob_sum / rows))
 
 
-def router_z_loss(router_logits: Sequence[torch.Tensor]) -> torch.Tensor:
+def router_z_loss(
+    router_logits: Sequence[torch.Tensor], mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Router z-loss (Zoph et al. 2022 "ST-MoE", eq. 5): mean over all routed rows of every layer
     of (log sum_e exp(logit_e))^2. Keeps router logits small for numerical stability.
-    router_logits: one (N, E) tensor per layer -> scalar float32 tensor (>= 0; (log E)^2 when all
-    logits are 0)."""
-    z = torch.cat([torch.logsumexp(x.float(), dim=-1) for x in router_logits])
-    return z.pow(2).mean()
+    router_logits: one (N, E) tensor per layer; mask: optional (N,) bool/float, 1 for tokens that
+    count (padding 0), shared by every layer: the mean is over those rows only. -> scalar float32
+    tensor (>= 0; (log E)^2 when all logits are 0)."""
+    z2 = torch.stack([torch.logsumexp(x.float(), dim=-1) for x in router_logits]).pow(2)  # (L, N)
+    if mask is None:
+        return z2.mean()
+    w = mask.reshape(1, -1).float()  # (1, N)
+    return (z2 * w).sum() / (w.sum() * z2.shape[0])
 
 
 @FFN.register("moe")
@@ -152,8 +158,14 @@ class MoE(nn.Module):
         return out.reshape(shape).to(x.dtype)
 
 
-def moe_losses(module: nn.Module) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+def moe_losses(
+    module: nn.Module, token_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """Take the routing of every MoE layer in ``module`` after a forward pass.
+
+    token_mask: optional (B, T) (or (N,)) bool/int, 1 = real token, 0 = padding, for the tokens
+    of that forward pass: padding is left out of the load-balancing fractions and the z-loss mean
+    (it is still routed and counted in expert_counts).
 
     Returns (aux_loss, expert_counts): aux_loss = aux_loss_coef * load_balancing_loss +
     z_loss_coef * router_z_loss over all MoE layers pooled (scalar float32 tensor), and one (E,)
@@ -168,6 +180,7 @@ def moe_losses(module: nn.Module) -> tuple[torch.Tensor | None, list[torch.Tenso
     for m in layers:
         m.router_logits = m.expert_counts = None
     first = layers[0]
-    aux = first.aux_loss_coef * load_balancing_loss(logits, first.top_k)
-    aux = aux + first.z_loss_coef * router_z_loss(logits)
+    mask = None if token_mask is None else token_mask.reshape(-1)  # (N,)
+    aux = first.aux_loss_coef * load_balancing_loss(logits, first.top_k, mask)
+    aux = aux + first.z_loss_coef * router_z_loss(logits, mask)
     return aux, counts

@@ -8,6 +8,7 @@ import os
 import platform
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -53,11 +54,15 @@ def _timed() -> Iterator[list[float]]:
     out.append(time.perf_counter() - t)
 
 
-def measure_matmul_peak(device: torch.device, precision: str, seconds: float = 0.3) -> float:
+def measure_matmul_peak(
+    device: torch.device, precision: str, seconds: float = 0.3, trials: int = 5
+) -> float:
     """Measured dense matmul throughput in FLOP/s at the training dtype (the MFU denominator).
 
-    Times square matmuls of size 1024 (4096 on GPU) for about ``seconds`` and returns the best
-    rate, 2 n^3 FLOPs per matmul. This machine's number, not a datasheet constant.
+    Times square matmuls of size 1024 (4096 on GPU) in ``trials`` bursts spread over about
+    ``seconds`` (a short pause between bursts lets a competing process's time slice pass) and
+    returns the best rate, 2 n^3 FLOPs per matmul. This machine's number, not a datasheet
+    constant; it can only read low (cores or GPU shared), never high.
     """
     n = 4096 if device.type == "cuda" else 1024
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -66,15 +71,18 @@ def measure_matmul_peak(device: torch.device, precision: str, seconds: float = 0
     best = float("inf")
     for _ in range(3):  # warm-up: thread pool, caches, clocks
         torch.matmul(a, b)
-    deadline = time.perf_counter() + seconds
-    while True:
-        synchronize(device)
-        with _timed() as t:
-            torch.matmul(a, b)
+    burst = seconds / (2 * trials)
+    for _ in range(trials):
+        deadline = time.perf_counter() + burst
+        while True:
             synchronize(device)
-        best = min(best, t[0])
-        if time.perf_counter() > deadline:
-            break
+            with _timed() as t:
+                torch.matmul(a, b)
+                synchronize(device)
+            best = min(best, t[0])
+            if time.perf_counter() > deadline:
+                break
+        time.sleep(burst)
     return 2 * n**3 / best
 
 
@@ -95,27 +103,87 @@ def _device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def matmul_peak(device: torch.device, precision: str) -> float:
-    """This machine's matmul peak in FLOP/s: the best of a fresh measurement and the best one
-    recorded before (in ``cache_dir()/matmul_peak.json``, keyed by device, precision and thread
-    count). A single short measurement can read low while other work shares the cores; the
-    recorded best keeps MFU comparable between runs."""
-    measured = measure_matmul_peak(device, precision)
+# A measurement is refused as the denominator when it is below this fraction of the recorded
+# best (something slowed it), or when the CPU was busy while it ran (see _cpu_busy).
+LOW_FRACTION = 0.7
+
+
+@dataclass(frozen=True)
+class MatmulPeak:
+    """The MFU denominator: ``flops`` FLOP/s (None: no trustworthy peak, MFU is not reported)
+    and ``source``, a sentence saying where it comes from (logged at the start of training)."""
+
+    flops: float | None
+    source: str
+
+
+def _cpu_busy(device: torch.device) -> float | None:
+    """The 1-minute load average when other work held the cores this process's threads need
+    (load average + threads > cores + 0.5), else None. Always None off the CPU and where the
+    load average is unknown."""
+    if device.type != "cpu" or not hasattr(os, "getloadavg"):
+        return None
+    load = os.getloadavg()[0]
+    return load if load + torch.get_num_threads() > _cores() + 0.5 else None
+
+
+def _read_peaks(path: Path) -> dict[str, float]:
+    """The recorded peaks: key -> positive finite FLOP/s; an unreadable or malformed file (or
+    entry) counts as absent (it is a cache, rewritten on the next good measurement)."""
+    from lmlab.safeio import read_json_object
+
+    try:
+        known = read_json_object(path, "matmul peak cache")
+    except (OSError, LmlabError):
+        return {}
+    return {
+        k: float(v)
+        for k, v in known.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
+    }
+
+
+def matmul_peak(device: torch.device, precision: str) -> MatmulPeak:
+    """This machine's matmul peak (:func:`measure_matmul_peak`), measured robustly.
+
+    The best good measurement is recorded in ``cache_dir()/matmul_peak.json``, keyed by device,
+    precision and thread count. A fresh measurement is good unless the CPU was busy while it ran
+    (load average high) or it reads below LOW_FRACTION of the recorded best. The denominator is
+    the recorded best (or a new, higher good measurement); with neither good nor recorded peak
+    there is none (``flops`` None) rather than one taken under load, which would make MFU read
+    above 100%.
+    """
     key = f"{device.type}|{_device_name(device)}|{precision}|threads={torch.get_num_threads()}"
     path = cache_dir() / "matmul_peak.json"
+    known = _read_peaks(path)
+    recorded = known.get(key)
+    measured = measure_matmul_peak(device, precision)
+    busy = _cpu_busy(device)
+    note = f"{measured:.3g} FLOP/s measured now"
+    if busy is not None:
+        note += f" while the CPU was busy (load average {busy:.1f} on {_cores()} cores)"
+    good = busy is None and (recorded is None or measured >= LOW_FRACTION * recorded)
+    if good and (recorded is None or measured > recorded):
+        _record(path, {**known, key: measured})
+        return MatmulPeak(measured, f"{note}, recorded in {path}")
+    if recorded is not None:
+        why = "" if good or busy is not None else f", below {LOW_FRACTION:.0%} of it: not used"
+        best = f"{recorded:.3g} FLOP/s, the best recorded in {path}"
+        return MatmulPeak(recorded, f"{best} ({note}{why})")
+    return MatmulPeak(None, f"none: {note}, and no earlier good measurement; MFU not reported")
+
+
+def _cores() -> int:
+    from lmlab.training.distributed import available_cores
+
+    return available_cores()
+
+
+def _record(path: Path, peaks: dict[str, float]) -> None:
     try:
-        known = json.loads(path.read_text())
-        if not isinstance(known, dict):
-            known = {}
-    except (OSError, ValueError):
-        known = {}
-    best = max(measured, float(known.get(key, 0.0)))
-    if best > float(known.get(key, 0.0)):
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({**known, key: best}, indent=1))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a read-only home only costs MFU stability
-    return best
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(peaks, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home only costs MFU stability

@@ -65,6 +65,13 @@ class Objective:
         """Tokens a micro-batch counts towards ``tokens`` and tokens/s (input positions)."""
         return batch_size * self.seq_len
 
+    @staticmethod
+    def n_targets(batch: Batch) -> int:
+        """The target tokens of a batch: its ``targets`` entries other than -100, the tokens
+        the model's mean loss is taken over. The trainer weights each micro-batch's loss by this
+        count, so an optimizer step sees the mean over all its targets (one big batch's loss)."""
+        return int((batch["targets"] != -100).sum())
+
 
 OBJECTIVES: Registry[type[Objective]] = Registry("objective", "train.objective")
 

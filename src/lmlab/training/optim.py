@@ -41,12 +41,20 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate for optimizer step ``step`` (0-based): linear warmup from lr/warmup_steps to
-    lr over ``warmup_steps``, cosine decay to ``min_lr`` at ``lr_decay_steps``, then ``min_lr``."""
+    """Learning rate for optimizer step ``step`` (0-based) of a run with D = ``lr_decay_steps``
+    (default ``max_steps``) decay steps and W = ``warmup_steps``.
+
+    Linear warmup lr * (s + 1) / W for s < W, so step W - 1 is the one step at the peak ``lr``
+    (step 0 when W = 0); then a cosine from the peak down to ``min_lr``, reached exactly at the
+    last step D - 1; ``min_lr`` after it (an extended run). When W >= D the warmup fills the run
+    and ``min_lr`` follows it.
+    """
     decay_steps = cfg.lr_decay_steps or cfg.max_steps
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    if step >= decay_steps:
+    peak = max(cfg.warmup_steps - 1, 0)  # the step at full lr
+    last = decay_steps - 1  # the step at min_lr
+    if step >= last:
         return cfg.min_lr
-    progress = (step - cfg.warmup_steps) / max(1, decay_steps - cfg.warmup_steps)
+    progress = (step - peak) / (last - peak)  # 0 at the peak, 1 at the last step
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)

@@ -372,7 +372,14 @@ def _train(
     fwd = torch.compile(par.wrap(model)) if tc.compile else par.wrap(model)
     tokens_per_step = objective.tokens_per_batch(tc.batch_size) * tc.grad_accum_steps * world_size
     flops_tok = flops_per_token(model, cfg.model, seq_len, True, tc.mask_prob)
-    peak = matmul_peak(dev, tc.precision) * world_size if is_main else float("nan")
+    # MFU's denominator: a robust, recorded peak (hardware.matmul_peak), never one measured while
+    # the cores were busy; NaN (MFU not reported) when there is none, or off the main rank
+    peak_info = matmul_peak(dev, tc.precision) if is_main else None
+    peak = float("nan")
+    if peak_info is not None and peak_info.flops is not None:
+        peak = peak_info.flops * world_size
+    if peak_info is not None and progress is not False:
+        print(f"MFU denominator (matmul peak): {peak_info.source}", file=sys.stderr, flush=True)
     logger = (
         MetricsLogger(run_dir, purge_step=start_step if resuming else None) if is_main else None
     )
@@ -504,24 +511,43 @@ def _train(
             lr = lr_at(step, tc)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss_sum, aux_sum = 0.0, 0.0
-            for micro in range(tc.grad_accum_steps):
-                g = par.micro_index(micro, tc.grad_accum_steps)  # global micro-batch index
-                batch = objective.batch("train", tc.batch_size, batch_rng(tc.seed, step, g))
+            # Each micro-batch's loss is a mean over its targets; weighting it by its share of
+            # the step's targets (all micro-batches, all ranks) makes the step's loss and
+            # gradient those of one batch holding them all. When every micro-batch holds as many
+            # targets (CLM) this is the plain mean, computed as before: loss / grad_accum_steps.
+            accum = tc.grad_accum_steps
+            globals_ = [par.micro_index(micro, accum) for micro in range(accum)]
+            batches = [
+                objective.batch("train", tc.batch_size, batch_rng(tc.seed, step, g))
+                for g in globals_
+            ]
+            counts = [objective.n_targets(b) for b in batches]
+            n_total, n_squares = par.sum([float(sum(counts)), float(sum(c * c for c in counts))])
+            uniform = n_squares * accum * world_size == n_total * n_total  # all counts equal
+            loss_sum, aux_sum, weighted_sum = 0.0, 0.0, 0.0
+            for micro, (g, batch, n) in enumerate(zip(globals_, batches, counts, strict=True)):
                 torch.manual_seed(tc.seed * 1_000_003 + step * 1009 + g * 31)
-                with par.sync_gradients(micro == tc.grad_accum_steps - 1):
+                with par.sync_gradients(micro == accum - 1):
                     with autocast(dev, tc.precision):
                         output = fwd(**{k: v.to(dev) for k, v in batch.items()})
                     loss, aux = output.loss, output.aux_loss  # aux: MoE auxiliary losses or None
-                    ((loss if aux is None else loss + aux) / tc.grad_accum_steps).backward()
+                    if uniform:
+                        objective_loss = (loss if aux is None else loss + aux) / accum
+                    else:  # DDP and FSDP average gradients over ranks: hence * world_size
+                        objective_loss = loss * (n * world_size / n_total)
+                        if aux is not None:  # a mean over each micro-batch's tokens already
+                            objective_loss = objective_loss + aux / accum
+                    objective_loss.backward()
                 loss_sum += float(loss.detach())
+                weighted_sum += float(loss.detach()) * n
                 if aux is not None:
                     aux_sum += float(aux.detach())
-                    counts = torch.stack(output.expert_counts)
-                    expert_counts = counts if expert_counts is None else expert_counts + counts
-            loss_sum, aux_sum = par.mean([loss_sum, aux_sum])  # over ranks
+                    counts_e = torch.stack(output.expert_counts)
+                    expert_counts = counts_e if expert_counts is None else expert_counts + counts_e
+            loss_sum, aux_sum, weighted_sum = par.mean([loss_sum, aux_sum, weighted_sum])
             grad_norm, bad_grad = clip_gradients(model, tc.grad_clip)  # NaN/Inf: names the first
-            step_loss = loss_sum / tc.grad_accum_steps
+            # the mean over every target of the step (over ranks: mean * world_size = sum)
+            step_loss = loss_sum / accum if uniform else weighted_sum * world_size / n_total
             finite = bad_grad is None and math.isfinite(step_loss)  # the same on every rank
             if finite:
                 optimizer.step()
@@ -541,10 +567,14 @@ def _train(
                 train_seconds += window_s
                 tok_s = window_tokens / window_s
                 window_t, window_tokens, paused = now, 0, 0.0
-                mfu = flops_tok * tok_s / peak if peak == peak else None
                 moe: dict[str, Any] = {}  # MoE: this step's aux loss, counts since the last log
+                mfu = min(1.0, flops_tok * tok_s / peak) if peak == peak else None
+                if peak_info is not None:  # the session's first record says which peak
+                    moe["mfu_peak_flops"] = peak if peak == peak else None  # all ranks' FLOP/s
+                    moe["mfu_peak_source"] = peak_info.source
+                    peak_info = None
                 if expert_counts is not None:
-                    moe = {"aux_loss": aux_sum / tc.grad_accum_steps}
+                    moe["aux_loss"] = aux_sum / tc.grad_accum_steps
                     moe["expert_counts"] = par.sum_tensor(expert_counts).tolist()
                     expert_counts = None
                 if logger is not None:
@@ -610,7 +640,7 @@ def _train(
             logger.close()
     steps_run = step - start_step
     avg_tok_s = steps_run * tokens_per_step / train_seconds if train_seconds > 0 else 0.0
-    avg_mfu = flops_tok * avg_tok_s / peak if avg_tok_s and peak == peak else None
+    avg_mfu = min(1.0, flops_tok * avg_tok_s / peak) if avg_tok_s and peak == peak else None
     return TrainResult(
         run_dir,
         step,
