@@ -279,3 +279,22 @@ OPTIMIZER_CASES = {
 def test_bad_optimizer_state_is_refused_before_the_optimizer_uses_it(run, capsys, change, needle):
     _edit_optimizer(run, change)
     refused(capsys, run, "train", f"optimizer state {run / OPTIMIZER}", needle)
+
+
+# ---------------------------------------------------------------- the corpus under a run
+
+
+def test_a_corpus_changed_since_the_run_started_is_refused_on_resume(run: Path, capsys):
+    """The corpus the run's config names now holds other text: resume used to rebuild data/
+    from it silently (and train on it); it is refused, and data/ stays as it was."""
+    import yaml
+
+    from lmlab.data.corpus import load_corpus
+
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    text = load_corpus(cfg["data"]["corpus"], cfg["data"]["val_fraction"]).splits
+    changed = run.parent / "changed.txt"
+    changed.write_text(("".join(text.values()))[::-1], encoding="utf-8")  # same characters
+    cfg["data"]["corpus"] = str(changed)
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    refused(capsys, run, "resume", "is not the text this run started with", str(changed))

@@ -32,14 +32,18 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def build_token_cache(
-    corpus: Corpus, tokenizer: Tokenizer, folder: str | Path
+    corpus: Corpus, tokenizer: Tokenizer, folder: str | Path, resuming: bool = False
 ) -> dict[str, np.ndarray]:
     """Tokenise every split of ``corpus`` into ``folder`` (once; reused while the corpus
     fingerprint and vocabulary size match) and return read-only memmaps, split -> (N,) ids.
 
     The free space is checked before writing (n_tokens x itemsize bytes). Raises LmlabError
     naming the folder and the bytes needed for a full disk or a read-only folder; ``meta.json``
-    is written last, so a cache left half-written is rebuilt by the next run."""
+    is written last, so a cache left half-written is rebuilt by the next run.
+
+    ``resuming``: the run continues from a checkpoint, so a cache built from other text is
+    refused (DataError naming the corpus) instead of being rebuilt: a resumed run trains on the
+    text it started with (a missing cache is rebuilt; it then must come from the same text)."""
     out = Path(folder)
     with writing(out):
         out.mkdir(parents=True, exist_ok=True)
@@ -47,6 +51,12 @@ def build_token_cache(
     fp = corpus.fingerprint()
     dtype = token_dtype(tokenizer.vocab_size)
     meta = read_token_meta(out)
+    if resuming and meta is not None and meta["fingerprint"] != fp:
+        raise DataError(
+            f"the corpus {corpus.source} is not the text this run started with (its fingerprint "
+            f"differs from {meta_path}); a resumed run keeps its data: restore the corpus, or "
+            "start a new run from this one's weights with --init-from"
+        )
     if not (
         meta
         and meta["fingerprint"] == fp

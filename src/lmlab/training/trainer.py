@@ -330,7 +330,7 @@ def _train(
     seq_len = tc.seq_len or cfg.model.max_seq_len
     check_training_memory(cfg, dev)  # before any weight is allocated
     with par.main_first():
-        splits = build_token_cache(corpus, tokenizer, run_dir / "data")
+        splits = build_token_cache(corpus, tokenizer, run_dir / "data", resuming)
     objective = build_objective(cfg, tokenizer, splits, seq_len)
     if objective.uses_token_cache:  # seq2seq reads its own pairs
         check_split_length(splits["train"], seq_len, "train")
