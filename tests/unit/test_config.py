@@ -1,3 +1,5 @@
+import re
+import time
 from pathlib import Path
 
 import pytest
@@ -130,3 +132,107 @@ def test_two_thirds_sizing_rule_for_gated_ffns():
     assert cfg.model.d_ff == 10922
     cfg.model.ffn.d_ff = 100
     assert cfg.model.d_ff == 100  # an explicit d_ff wins
+
+
+# ----------------------------------------------------------------------------- ranges and YAML
+
+
+def test_every_numeric_field_has_a_range():
+    """A new int or float config field fails here until FIELD_RANGES gives it an interval."""
+    from lmlab.config import FIELD_RANGES, numeric_fields
+
+    fields = numeric_fields()
+    assert "train.lr" in fields and "model.norm.eps" in fields
+    assert sorted(set(fields) - set(FIELD_RANGES)) == [], "numeric fields without a range"
+    assert sorted(set(FIELD_RANGES) - set(fields)) == [], "ranges of fields that do not exist"
+
+
+def _set_field(cfg: RunConfig, name: str, value: object) -> None:
+    *path, last = name.split(".")
+    node: object = cfg
+    for part in path:
+        node = getattr(node, part)
+    setattr(node, last, value)
+
+
+def _outside(r) -> list[float]:
+    """Values just outside each end of a Range, plus NaN."""
+    step = lambda x: max(abs(x) * 1e-6, 1e-12)  # noqa: E731
+    low = r.low if r.low_open else r.low - step(r.low)
+    high = r.high if r.high_open else r.high + step(r.high)
+    return [low, high, float("nan")]
+
+
+def _field_names():
+    from lmlab.config import FIELD_RANGES
+
+    return list(FIELD_RANGES)
+
+
+@pytest.mark.parametrize("name", _field_names())
+def test_each_numeric_field_refuses_values_outside_its_range(name):
+    """check_ranges refuses both ends of every field's interval (and NaN), naming the field;
+    the defaults lie inside."""
+    from lmlab.config import FIELD_RANGES, check_ranges
+
+    r = FIELD_RANGES[name]
+    check_ranges(RunConfig())  # every default is in range
+    for value in _outside(r):
+        cfg = RunConfig()
+        _set_field(cfg, name, value)
+        with pytest.raises(ConfigError, match=rf"{re.escape(name)} must be in "):
+            check_ranges(cfg)
+
+
+def test_range_interval_notation():
+    from lmlab.config import FIELD_RANGES
+
+    assert str(FIELD_RANGES["model.dropout"]) == "[0, 1)"
+    assert str(FIELD_RANGES["model.norm.eps"]) == "(0, 0.1]"
+    assert 1.0 not in FIELD_RANGES["train.beta2"] and float("nan") not in FIELD_RANGES["train.lr"]
+
+
+def test_yaml_merge_keys_override_without_counting_as_duplicates():
+    from lmlab.config import parse_yaml
+
+    text = "base: &b {x: 1, y: 2}\nv: {<<: *b, y: 3}\n"
+    assert parse_yaml(text, "t") == {"base": {"x": 1, "y": 2}, "v": {"x": 1, "y": 3}}
+
+
+def test_yaml_duplicate_key_names_key_and_line():
+    from lmlab.config import parse_yaml
+
+    with pytest.raises(ConfigError, match=r"t repeats the key 'b' in one mapping \(line 3\)"):
+        parse_yaml("a: 1\nb: 2\nb: 3\n", "t")
+
+
+def test_yaml_alias_expansion_is_counted_without_expanding():
+    """Nine levels of ten aliases (10**9 leaves) are measured and refused at once; a shared
+    anchor used a few times stays allowed."""
+    from lmlab.config import YAML_MAX_NODES, parse_yaml
+
+    lines = ["l0: &l0 [" + ", ".join(["x"] * 10) + "]"]
+    lines += [f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 10) + "]" for i in range(1, 9)]
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match=f"more than {YAML_MAX_NODES:,} YAML values"):
+        parse_yaml("\n".join(lines), "t")
+    assert time.perf_counter() - t0 < 2.0
+    assert parse_yaml("\n".join(lines[:3]), "t")["l2"][9][9] == ["x"] * 10  # 1,000 leaves
+
+
+def test_yaml_within_the_node_bound_is_read():
+    from lmlab.config import YAML_MAX_NODES, parse_yaml
+
+    n = YAML_MAX_NODES - 10
+    assert len(parse_yaml("[" + ",".join(["1"] * n) + "]", "t")) == n
+    with pytest.raises(ConfigError, match="YAML values"):
+        parse_yaml("[" + ",".join(["1"] * (YAML_MAX_NODES + 1)) + "]", "t")
+
+
+def test_shipped_experiments_use_aliases_within_the_bounds():
+    from lmlab.experiments.spec import load_experiment
+
+    root = Path(__file__).resolve().parents[2] / "experiments"
+    exp = load_experiment(root / "moe.yaml")  # <<: *moe merges, with one field overridden
+    assert exp.variants["moe-aux0.1"]["model.ffn.aux_loss_coef"] == 0.1
+    assert exp.variants["moe-aux0.1"]["model.ffn.n_experts"] == 8
