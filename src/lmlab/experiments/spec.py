@@ -333,11 +333,10 @@ def experiment_from_dict(raw: Any, path: Path | None = None) -> Experiment:
     if (
         not isinstance(seeds, list)
         or not seeds
-        or any(not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < 2**32 for s in seeds)
+        or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in seeds)
     ):
         raise ConfigError(
-            f"{where}: seeds must be a non-empty list of integers >= 0 (below 2**32), got "
-            f"{short_repr(seeds)}"
+            f"{where}: seeds must be a non-empty list of integers >= 0, got {short_repr(seeds)}"
         )
     if len(set(seeds)) != len(seeds):
         raise ConfigError(f"{where}: seeds repeat a value: {short_repr(seeds)}")
