@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from typing import Any, TypeVar, Union
 import yaml
 
 from lmlab.errors import ConfigError
+from lmlab.safeio import is_yaml, parse_yaml, short_repr
 
 # ----------------------------------------------------------------------------- model sections
 
@@ -331,9 +331,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Read a YAML config (or the defaults when ``path`` is None), apply ``--set`` overrides.
 
     Each override is ``dotted.key=value``; the value is parsed as YAML (``8``, ``true``, ``null``).
-    The file must be a regular file of at most :data:`CONFIG_MAX_BYTES`; it is parsed by
-    :func:`parse_yaml` (duplicate keys refused, aliases bounded). Raises :class:`ConfigError`
-    naming the file or field at fault.
+    The file must be a regular file of at most :data:`CONFIG_MAX_BYTES`, parsed by
+    :func:`lmlab.safeio.parse_yaml` (duplicate keys refused, aliases bounded). Raises
+    :class:`ConfigError` naming the file or field at fault.
     """
     data: dict[str, Any] = {}
     if path is not None:
@@ -351,122 +351,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 # ----------------------------------------------------------------------------- YAML in, bounded
 
 CONFIG_MAX_BYTES = 1 << 20  # a config or experiment file: shipped ones are under 4 KiB
-YAML_MAX_NODES = 100_000  # scalars + sequences + mappings, counted with every alias expanded
-YAML_MAX_DEPTH = 32  # nesting levels (a config nests 4)
-_MERGE_TAG = "tag:yaml.org,2002:merge"
-
-
-class YAMLSyntaxError(ConfigError):
-    """Text that is not YAML at all (as opposed to YAML over a bound or with a duplicate key)."""
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """PyYAML's SafeLoader (plain data only: no tags that build Python objects); lmlab checks the
-    composed node graph (:func:`_check_nodes`) before it constructs anything."""
-
-
-def _check_nodes(root: yaml.Node, where: str) -> None:
-    """Refuse a YAML node graph that expands (through aliases) to more than
-    :data:`YAML_MAX_NODES` nodes or nests deeper than :data:`YAML_MAX_DEPTH` (an alias to a node
-    that contains it nests forever), or a mapping that repeats a key. Each node is visited once
-    (sizes are memoised), so an alias bomb is measured without being expanded."""
-    sizes: dict[int, int] = {}
-
-    def size(node: yaml.Node, depth: int) -> int:
-        if depth > YAML_MAX_DEPTH:
-            raise ConfigError(
-                f"{where} nests more than {YAML_MAX_DEPTH} levels deep (or an alias refers to a "
-                f"node that contains it), at line {node.start_mark.line + 1}"
-            )
-        if id(node) in sizes:
-            return sizes[id(node)]
-        n = 1
-        if isinstance(node, yaml.SequenceNode):
-            children = list(node.value)
-        elif isinstance(node, yaml.MappingNode):
-            children = [c for pair in node.value for c in pair]
-            seen: set[str] = set()
-            for key, _ in node.value:
-                if isinstance(key, yaml.ScalarNode) and key.tag != _MERGE_TAG:
-                    if key.value in seen:
-                        raise ConfigError(
-                            f"{where} repeats the key {key.value[:80]!r} in one mapping (line "
-                            f"{key.start_mark.line + 1}); YAML keeps only the last: remove one"
-                        )
-                    seen.add(key.value)
-        else:
-            children = []
-        for child in children:
-            n += size(child, depth + 1)
-            if n > YAML_MAX_NODES:
-                raise ConfigError(
-                    f"{where} holds more than {YAML_MAX_NODES:,} YAML values once its aliases "
-                    "(*name) are expanded; lmlab reads at most that many"
-                )
-        sizes[id(node)] = n
-        return n
-
-    size(root, 0)
-
-
-def parse_yaml(text: str, where: str) -> Any:
-    """Plain data from YAML text, bounded: duplicate keys refused, at most
-    :data:`YAML_MAX_NODES` values after alias expansion, :data:`YAML_MAX_DEPTH` levels. Aliases
-    and merge keys (``<<: *base``) are allowed within those bounds. Raises :class:`ConfigError`
-    naming ``where`` (:class:`YAMLSyntaxError` for text that is not YAML); never echoes the text."""
-    loader = _StrictLoader(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        _check_nodes(node, where)
-        return loader.construct_document(node)
-    except ConfigError:
-        raise
-    except yaml.YAMLError as e:
-        raise YAMLSyntaxError(f"{where} is not valid YAML: {_yaml_problem(e)}") from None
-    except RecursionError:
-        raise ConfigError(f"{where} nests too deeply to be a config") from None
-    except (ValueError, TypeError, OverflowError) as e:  # a bad date, a 5000-digit integer
-        raise YAMLSyntaxError(f"{where} is not valid YAML: {str(e)[:200]}") from None
-    finally:
-        loader.dispose()
 
 
 def read_yaml(path: str | Path, what: str = "config file") -> Any:
-    """:func:`parse_yaml` of a regular UTF-8 file of at most :data:`CONFIG_MAX_BYTES` (a FIFO,
-    device, folder or symlink loop is refused by :func:`lmlab.safeio.read_bytes`)."""
-    from lmlab.safeio import read_bytes
+    """A config or experiment file: :func:`lmlab.safeio.read_yaml` of a regular UTF-8 file of at
+    most :data:`CONFIG_MAX_BYTES` (duplicate keys refused, aliases bounded). Raises ConfigError."""
+    from lmlab.safeio import read_yaml as read
 
-    p = Path(path)
-    raw = read_bytes(p, what, CONFIG_MAX_BYTES, ConfigError)
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{what} {p} is not valid YAML: {_yaml_problem(e)}") from None
-    return parse_yaml(text, f"{what} {p}")
-
-
-def short_repr(value: Any) -> str:
-    """``repr(value)`` cut to a few items and characters, for error messages (a value read from
-    a file may be huge)."""
-    return _SHORT.repr(value)
-
-
-_SHORT = reprlib.Repr()
-_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxtuple = 3, 6, 6, 6
-_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 80, 80, 40
-
-
-def _yaml_problem(e: Exception) -> str:
-    """One line for a YAML or decoding error: the problem and where (line, column; 1-based)."""
-    if isinstance(e, UnicodeDecodeError):
-        return f"not UTF-8 text (invalid byte at offset {e.start})"
-    problem = getattr(e, "problem", None)
-    mark = getattr(e, "problem_mark", None)
-    if problem and mark is not None:
-        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return read(path, what, CONFIG_MAX_BYTES, ConfigError)
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:
@@ -474,10 +366,9 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     if "=" not in item:
         raise ConfigError(f"--set expects dotted.key=value, got {item!r}")
     key, raw = item.split("=", 1)
-    try:
-        value = parse_yaml(raw, f"--set {key.strip()}") if raw.strip() else raw
-    except YAMLSyntaxError:
-        value = raw
+    value: Any = raw
+    if raw.strip() and is_yaml(raw):  # else the text itself (a path with ': ' in it ...)
+        value = parse_yaml(raw, f"--set {key.strip()}", ConfigError)
     parts = key.strip().split(".")
     node = data
     for part in parts[:-1]:

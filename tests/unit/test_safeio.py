@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -146,3 +147,35 @@ def test_paths_may_be_str_or_path(tmp_path):
     (tmp_path / "o.json").write_text('{"a": 1}')
     assert safeio.read_json_object(str(tmp_path / "o.json")) == {"a": 1}
     assert safeio.read_json_object(Path(tmp_path / "o.json")) == {"a": 1}
+
+
+# ----------------------------------------------------------------------------- YAML
+
+
+def test_yaml_merge_keys_override_without_counting_as_duplicates():
+    text = "base: &b {x: 1, y: 2}\nv: {<<: *b, y: 3}\n"
+    assert safeio.parse_yaml(text, "t") == {"base": {"x": 1, "y": 2}, "v": {"x": 1, "y": 3}}
+
+
+def test_yaml_duplicate_key_names_key_and_line():
+    with pytest.raises(LmlabError, match=r"t repeats the key 'b' in one mapping \(line 3\)"):
+        safeio.parse_yaml("a: 1\nb: 2\nb: 3\n", "t")
+
+
+def test_yaml_alias_expansion_is_counted_without_expanding():
+    """Nine levels of ten aliases (10**9 leaves) are measured and refused at once; a shared
+    anchor used a few times stays allowed."""
+    lines = ["l0: &l0 [" + ", ".join(["x"] * 10) + "]"]
+    lines += [f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 10) + "]" for i in range(1, 9)]
+    t0 = time.perf_counter()
+    with pytest.raises(LmlabError, match=f"more than {safeio.YAML_MAX_NODES:,} YAML values"):
+        safeio.parse_yaml("\n".join(lines), "t")
+    assert time.perf_counter() - t0 < 2.0
+    assert safeio.parse_yaml("\n".join(lines[:3]), "t")["l2"][9][9] == ["x"] * 10  # 1,000 leaves
+
+
+def test_yaml_within_the_node_bound_is_read():
+    n = safeio.YAML_MAX_NODES - 10
+    assert len(safeio.parse_yaml("[" + ",".join(["1"] * n) + "]", "t")) == n
+    with pytest.raises(LmlabError, match="YAML values"):
+        safeio.parse_yaml("[" + ",".join(["1"] * (safeio.YAML_MAX_NODES + 1)) + "]", "t")

@@ -41,8 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmlab.config import RunConfig, config_from_dict, read_yaml, short_repr
+from lmlab.config import RunConfig, config_from_dict, read_yaml
 from lmlab.errors import ConfigError, LmlabError
+from lmlab.safeio import short_repr
 
 TOP_LEVEL = (
     "name",
@@ -374,7 +375,7 @@ def experiment_from_dict(raw: Any, path: Path | None = None) -> Experiment:
 
 def load_experiment(path: str | Path) -> Experiment:
     """Read and validate an experiment YAML (a regular file of at most
-    :data:`lmlab.config.CONFIG_MAX_BYTES`, parsed by :func:`lmlab.config.parse_yaml`: duplicate
+    :data:`lmlab.config.CONFIG_MAX_BYTES`, parsed by :func:`lmlab.safeio.parse_yaml`: duplicate
     keys refused, aliases bounded). Raises ConfigError naming the file and field."""
     p = Path(path)
     return experiment_from_dict(read_yaml(p, "experiment file"), p)
