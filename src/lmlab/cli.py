@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="train in N processes on this machine through torchrun (DDP; FSDP2 with --set "
         "train.parallel=fsdp), each with cores/N threads; the global batch is N x batch_size x "
-        "grad_accum_steps",
+        "grad_accum_steps; N is at most 4 x the cores this process may use (and 256)",
     )
     t.add_argument(
         "--progress",
@@ -873,6 +873,36 @@ def _check_text_args(args: argparse.Namespace) -> None:
                     ) from None
 
 
+# Numeric flags (argparse dest) -> (lowest, highest) allowed, checked before a command runs. A
+# lowest of None is checked where the value is used (--stride against the context, --max-steps
+# as train.max_steps, --time-budget as positive seconds); --nproc against the cores in launch().
+NUMERIC_FLAGS: dict[str, tuple[int | None, float]] = {
+    "max_steps": (None, 10**9),  # optimizer steps
+    "time_budget": (None, 1e8),  # seconds (three years)
+    "stride": (None, 1 << 24),  # tokens
+    "max_tokens": (2, 1 << 40),  # tokens
+    "batch_size": (1, 1 << 16),  # windows per forward pass
+    "max_new_tokens": (0, 1 << 20),  # tokens
+    "max_context": (2, 1 << 24),  # tokens
+    "seq_len": (1, 1 << 24),  # tokens
+    "batch": (1, 1 << 20),  # sequences
+    "context": (1, 1 << 30),  # KV-cache tokens
+}
+
+
+def _check_numeric_args(args: argparse.Namespace) -> None:
+    """Refuse a numeric flag outside :data:`NUMERIC_FLAGS` (NaN and inf included) in one line."""
+    for name, (low, high) in NUMERIC_FLAGS.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if low is not None and not value >= low:  # (NaN fails this)
+            raise LmlabError(f"{flag} must be >= {low}, got {value}")
+        if value > high:
+            raise LmlabError(f"{flag} must be <= {high:,.0f}, got {value}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -884,6 +914,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = getattr(args, "debug", False) or bool(os.environ.get("LMLAB_DEBUG"))
     try:
         _check_text_args(args)
+        _check_numeric_args(args)
         return COMMANDS[args.command](args)
     except Interrupted as e:
         print(str(e), file=sys.stderr)

@@ -20,6 +20,7 @@ from typing import Any, TypeVar, Union
 import yaml
 
 from lmlab.errors import ConfigError
+from lmlab.safeio import is_yaml, parse_yaml, short_repr
 
 # ----------------------------------------------------------------------------- model sections
 
@@ -293,10 +294,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return _coerce(value, a, where)
             except ConfigError:
                 pass
-        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {short_repr(value)}")
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a section (mapping), got {value!r}")
+            raise ConfigError(f"{where}: expected a section (mapping), got {short_repr(value)}")
         return _from_dict(tp, value, where)  # type: ignore[arg-type]
     if tp is bool:
         if isinstance(value, bool):
@@ -313,11 +314,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             pass
     elif tp is str and isinstance(value, str):
         return value
-    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {short_repr(value)}")
 
 
 def _fail(tp: Any, value: Any, where: str) -> Any:
-    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {short_repr(value)}")
 
 
 def _from_dict(cls: type[C], data: dict[str, Any], prefix: str) -> C:
@@ -375,17 +376,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Read a YAML config (or the defaults when ``path`` is None), apply ``--set`` overrides.
 
     Each override is ``dotted.key=value``; the value is parsed as YAML (``8``, ``true``, ``null``).
-    Raises :class:`ConfigError` naming the file or field at fault.
+    The file must be a regular file of at most :data:`CONFIG_MAX_BYTES`, parsed by
+    :func:`lmlab.safeio.parse_yaml` (duplicate keys refused, aliases bounded). Raises
+    :class:`ConfigError` naming the file or field at fault.
     """
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
-        except (yaml.YAMLError, UnicodeDecodeError) as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {_yaml_problem(e)}") from None
+        loaded = read_yaml(p, "config file")
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping with model/data/train sections")
         data = loaded or {}
@@ -395,15 +393,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return config_from_dict(data).validate()
 
 
-def _yaml_problem(e: Exception) -> str:
-    """One line for a YAML or decoding error: the problem and where (line, column; 1-based)."""
-    if isinstance(e, UnicodeDecodeError):
-        return f"not UTF-8 text (invalid byte at offset {e.start})"
-    problem = getattr(e, "problem", None)
-    mark = getattr(e, "problem_mark", None)
-    if problem and mark is not None:
-        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+# ----------------------------------------------------------------------------- YAML in, bounded
+
+CONFIG_MAX_BYTES = 1 << 20  # a config or experiment file: shipped ones are under 4 KiB
+
+
+def read_yaml(path: str | Path, what: str = "config file") -> Any:
+    """A config or experiment file: :func:`lmlab.safeio.read_yaml` of a regular UTF-8 file of at
+    most :data:`CONFIG_MAX_BYTES` (duplicate keys refused, aliases bounded). Raises ConfigError."""
+    from lmlab.safeio import read_yaml as read
+
+    return read(path, what, CONFIG_MAX_BYTES, ConfigError)
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:
@@ -411,10 +411,9 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     if "=" not in item:
         raise ConfigError(f"--set expects dotted.key=value, got {item!r}")
     key, raw = item.split("=", 1)
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else raw
-    except yaml.YAMLError:
-        value = raw
+    value: Any = raw
+    if raw.strip() and is_yaml(raw):  # else the text itself (a path with ': ' in it ...)
+        value = parse_yaml(raw, f"--set {key.strip()}", ConfigError)
     parts = key.strip().split(".")
     node = data
     for part in parts[:-1]:
@@ -451,6 +450,134 @@ def diff_configs(a: RunConfig, b: RunConfig) -> list[str]:
 
     walk(a.to_dict(), b.to_dict(), "")
     return sorted(out)
+
+
+# ----------------------------------------------------------------------------- ranges
+
+
+@dataclass(frozen=True)
+class Range:
+    """An interval of allowed values: ``[low, high]``, either end open when its flag says so."""
+
+    low: float
+    high: float
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: float) -> bool:  # False for NaN
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return bool(above and below)
+
+    def __str__(self) -> str:
+        def num(x: float) -> str:
+            return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
+
+        lo, hi = "(" if self.low_open else "[", ")" if self.high_open else "]"
+        return f"{lo}{num(self.low)}, {num(self.high)}{hi}"
+
+
+MAX_TOKENS = 1 << 24  # context lengths, windows, positions (16,777,216 tokens)
+MAX_VOCAB = 1 << 22  # vocabulary sizes and token ids (4,194,304; the largest real vocab: ~260k)
+MAX_STEPS = 10**9  # optimizer-step counts and intervals
+MAX_WIDTH = 1 << 16  # d_model, d_ff, head counts x head_dim stay far below this
+_UNIT, _PROB = Range(0, 1, high_open=True), Range(0, 1, low_open=True, high_open=True)
+
+
+def _positive_up_to(high: float) -> Range:
+    return Range(0, high, low_open=True)
+
+
+def _count(low: int, high: int) -> Range:
+    return Range(low, high)
+
+
+# Every int or float field of RunConfig with its allowed interval; checked by check_ranges after
+# the cross-field rules (tests/unit/test_config.py fails for a numeric field missing here).
+FIELD_RANGES: dict[str, Range] = {
+    "model.vocab_size": _count(1, MAX_VOCAB),
+    "model.d_model": _count(1, MAX_WIDTH),
+    "model.n_layers": _count(1, 1024),
+    "model.max_seq_len": _count(1, MAX_TOKENS),
+    "model.dropout": _UNIT,
+    "model.init_std": _positive_up_to(1.0),
+    "model.attention.n_heads": _count(1, 1024),
+    "model.attention.n_kv_heads": _count(1, 1024),
+    "model.attention.head_dim": _count(1, 4096),
+    "model.attention.dropout": _UNIT,
+    "model.attention.window": _count(1, MAX_TOKENS),
+    "model.position.rope_theta": _positive_up_to(1e12),
+    "model.position.partial_rotary_factor": Range(0, 1, low_open=True),
+    "model.position.scaling.factor": Range(1, 1e4),
+    "model.position.scaling.original_max_seq_len": _count(1, MAX_TOKENS),
+    "model.position.scaling.beta_fast": _positive_up_to(1e6),
+    "model.position.scaling.beta_slow": _positive_up_to(1e6),
+    "model.position.scaling.attention_factor": _positive_up_to(1e3),
+    "model.position.scaling.mscale": _positive_up_to(1e3),
+    "model.position.scaling.mscale_all_dim": _positive_up_to(1e3),
+    "model.position.offset": _count(0, 1 << 16),
+    "model.position.num_buckets": _count(1, 1 << 16),
+    "model.position.max_distance": _count(1, MAX_TOKENS),
+    "model.norm.eps": _positive_up_to(0.1),
+    "model.ffn.d_ff": _count(1, 1 << 20),
+    "model.ffn.multiple_of": _count(1, 1 << 16),
+    "model.ffn.n_experts": _count(1, 4096),
+    "model.ffn.top_k": _count(1, 4096),
+    "model.ffn.aux_loss_coef": Range(0, 100),
+    "model.ffn.z_loss_coef": Range(0, 100),
+    "model.seq2seq.n_decoder_layers": _count(1, 1024),
+    "model.seq2seq.pad_token_id": _count(0, MAX_VOCAB - 1),
+    "model.seq2seq.decoder_start_token_id": _count(0, MAX_VOCAB - 1),
+    "model.seq2seq.eos_token_id": _count(0, MAX_VOCAB - 1),
+    "model.type_vocab_size": _count(0, 1024),
+    "data.val_fraction": _PROB,
+    "data.tokenizer.vocab_size": _count(1, MAX_VOCAB),
+    "train.max_steps": _count(1, MAX_STEPS),
+    "train.batch_size": _count(1, 1 << 16),
+    "train.grad_accum_steps": _count(1, 1 << 16),
+    "train.seq_len": _count(1, MAX_TOKENS),
+    "train.lr": _positive_up_to(10.0),
+    "train.min_lr": Range(0, 10.0),
+    "train.warmup_steps": _count(0, MAX_STEPS),
+    "train.lr_decay_steps": _count(1, MAX_STEPS),
+    "train.weight_decay": Range(0, 10.0),
+    "train.beta1": _UNIT,
+    "train.beta2": _UNIT,
+    "train.grad_clip": Range(0, 1e6),
+    "train.max_skipped_steps": _count(0, 10**6),
+    "train.eval_every": _count(1, MAX_STEPS),
+    "train.eval_batches": _count(1, 10**6),
+    "train.log_every": _count(1, MAX_STEPS),
+    "train.checkpoint_every": _count(1, MAX_STEPS),
+    "train.checkpoint_interval_s": _positive_up_to(1e9),
+    "train.keep_checkpoints": _count(1, 10**6),
+    "train.seed": Range(0, 2**32, high_open=True),
+    "train.mask_prob": _PROB,
+}
+
+
+def numeric_fields(cls: type = RunConfig, prefix: str = "") -> list[str]:
+    """Dotted names of every int or float field (optional ones included) of ``cls``."""
+    out: list[str] = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out += numeric_fields(tp, f"{prefix}{f.name}.")  # type: ignore[arg-type]
+        elif {int, float} & set(typing.get_args(tp) or (tp,)):
+            out.append(prefix + f.name)
+    return out
+
+
+def check_ranges(cfg: RunConfig) -> None:
+    """Refuse a numeric field outside its :data:`FIELD_RANGES` interval (NaN and inf included;
+    None, where a field allows it, means "derived" and is not checked). Raises ConfigError."""
+    for name, allowed in FIELD_RANGES.items():
+        value: Any = cfg
+        for part in name.split("."):
+            value = getattr(value, part)
+        if value is not None and value not in allowed:
+            raise ConfigError(f"{name} must be in {allowed}, got {value}")
 
 
 # ----------------------------------------------------------------------------- validation
@@ -758,3 +885,4 @@ def validate_run_config(cfg: RunConfig) -> None:
         for name in ("mask_prob", "whole_word_mask"):
             if getattr(t, name) != getattr(TrainConfig(), name):
                 raise ConfigError(f"train.{name} applies to train.objective=mlm only")
+    check_ranges(cfg)  # last: the rules above give the more specific messages

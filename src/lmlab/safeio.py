@@ -5,7 +5,9 @@ path is a regular file (not a FIFO, which would block ``open`` forever; not ``/d
 never ends; not a folder; not a symlink loop) and that it is no larger than the reader's bound.
 The readers then read at most that bound, decode UTF-8 and parse JSON into plain values, raising
 one :class:`~lmlab.errors.LmlabError` (or the subclass the caller names) that says which file and
-why. JSON is parsed strictly: ``NaN``/``Infinity`` and duplicate object keys are refused.
+why. JSON is parsed strictly: ``NaN``/``Infinity`` and duplicate object keys are refused. YAML
+(:func:`parse_yaml`) is plain data only, duplicate keys refused, and bounded: at most
+:data:`YAML_MAX_NODES` values once aliases are expanded, :data:`YAML_MAX_DEPTH` levels deep.
 
 Bounds are in bytes. The defaults are far above what any honest file of each kind holds.
 """
@@ -14,9 +16,12 @@ from __future__ import annotations
 
 import json
 import os
+import reprlib
 import stat
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from lmlab.errors import LmlabError
 
@@ -165,3 +170,127 @@ def inside(folder: str | Path, name: str, what: str, error: type[LmlabError] = L
     if resolved != root and root not in resolved.parents:
         raise error(f"{what} names {name!r}, which leads outside {base} (through a symlink)")
     return target
+
+
+# ----------------------------------------------------------------------------- YAML
+
+YAML_MAX_NODES = 100_000  # scalars + sequences + mappings, counted with every alias expanded
+YAML_MAX_DEPTH = 32  # nesting levels (a config nests 4)
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _check_nodes(root: yaml.Node, where: str, error: type[LmlabError]) -> None:
+    """Refuse a YAML node graph that expands (through aliases) to more than
+    :data:`YAML_MAX_NODES` nodes or nests deeper than :data:`YAML_MAX_DEPTH` (an alias to a node
+    that contains it nests forever), or a mapping that repeats a key (merge keys ``<<`` aside:
+    the keys a mapping sets itself override merged ones). Sizes are memoised per node, so an
+    alias bomb is measured without being expanded."""
+    sizes: dict[int, int] = {}
+
+    def size(node: yaml.Node, depth: int) -> int:
+        if depth > YAML_MAX_DEPTH:
+            raise error(
+                f"{where} nests more than {YAML_MAX_DEPTH} levels deep (or an alias refers to a "
+                f"node that contains it), at line {node.start_mark.line + 1}"
+            )
+        if id(node) in sizes:
+            return sizes[id(node)]
+        children: list[yaml.Node] = []
+        if isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            children = [c for pair in node.value for c in pair]
+            seen: set[str] = set()
+            for key, _ in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.tag != _MERGE_TAG:
+                    if key.value in seen:
+                        raise error(
+                            f"{where} repeats the key {key.value[:80]!r} in one mapping (line "
+                            f"{key.start_mark.line + 1}); YAML keeps only the last: remove one"
+                        )
+                    seen.add(key.value)
+        n = 1
+        for child in children:
+            n += size(child, depth + 1)
+            if n > YAML_MAX_NODES:
+                raise error(
+                    f"{where} holds more than {YAML_MAX_NODES:,} YAML values once its aliases "
+                    "(*name) are expanded; lmlab reads at most that many"
+                )
+        sizes[id(node)] = n
+        return n
+
+    size(root, 0)
+
+
+def yaml_problem(e: Exception) -> str:
+    """One line for a YAML or decoding error: the problem and where (line, column; 1-based)."""
+    if isinstance(e, UnicodeDecodeError):
+        return f"not UTF-8 text (invalid byte at offset {e.start})"
+    problem = getattr(e, "problem", None)
+    mark = getattr(e, "problem_mark", None)
+    if problem and mark is not None:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def is_yaml(text: str) -> bool:
+    """Whether ``text`` parses as YAML at all (composing is linear in its length: no alias is
+    expanded)."""
+    try:
+        yaml.compose(text, Loader=yaml.SafeLoader)
+    except (yaml.YAMLError, RecursionError):
+        return False
+    return True
+
+
+def parse_yaml(text: str, where: str, error: type[LmlabError] = LmlabError) -> Any:
+    """Plain data from YAML text (PyYAML's SafeLoader: no tag builds a Python object), bounded:
+    duplicate keys refused, at most :data:`YAML_MAX_NODES` values after alias expansion and
+    :data:`YAML_MAX_DEPTH` levels; aliases and merge keys (``<<: *base``) are allowed within
+    those bounds. Raises ``error`` naming ``where``; never echoes the text."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_nodes(node, where, error)
+        return loader.construct_document(node)
+    except LmlabError:
+        raise
+    except yaml.YAMLError as e:
+        raise error(f"{where} is not valid YAML: {yaml_problem(e)}") from None
+    except RecursionError:
+        raise error(f"{where} nests too deeply to be YAML lmlab reads") from None
+    except (ValueError, TypeError, OverflowError) as e:  # a bad date, a 5000-digit integer
+        raise error(f"{where} is not valid YAML: {yaml_problem(e)}") from None
+    finally:
+        loader.dispose()
+
+
+def read_yaml(
+    path: str | Path,
+    what: str = "file",
+    max_bytes: int = SMALL_FILE,
+    error: type[LmlabError] = LmlabError,
+) -> Any:
+    """:func:`parse_yaml` of a regular UTF-8 file of at most ``max_bytes``."""
+    p = Path(path)
+    raw = read_bytes(p, what, max_bytes, error)
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise error(f"{what} {p} is not valid YAML: {yaml_problem(e)}") from None
+    return parse_yaml(text, f"{what} {p}", error)
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxtuple = 3, 6, 6, 6
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 80, 80, 40
+
+
+def short_repr(value: Any) -> str:
+    """``repr(value)`` cut to a few items and characters, for error messages (a value read from
+    a file may be huge, or an alias graph of a billion leaves)."""
+    return _SHORT.repr(value)

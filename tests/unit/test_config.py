@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,70 @@ def test_two_thirds_sizing_rule_for_gated_ffns():
     assert cfg.model.d_ff == 10922
     cfg.model.ffn.d_ff = 100
     assert cfg.model.d_ff == 100  # an explicit d_ff wins
+
+
+# ----------------------------------------------------------------------------- ranges and YAML
+
+
+def test_every_numeric_field_has_a_range():
+    """A new int or float config field fails here until FIELD_RANGES gives it an interval."""
+    from lmlab.config import FIELD_RANGES, numeric_fields
+
+    fields = numeric_fields()
+    assert "train.lr" in fields and "model.norm.eps" in fields
+    assert sorted(set(fields) - set(FIELD_RANGES)) == [], "numeric fields without a range"
+    assert sorted(set(FIELD_RANGES) - set(fields)) == [], "ranges of fields that do not exist"
+
+
+def _set_field(cfg: RunConfig, name: str, value: object) -> None:
+    *path, last = name.split(".")
+    node: object = cfg
+    for part in path:
+        node = getattr(node, part)
+    setattr(node, last, value)
+
+
+def _outside(r) -> list[float]:
+    """Values just outside each end of a Range, plus NaN."""
+    step = lambda x: max(abs(x) * 1e-6, 1e-12)  # noqa: E731
+    low = r.low if r.low_open else r.low - step(r.low)
+    high = r.high if r.high_open else r.high + step(r.high)
+    return [low, high, float("nan")]
+
+
+def _field_names():
+    from lmlab.config import FIELD_RANGES
+
+    return list(FIELD_RANGES)
+
+
+@pytest.mark.parametrize("name", _field_names())
+def test_each_numeric_field_refuses_values_outside_its_range(name):
+    """check_ranges refuses both ends of every field's interval (and NaN), naming the field;
+    the defaults lie inside."""
+    from lmlab.config import FIELD_RANGES, check_ranges
+
+    r = FIELD_RANGES[name]
+    check_ranges(RunConfig())  # every default is in range
+    for value in _outside(r):
+        cfg = RunConfig()
+        _set_field(cfg, name, value)
+        with pytest.raises(ConfigError, match=rf"{re.escape(name)} must be in "):
+            check_ranges(cfg)
+
+
+def test_range_interval_notation():
+    from lmlab.config import FIELD_RANGES
+
+    assert str(FIELD_RANGES["model.dropout"]) == "[0, 1)"
+    assert str(FIELD_RANGES["model.norm.eps"]) == "(0, 0.1]"
+    assert 1.0 not in FIELD_RANGES["train.beta2"] and float("nan") not in FIELD_RANGES["train.lr"]
+
+
+def test_shipped_experiments_use_aliases_within_the_bounds():
+    from lmlab.experiments.spec import load_experiment
+
+    root = Path(__file__).resolve().parents[2] / "experiments"
+    exp = load_experiment(root / "moe.yaml")  # <<: *moe merges, with one field overridden
+    assert exp.variants["moe-aux0.1"]["model.ffn.aux_loss_coef"] == 0.1
+    assert exp.variants["moe-aux0.1"]["model.ffn.n_experts"] == 8

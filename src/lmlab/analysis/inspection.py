@@ -32,10 +32,10 @@ def resolve_config(
     Raises LmlabError (ConfigError) for a missing or bad path, or --set on a loaded model.
     """
     p = Path(path)
-    if not p.exists():
+    if not p.exists() and not p.is_symlink():  # (a symlink loop is named by load_config)
         raise LmlabError(f"not found: {p}")
     note = ""
-    if p.is_file() and p.suffix in (".yaml", ".yml") or (p / "config.yaml").is_file():
+    if p.suffix in (".yaml", ".yml") and not p.is_dir() or (p / "config.yaml").is_file():
         cfg = load_config(p / "config.yaml" if p.is_dir() else p, overrides)
         nbytes = 4  # lmlab builds float32 parameters (bf16 only under autocast)
         if cfg.model.vocab_size is None:

@@ -7,10 +7,12 @@ has one. Bundled corpora live in ``lmlab/data/corpora/<name>/`` with their prove
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lmlab.errors import DataError
+from lmlab.safeio import TEXT_FILE, read_bytes
 
 CORPORA_DIR = Path(__file__).parent / "corpora"
 
@@ -21,17 +23,16 @@ SPLIT_FILES = {"train": ("train.txt",), "val": ("valid.txt", "val.txt"), "test":
 
 
 def read_text(path: str | Path) -> str:
-    r"""Read a UTF-8 text file, with ``\r\n`` (Windows) and lone ``\r`` line endings turned into
-    ``\n`` (so no model learns ``\r`` as a token, and ``--stop "\n\n"`` works). Raises DataError
-    if it is missing, a folder, empty, not UTF-8 (naming the byte offset of the first bad byte)
-    or binary (holds a NUL byte, which text never does but executables, images and archives
-    nearly always do, even when they decode)."""
+    r"""Read a UTF-8 text file of at most :data:`lmlab.safeio.TEXT_FILE` bytes, with ``\r\n``
+    (Windows) and lone ``\r`` line endings turned into ``\n`` (so no model learns ``\r`` as a
+    token, and ``--stop "\n\n"`` works). Raises DataError if it is missing, a folder, a FIFO,
+    device or symlink loop, larger than that, empty, not UTF-8 (naming the byte offset of the
+    first bad byte) or binary (holds a NUL byte, which text never does but executables, images
+    and archives nearly always do, even when they decode)."""
     p = Path(path)
-    if not p.exists():
-        raise DataError(f"corpus file not found: {p}")
     if p.is_dir():
         raise DataError(f"{p} is a folder, not a text file")
-    raw = p.read_bytes()
+    raw = read_bytes(p, "corpus file", TEXT_FILE, DataError)  # a regular file, bounded
     nul = raw.find(b"\x00")
     if nul >= 0:
         raise DataError(
@@ -110,7 +111,7 @@ def load_corpus(source: str | Path, val_fraction: float = 0.1) -> Corpus:
         files: list[str] = []
         for name, candidates in SPLIT_FILES.items():
             for cand in candidates:
-                if (p / cand).is_file():
+                if os.path.lexists(p / cand):  # a FIFO or loop is refused by read_text
                     splits[name] = read_text(p / cand)
                     files.append(str(p / cand))
                     break

@@ -15,7 +15,6 @@ target`` line each) so the tokenizer is fitted on exactly what the objective rea
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from lmlab.errors import DataError
+from lmlab.safeio import parse_json
 
 Pair = tuple[str, str]
 
@@ -93,10 +93,11 @@ def read_pairs(path: str | Path) -> list[Pair]:
                 )
             src, tgt = fields
         else:
-            try:
-                obj = json.loads(line)
-            except ValueError as e:
-                raise DataError(f"{where}: not valid JSON ({e})") from None
+            try:  # strict: NaN and duplicate keys ({"source": .., "source": ..}) refused
+                obj = parse_json(line, where, DataError)
+            except DataError as e:
+                problem = str(e).removeprefix(f"{where} is not valid JSON: ")
+                raise DataError(f"{where}: not valid JSON ({problem})") from None
             if not isinstance(obj, dict):
                 raise DataError(f'{where}: expected an object {{"source": ..., "target": ...}}')
             missing = [k for k in ("source", "target") if not isinstance(obj.get(k), str)]

@@ -13,7 +13,6 @@ None when the vocabulary has no such token.
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from functools import cache
 from pathlib import Path
@@ -26,6 +25,7 @@ from lmlab.errors import DataError
 from lmlab.registry import Registry
 
 EOS_TOKEN = "<|endoftext|>"
+TOKENIZER_MAX_BYTES = 256 << 20  # tokenizer.json: large multilingual ones are ~35 MB
 
 # Named sets of special tokens (data.tokenizer.special_tokens): role -> spelling.
 SPECIAL_TOKEN_SETS: dict[str, dict[str, str]] = {
@@ -405,27 +405,30 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     other through the ``tokenizers`` library (:class:`PretrainedTokenizer`), with the chat
     template and specials of a ``tokenizer_config.json`` beside it
     (:func:`lmlab.data.tokenizer_config.apply_tokenizer_config`). Raises DataError if it is
-    missing or unreadable."""
+    missing, not a regular file, over :data:`TOKENIZER_MAX_BYTES`, not strict JSON or
+    unreadable."""
     from lmlab.data.tokenizer_config import apply_tokenizer_config
 
     return apply_tokenizer_config(_read_tokenizer_json(path), Path(path).parent)
 
 
 def _read_tokenizer_json(path: str | Path) -> Tokenizer:
+    from lmlab.safeio import parse_json, read_bytes
+
     p = Path(path)
-    if not p.is_file():
-        raise DataError(f"tokenizer file not found: {p}")
+    raw = read_bytes(p, "tokenizer file", TOKENIZER_MAX_BYTES, DataError)  # read once, bounded
     try:
-        spec = json.loads(p.read_text(encoding="utf-8"))
+        text = raw.decode("utf-8")
+        spec = parse_json(text, "its text", DataError)  # strict: NaN, duplicate keys refused
         model_type = spec["model"]["type"]
         if model_type == "WordLevel":
             vocab = spec["model"]["vocab"]
             if not spec.get("added_tokens") and all(len(t) == 1 for t in vocab):
                 return CharTokenizer(sorted(vocab, key=vocab.__getitem__))
-            return WordLevelTokenizer(HFTokenizer.from_file(str(p)))
+            return WordLevelTokenizer(HFTokenizer.from_str(text))
         decoder = spec.get("decoder") or {}
         if model_type == "BPE" and decoder.get("type") == "ByteLevel":
-            return BPETokenizer(HFTokenizer.from_file(str(p)))
-        return PretrainedTokenizer(HFTokenizer.from_file(str(p)))
+            return BPETokenizer(HFTokenizer.from_str(text))
+        return PretrainedTokenizer(HFTokenizer.from_str(text))
     except Exception as e:  # the tokenizers library raises plain Exception
         raise DataError(f"tokenizer file {p} is corrupt or not a tokenizer.json: {e}") from None

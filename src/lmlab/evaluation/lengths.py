@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from lmlab.config import ModelConfig, apply_override, config_from_dict
+from lmlab.config import MAX_TOKENS, ModelConfig, apply_override, config_from_dict
 from lmlab.data.corpus import load_corpus, read_text
 from lmlab.errors import ConfigError, LmlabError
 from lmlab.evaluation.evaluate import score_tokens, token_byte_lengths
@@ -74,9 +74,12 @@ class LengthsResult:
         return out
 
 
+MAX_LENGTH = MAX_TOKENS  # tokens: the bound of model.max_seq_len
+
+
 def parse_lengths(text: str | list[int]) -> list[int]:
     """``"128,256,512"`` (or a list) -> [128, 256, 512]. Raises LmlabError unless every item is a
-    positive integer (duplicates are dropped, order kept)."""
+    positive integer of at most MAX_LENGTH (duplicates are dropped, order kept)."""
     items = text.split(",") if isinstance(text, str) else list(text)
     out: list[int] = []
     for item in items:
@@ -84,9 +87,10 @@ def parse_lengths(text: str | list[int]) -> list[int]:
             n = int(str(item).strip())
         except ValueError:
             n = 0
-        if n < 1 or str(item).strip() != str(n):
+        if not 1 <= n <= MAX_LENGTH or str(item).strip() != str(n):
             raise LmlabError(
-                f"--lengths expects comma-separated positive integers (tokens), got {item!r}"
+                f"--lengths expects comma-separated positive integers (tokens, at most "
+                f"{MAX_LENGTH:,}), got {str(item)[:40]!r}"
             )
         if n not in out:
             out.append(n)

@@ -26,6 +26,7 @@ split, also for each ``eval.inference`` variant.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -40,12 +41,14 @@ from torch import nn
 from lmlab.errors import CheckpointError, Interrupted, LmlabError
 from lmlab.experiments.spec import Budget, Experiment, load_experiment
 from lmlab.fsutil import atomic_write_text
+from lmlab.safeio import read_json
 from lmlab.training import trainer
 from lmlab.training.checkpoint import has_checkpoint, latest_checkpoint, read_trainer_state
 from lmlab.training.metrics import read_metrics
 
 SUMMARY_FILE = "summary.json"
 COMPARISON_FILE = "comparison.json"
+RECORD_MAX_BYTES = 1 << 20  # comparison.json and summary.json hold a few hundred bytes
 DECODE_WARMUP = 4
 
 
@@ -85,11 +88,8 @@ def _check_comparison(out: Path, exp: Experiment) -> None:
         "budget": {exp.budget.kind: exp.budget.value},
     }
     path = out / COMPARISON_FILE
-    if path.is_file():
-        try:
-            old = json.loads(path.read_text(encoding="utf-8"))
-        except ValueError:
-            old = None
+    if os.path.lexists(path):  # a FIFO, device or loop there is refused by read_json
+        old = read_json(path, "comparison record", RECORD_MAX_BYTES)
         if old != record:
             raise LmlabError(
                 f"{out} holds another comparison ({path.name}: {json.dumps(old)}; this one: "
@@ -247,9 +247,9 @@ def _read_summary(run: Path) -> dict[str, Any] | None:
     path = run / SUMMARY_FILE
     if not path.is_file():
         return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError:
+    try:  # bounded: a damaged (or huge) summary is measured again
+        data = read_json(path, "run summary", RECORD_MAX_BYTES)
+    except LmlabError:
         return None
     return data if isinstance(data, dict) else None
 

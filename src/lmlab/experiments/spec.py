@@ -41,10 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from lmlab.config import RunConfig, config_from_dict
+from lmlab.config import RunConfig, config_from_dict, read_yaml
 from lmlab.errors import ConfigError, LmlabError
+from lmlab.safeio import short_repr
 
 TOP_LEVEL = (
     "name",
@@ -59,6 +58,11 @@ TOP_LEVEL = (
 )
 BUDGET_KINDS = ("steps", "tokens", "time_s")
 EVAL_FIELDS = ("lengths", "max_tokens", "inference", "batch_size")
+# Upper bounds of the experiment's own numbers (a run's config fields have theirs in lmlab.config)
+BUDGET_MAX = {"steps": 1e9, "tokens": 1e15, "time_s": 1e8}  # 1e8 s is three years
+MAX_EVAL_TOKENS = 1 << 40
+MAX_EVAL_BATCH = 1 << 16
+MAX_DECODE = 1 << 16
 
 
 @dataclass
@@ -163,7 +167,9 @@ class Experiment:
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any, where: str) -> None:
     if not isinstance(key, str) or not key or any(not p for p in key.split(".")):
-        raise ConfigError(f"{where}: {key!r} is not a dotted config field (e.g. model.d_model)")
+        raise ConfigError(
+            f"{where}: {short_repr(key)} is not a dotted config field (e.g. model.d_model)"
+        )
     parts = key.split(".")
     node = data
     for i, part in enumerate(parts[:-1]):
@@ -178,9 +184,11 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any, where: str) -> None:
 
 def _plain_name(value: Any, what: str, where: str) -> str:
     if not isinstance(value, str) or not value or value in (".", "..") or "/" in value:
-        raise ConfigError(f"{where}: {what} {value!r} must be a plain folder name (no slashes)")
+        raise ConfigError(
+            f"{where}: {what} {short_repr(value)} must be a plain folder name (no slashes)"
+        )
     if any(c in value for c in "\\\0") or value.startswith("seed-"):
-        raise ConfigError(f"{where}: {what} {value!r} must be a plain folder name")
+        raise ConfigError(f"{where}: {what} {short_repr(value)} must be a plain folder name")
     return value
 
 
@@ -192,12 +200,10 @@ def _load_base(base: Any, path: Path | None, where: str) -> dict[str, Any]:
     p = Path(base)
     if not p.is_absolute() and path is not None:
         p = path.parent / p
-    if not p.is_file():
-        raise ConfigError(f"{where}: base config not found: {p}")
     try:
-        loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{where}: base config {p} is not valid YAML: {e}") from None
+        loaded = read_yaml(p, "base config")
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError(f"{where}: base config {p} must hold a mapping")
     return loaded or {}
@@ -223,9 +229,10 @@ def _budget(raw: Any, where: str) -> Budget:
     ok_type = isinstance(value, (int, float)) and not isinstance(value, bool)
     if kind != "time_s":
         ok_type = ok_type and float(value).is_integer()
-    if not ok_type or not value > 0 or not math.isfinite(value):
+    if not ok_type or not 0 < value <= BUDGET_MAX[kind]:  # also refuses NaN and inf
         what = "a positive number of seconds" if kind == "time_s" else "a positive integer"
-        raise ConfigError(f"{where}: budget.{kind} must be {what}, got {value!r}")
+        what += f" (at most {BUDGET_MAX[kind]:.0e})"
+        raise ConfigError(f"{where}: budget.{kind} must be {what}, got {short_repr(value)}")
     return Budget(kind, float(value))
 
 
@@ -251,9 +258,12 @@ def _eval(raw: Any, variants: dict[str, Any], where: str) -> EvalSpec:
         value = raw.get(name)
         if value is None:
             continue
-        low = 2 if name == "max_tokens" else 1
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ConfigError(f"{where}: eval.{name} must be an integer >= {low}, got {value!r}")
+        low, high = (2, MAX_EVAL_TOKENS) if name == "max_tokens" else (1, MAX_EVAL_BATCH)
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise ConfigError(
+                f"{where}: eval.{name} must be an integer >= {low} (at most {high:,}), got "
+                f"{short_repr(value)}"
+            )
         setattr(spec, name, value)
     inference = raw.get("inference") or {}
     if not isinstance(inference, dict):
@@ -270,8 +280,8 @@ def _eval(raw: Any, variants: dict[str, Any], where: str) -> EvalSpec:
             )
         if item["variant"] not in variants:
             raise ConfigError(
-                f"{where}: eval.inference.{name}.variant {item['variant']!r} is not a variant; "
-                f"variants: {', '.join(variants)}"
+                f"{where}: eval.inference.{name}.variant {short_repr(item['variant'])} is not a "
+                f"variant; variants: {', '.join(variants)}"
             )
         sets = item.get("set") or {}
         if not isinstance(sets, dict):
@@ -295,7 +305,9 @@ def experiment_from_dict(raw: Any, path: Path | None = None) -> Experiment:
         raise ConfigError(f"{where} must hold a mapping ({', '.join(TOP_LEVEL)})")
     for key in raw:
         if key not in TOP_LEVEL:
-            raise ConfigError(f"{where}: unknown field {key!r}; allowed: {', '.join(TOP_LEVEL)}")
+            raise ConfigError(
+                f"{where}: unknown field {short_repr(key)}; allowed: {', '.join(TOP_LEVEL)}"
+            )
     for key in ("name", "base", "variants", "seeds", "budget"):
         if raw.get(key) is None:
             raise ConfigError(f"{where}: {key} is missing")
@@ -314,7 +326,8 @@ def experiment_from_dict(raw: Any, path: Path | None = None) -> Experiment:
             overrides = {}
         if not isinstance(overrides, dict):
             raise ConfigError(
-                f"{where}: variant {vname!r} must map dotted fields to values, got {overrides!r}"
+                f"{where}: variant {vname!r} must map dotted fields to values, got "
+                f"{short_repr(overrides)}"
             )
         parsed[str(vname)] = dict(overrides)
     seeds = raw["seeds"]
@@ -324,13 +337,16 @@ def experiment_from_dict(raw: Any, path: Path | None = None) -> Experiment:
         or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in seeds)
     ):
         raise ConfigError(
-            f"{where}: seeds must be a non-empty list of integers >= 0, got {seeds!r}"
+            f"{where}: seeds must be a non-empty list of integers >= 0, got {short_repr(seeds)}"
         )
     if len(set(seeds)) != len(seeds):
-        raise ConfigError(f"{where}: seeds repeat a value: {seeds}")
+        raise ConfigError(f"{where}: seeds repeat a value: {short_repr(seeds)}")
     decode = raw.get("decode_tokens", 64)
-    if not isinstance(decode, int) or isinstance(decode, bool) or decode < 1:
-        raise ConfigError(f"{where}: decode_tokens must be an integer >= 1, got {decode!r}")
+    if not isinstance(decode, int) or isinstance(decode, bool) or not 1 <= decode <= MAX_DECODE:
+        raise ConfigError(
+            f"{where}: decode_tokens must be an integer >= 1 (at most {MAX_DECODE:,}), got "
+            f"{short_repr(decode)}"
+        )
     exp = Experiment(
         name=name,
         claim=claim,
@@ -358,12 +374,8 @@ def experiment_from_dict(raw: Any, path: Path | None = None) -> Experiment:
 
 
 def load_experiment(path: str | Path) -> Experiment:
-    """Read and validate an experiment YAML. Raises ConfigError naming the file and field."""
+    """Read and validate an experiment YAML (a regular file of at most
+    :data:`lmlab.config.CONFIG_MAX_BYTES`, parsed by :func:`lmlab.safeio.parse_yaml`: duplicate
+    keys refused, aliases bounded). Raises ConfigError naming the file and field."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"experiment file not found: {p}")
-    try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"experiment file {p} is not valid YAML: {e}") from None
-    return experiment_from_dict(raw, p)
+    return experiment_from_dict(read_yaml(p, "experiment file"), p)

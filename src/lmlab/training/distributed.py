@@ -55,6 +55,10 @@ PARALLEL_MODES = ("ddp", "fsdp")
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
+PROCS_PER_CORE = 4  # lmlab train --nproc N: N <= 4 x available_cores() and N <= MAX_NPROC
+MAX_NPROC = 256
+
+
 def available_cores() -> int:
     """CPU cores this process may run on (its affinity mask, else ``os.cpu_count()``)."""
     try:
@@ -374,9 +378,15 @@ def launch(nproc: int, argv: Sequence[str]) -> int:
     through torchrun (``torch.distributed.run``, standalone rendezvous on a free local port),
     each with ``cores // N`` threads (``OMP_NUM_THREADS``). Returns the exit code: 0, or the
     failing rank's (each rank prints its own ``error:`` line; a rank ended by a signal is named
-    here). Raises LmlabError for N < 1 or when already inside a torchrun job."""
+    here). Raises LmlabError for N < 1, N over PROCS_PER_CORE x the available cores or over
+    MAX_NPROC, or when already inside a torchrun job."""
     if nproc < 1:
         raise LmlabError(f"--nproc must be a positive number of processes, got {nproc}")
+    if nproc > (limit := min(MAX_NPROC, PROCS_PER_CORE * (cores := available_cores()))):
+        raise LmlabError(
+            f"--nproc {nproc} is more than this machine runs: {cores} cores found, "
+            f"at most {limit} processes ({PROCS_PER_CORE} per core, {MAX_NPROC} in all)"
+        )
     if any(v in os.environ for v in TORCHRUN_VARS):
         raise LmlabError("--nproc starts torchrun itself; drop it when launching with torchrun")
     from torch.distributed import run as torchrun

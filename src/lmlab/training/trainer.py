@@ -321,6 +321,9 @@ def _train(
         else:
             tokenizer = fit_tokenizer(corpus.splits, cfg.data.tokenizer)
             tokenizer = prepare_tokenizer(cfg, tokenizer)  # + the objective's special tokens
+        if cfg.model.vocab_size not in (None, n := tokenizer.vocab_size):  # refused, not replaced
+            msg = f"model.vocab_size is {cfg.model.vocab_size} but the tokenizer has {n} tokens"
+            raise LmlabError(f"{msg}; remove model.vocab_size (null: the tokenizer's)")
         cfg.model.vocab_size = tokenizer.vocab_size
         set_seq2seq_ids(cfg, tokenizer)  # encoder-decoder: pad / start / eos from the tokenizer
         cfg.train.lr_decay_steps = cfg.train.lr_decay_steps or cfg.train.max_steps
