@@ -42,13 +42,11 @@ class LoadedRun:
 
 def run_file(run_dir: str | Path, name: str) -> Path:
     """``run_dir / name``, refused with LmlabError when it is a symlink leading out of the run."""
-    try:
-        return inside(run_dir, name, "run file")
-    except LmlabError:
-        raise LmlabError(
-            f"{Path(run_dir) / name} leads outside the run folder {run_dir} (a symlink); lmlab "
-            "reads a run's files only inside it"
-        ) from None
+    outside = (
+        f"{Path(run_dir) / name} leads outside the run folder {run_dir} (a symlink); lmlab "
+        "reads a run's files only inside it"
+    )
+    return inside(run_dir, name, "run file", outside=outside)
 
 
 def read_run_config(run_dir: str | Path) -> RunConfig:

@@ -155,9 +155,16 @@ def read_json_object(
     return value
 
 
-def inside(folder: str | Path, name: str, what: str, error: type[LmlabError] = LmlabError) -> Path:
+def inside(
+    folder: str | Path,
+    name: str,
+    what: str,
+    error: type[LmlabError] = LmlabError,
+    outside: str | None = None,
+) -> Path:
     """``folder / name`` for a relative ``name`` read from a file, refused when it is absolute,
-    holds ``..``, or resolves (through symlinks) outside ``folder``."""
+    holds ``..``, is a symlink loop, or resolves (through symlinks) outside ``folder``.
+    ``outside``: the message for the last case (default: one naming ``what`` and ``name``)."""
     base = Path(folder)
     rel = Path(name)
     if not name or rel.is_absolute() or ".." in rel.parts or "\x00" in name:
@@ -165,10 +172,16 @@ def inside(folder: str | Path, name: str, what: str, error: type[LmlabError] = L
     target = base / rel
     try:
         resolved, root = target.resolve(), base.resolve()
-    except (OSError, RuntimeError):  # RuntimeError: a symlink loop on older Pythons
+    except RuntimeError:  # a symlink loop (Python < 3.13)
+        raise error(f"{what} {target} is a symlink loop") from None
+    except OSError as e:
+        if e.errno == 40:  # ELOOP
+            raise error(f"{what} {target} is a symlink loop") from None
         raise error(f"{what} names {name!r}, which cannot be resolved inside {base}") from None
     if resolved != root and root not in resolved.parents:
-        raise error(f"{what} names {name!r}, which leads outside {base} (through a symlink)")
+        raise error(
+            outside or f"{what} names {name!r}, which leads outside {base} (through a symlink)"
+        )
     return target
 
 

@@ -128,6 +128,9 @@ def test_special_tokenizer_file_is_refused_in_one_line(capsys, run_copy, kind):
     (run_copy / "tokenizer.json").unlink()
     make(run_copy / "tokenizer.json")
     code, _, err = run_cli(capsys, "generate", run_copy, "--max-new-tokens", "2")
+    if (run_copy / "tokenizer.json").is_symlink() and kind == "dev-zero":
+        # a link to /dev/zero leads out of the run folder, which is refused before its type
+        needle = "leads outside the run folder"
     assert_one_error(code, err, needle, "tokenizer.json")
 
 

@@ -281,13 +281,11 @@ def other_checkpoints(ckpt: Path) -> str:
 
 def _in_run(folder: Path, rel: str, what: str) -> Path:
     """``folder / rel``, refused when it leads outside ``folder`` (through a symlink)."""
-    try:
-        return inside(folder, rel, what, CheckpointError)
-    except CheckpointError:
-        raise CheckpointError(
-            f"{folder / rel} leads outside {folder} (a symlink); lmlab reads a run's "
-            f"{what} only inside its folder"
-        ) from None
+    outside = (
+        f"{folder / rel} leads outside {folder} (a symlink); lmlab reads a run's {what} only "
+        "inside its folder"
+    )
+    return inside(folder, rel, what, CheckpointError, outside)
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path:
