@@ -201,7 +201,9 @@ def check_state(model: nn.Module, state: dict[str, torch.Tensor], folder: Path) 
     for key, value in state.items():
         want = expected.get(key)
         if want is None:
-            raise CheckpointError(f"{folder} does not fit its config.json: unexpected tensor {key}")
+            raise CheckpointError(
+                f"{folder} does not fit its config.json: the model it describes has no {key}"
+            )
         if tuple(value.shape) != tuple(want.shape):
             raise CheckpointError(
                 f"{folder} does not fit its config.json: size mismatch for {key}: the file holds "
