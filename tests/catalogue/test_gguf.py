@@ -3,54 +3,24 @@ the key, before any tensor is dequantized or any model built."""
 
 from __future__ import annotations
 
-import signal
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from catalogue_helpers import assert_one_error, run_cli
+from catalogue_helpers import assert_one_error, run_cli, within
 
 from lmlab.training import memory
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-from tests.gguf_tiny import write_llama_gguf  # noqa: E402
-
-
-@contextmanager
-def within(seconds: int) -> Iterator[None]:
-    """Fail the test (instead of hanging) if the block takes longer than ``seconds``."""
-
-    def stop(signum: int, frame: object) -> None:
-        raise AssertionError(f"still running after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, stop)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
+from tests.gguf_tiny import tiny_llama_hf, write_llama_gguf  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def hf_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=258,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return tiny_llama_hf()
 
 
 def _run(capsys, tmp_path: Path, hf_model, meta: dict[str, Any]) -> tuple[int, str, str]:

@@ -5,16 +5,13 @@ tensor, before any tensor is allocated; no path leads outside the folder."""
 from __future__ import annotations
 
 import json
-import signal
 import struct
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from catalogue_helpers import assert_one_error, run_cli
+from catalogue_helpers import assert_one_error, run_cli, within
 from safetensors.torch import save_file
 
 from lmlab.errors import LmlabError
@@ -30,22 +27,6 @@ LLAMA = {
     "attention": {"n_heads": 4, "n_kv_heads": 2},
     "position": {"kind": "rope"},
 }
-
-
-@contextmanager
-def within(seconds: int) -> Iterator[None]:
-    """Fail the test (instead of hanging or exhausting the machine) after ``seconds``."""
-
-    def stop(signum: int, frame: object) -> None:
-        raise AssertionError(f"still running after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, stop)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def _llama_folder(folder: Path, **config: Any) -> Path:

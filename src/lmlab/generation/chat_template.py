@@ -68,28 +68,36 @@ class _Timeout(Exception):
 def _deadline(seconds: float) -> Iterator[None]:
     """Raise :class:`_Timeout` in this thread if the block runs longer than ``seconds``.
 
-    A timer thread sets an asynchronous exception (``PyThreadState_SetAsyncExc``), which the
-    interpreter raises at the next bytecode of this thread; a pending one is cleared on exit."""
+    A watchdog thread sets an asynchronous exception (``PyThreadState_SetAsyncExc``), which the
+    interpreter raises at the next bytecode of this thread, and sets it again every 50 ms (one
+    raised inside a weakref callback or ``__del__`` is swallowed there) until the block ends; a
+    pending one is cleared on exit."""
     tid = threading.get_ident()
     lock = threading.Lock()
+    stop = threading.Event()
     state = {"done": False, "fired": False}
     set_async = ctypes.pythonapi.PyThreadState_SetAsyncExc
 
-    def fire() -> None:
-        with lock:
-            if not state["done"]:
+    def watch() -> None:
+        if stop.wait(seconds):
+            return
+        while True:
+            with lock:
+                if state["done"]:
+                    return
                 state["fired"] = True
                 set_async(ctypes.c_ulong(tid), ctypes.py_object(_Timeout))
+            if stop.wait(0.05):
+                return
 
-    timer = threading.Timer(seconds, fire)
-    timer.daemon = True
-    timer.start()
+    watchdog = threading.Thread(target=watch, name="chat-template-deadline", daemon=True)
+    watchdog.start()
     try:
         yield
     finally:
         with lock:
             state["done"] = True
-        timer.cancel()
+        stop.set()
         if state["fired"]:  # not yet delivered: drop it
             set_async(ctypes.c_ulong(tid), ctypes.c_void_p(0))
 
