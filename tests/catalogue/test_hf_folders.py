@@ -272,3 +272,12 @@ def test_loading_checks_the_estimate_against_the_cgroup_memory_limit(tmp_path, c
     fake_cgroup_v2(monkeypatch, tmp_path, limit=64 * 1024)  # a 64 KiB container
     code, _, err = _load(capsys, folder)  # was: loaded without looking at the limit
     assert_one_error(code, err, "needs about", "to load", "cgroup memory limit", "memory.max")
+
+
+def test_a_shard_that_is_a_fifo_is_refused_without_blocking(tmp_path, capsys):
+    import os
+
+    folder = _sharded(tmp_path, "shard-1.safetensors")
+    os.mkfifo(folder / "shard-1.safetensors")  # was: open() waited for a writer forever
+    code, _, err = _load(capsys, folder)
+    assert_one_error(code, err, "shard-1.safetensors", "FIFO")
