@@ -8,6 +8,9 @@ Every catalogue case runs the CLI in-process and asserts lmlab's promise for bad
 from __future__ import annotations
 
 import hashlib
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from lmlab.cli import main
@@ -54,3 +57,20 @@ def assert_unchanged(folder: Path, before: dict[str, str]) -> None:
     after = snapshot(folder)
     lost = {k: v for k, v in before.items() if after.get(k) != v}
     assert not lost, f"changed or lost under {folder}: {sorted(lost)}"
+
+
+@contextmanager
+def within(seconds: int) -> Iterator[None]:
+    """Fail the test (instead of hanging the suite) if the block runs longer than ``seconds``
+    (SIGALRM: main thread, Unix)."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise AssertionError(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

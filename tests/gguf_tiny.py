@@ -132,3 +132,22 @@ def write_llama_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def tiny_llama_hf(n_layers: int = 1) -> Any:
+    """A random-weight ``LlamaForCausalLM`` (vocab 258, width 32, 4 heads, 2 kv heads, context
+    64, tied embeddings) in eval mode, for :func:`write_llama_gguf`. Needs transformers."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=258,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=n_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from lmlab.errors import Interrupted, LmlabError
 from lmlab.fsutil import check_out_path
+from lmlab.textsafe import for_terminal, one_line
 
 DESCRIPTION = """\
 lmlab: build, train, probe and compare Transformer language models.
@@ -631,7 +632,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"generate needs a decoder model (--prompt, --chat); {args.run} is model.kind="
             f"{model.cfg.kind}: use {hint}"
         )
-    out = sys.stdout
+    out = for_terminal(sys.stdout)  # a model's control characters are escaped on a terminal
     if args.chat is not None:
         from lmlab.generation.chat import ChatSession
 
@@ -666,7 +667,7 @@ def _generate_seq2seq(args: argparse.Namespace, params: typing.Any) -> int:
         )
     model, tokenizer = _load_with_tokenizer(args.run, args.device)
     texts = generate_from_sources(model, tokenizer, args.source, params)
-    sys.stdout.write("\n---\n".join(texts) + "\n")
+    for_terminal(sys.stdout).write("\n---\n".join(texts) + "\n")
     return 0
 
 
@@ -923,7 +924,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug:
             raise
         rank = os.environ.get("RANK", "0")  # under torchrun every rank may report the same
-        print(f"error{'' if rank == '0' else f' (rank {rank})'}: {e}", file=sys.stderr)
+        where = "" if rank == "0" else f" (rank {rank})"
+        print(f"error{where}: {one_line(str(e))}", file=sys.stderr)  # may quote a model's text
         return 2
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
@@ -933,7 +935,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # a bug: one line unless --debug
         if debug:
             raise
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        first = one_line(str(e).strip().splitlines()[0]) if str(e).strip() else ""
         print(
             f"error: unexpected {type(e).__name__}: {first} (run with --debug for the traceback)",
             file=sys.stderr,

@@ -4,6 +4,8 @@ import, train --init-from, fill-mask, embed, inspect, attention, compare): each 
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -329,14 +331,25 @@ def test_compare_into_a_non_empty_folder_that_is_no_comparison_is_refused(
 # ------------------------------------------------------------------ damaged Hugging Face folders
 
 
+def _link_or_copy(src: str | Path, dst: str | Path) -> None:
+    if Path(src).is_dir():
+        shutil.copytree(src, dst, copy_function=_link_or_copy)
+        return
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def _minilm_copy(tmp_path: Path, replace: dict[str, str]) -> Path:
-    """all-MiniLM-L6-v2's folder as symlinks, with the files in ``replace`` rewritten."""
+    """all-MiniLM-L6-v2's folder as hard links (copies across file systems: lmlab refuses a
+    symlink out of a model folder), with the files in ``replace`` rewritten."""
     src = _minilm()
     folder = tmp_path / "minilm"
     folder.mkdir()
     for f in src.iterdir():
         if f.name not in {name.split("/")[0] for name in replace}:
-            (folder / f.name).symlink_to(f)
+            _link_or_copy(f, folder / f.name)
     (folder / "1_Pooling").mkdir(exist_ok=True)
     for name, text in replace.items():
         (folder / name).write_text(text)

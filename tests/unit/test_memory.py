@@ -162,7 +162,48 @@ def test_a_10_terabyte_config_is_refused_without_allocating_it():
     assert "TiB of memory at its peak" in str(e.value)
 
 
-def test_available_memory_on_cpu_reads_meminfo():
+def test_available_memory_on_cpu_reads_meminfo(monkeypatch, tmp_path):
+    monkeypatch.setattr(memory, "CGROUP_ROOT", tmp_path)  # no cgroup limit here
     got = memory.available_memory(CPU)
     assert got is not None and got[1] == "MemAvailable in /proc/meminfo"
     assert 1 << 26 < got[0] < 1 << 50  # between 64 MiB and 1 PiB
+
+
+def _cgroup(monkeypatch, tmp_path, files: dict[str, str], proc: str) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    (tmp_path / "proc-cgroup").write_text(proc)
+    monkeypatch.setattr(memory, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(memory, "PROC_CGROUP", tmp_path / "proc-cgroup")
+
+
+def test_a_cgroup_v2_limit_bounds_the_available_memory(monkeypatch, tmp_path):
+    files = {"box/memory.max": "1073741824\n", "box/memory.current": "268435456\n"}
+    _cgroup(monkeypatch, tmp_path, files, "0::/box\n")
+    free, source = memory.available_memory(CPU)
+    assert free == (1 << 30) - (1 << 28) and "box/memory.max" in source
+
+
+def test_a_cgroup_v1_limit_bounds_the_available_memory(monkeypatch, tmp_path):
+    files = {
+        "memory/memory.limit_in_bytes": "536870912\n",
+        "memory/memory.usage_in_bytes": "0\n",
+    }
+    _cgroup(monkeypatch, tmp_path, files, "4:memory:/\n")
+    assert memory.available_memory(CPU) == (
+        1 << 29,
+        f"the cgroup memory limit in {tmp_path / 'memory' / 'memory.limit_in_bytes'}",
+    )
+
+
+def test_an_unlimited_cgroup_leaves_meminfo(monkeypatch, tmp_path):
+    files = {"memory.max": "max\n", "memory/memory.limit_in_bytes": "9223372036854771712\n"}
+    _cgroup(monkeypatch, tmp_path, files, "0::/\n")
+    assert memory.available_memory(CPU)[1] == "MemAvailable in /proc/meminfo"
+
+
+def test_the_training_check_refuses_what_the_cgroup_limit_cannot_hold(monkeypatch, tmp_path):
+    _cgroup(monkeypatch, tmp_path, {"memory.max": "1048576\n"}, "0::/\n")
+    with pytest.raises(LmlabError, match="cgroup memory limit"):
+        check_training_memory(cfg_with(), CPU)

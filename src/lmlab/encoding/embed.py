@@ -8,7 +8,7 @@ Legend: N texts, T tokens, D d_model.
 
 from __future__ import annotations
 
-import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from lmlab.encoding.common import encode_batch, load_encoder
 from lmlab.errors import LmlabError
+from lmlab.safeio import inside, read_json, read_json_object
 
 POOLING_MODES = ("cls", "mean", "max", "mean_sqrt_len")
 
@@ -33,34 +34,46 @@ class Pooling:
 
 def read_pooling(path: str | Path) -> Pooling:
     """The pooling a model folder declares (sentence-transformers layout), else mean pooling
-    without normalisation. Raises LmlabError for a pooling mode lmlab does not implement."""
+    without normalisation. A module's ``path`` must lie inside the folder (no absolute path,
+    ``..`` or symlink out); every file is read with a size bound. Raises LmlabError for a
+    pooling mode lmlab does not implement or a malformed file, naming it."""
     p = Path(path)
     modules_file = p / "modules.json"
-    if not p.is_dir() or not modules_file.is_file():
+    if not p.is_dir() or not os.path.lexists(modules_file):
         return Pooling()
-    try:
-        modules = json.loads(modules_file.read_text(encoding="utf-8"))
-        pooling = Pooling()
-        for m in modules:
-            kind = str(m.get("type", "")).rsplit(".", 1)[-1]
-            if kind == "Pooling":
-                cfg = json.loads((p / m["path"] / "config.json").read_text(encoding="utf-8"))
-                on = [mode for mode in POOLING_MODES if cfg.get(f"pooling_mode_{mode}_tokens")] + (
-                    ["cls"] if cfg.get("pooling_mode_cls_token") else []
+    what = f"the sentence-transformers files of {p}"
+    modules = read_json(inside(p, "modules.json", what), "modules.json")
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise LmlabError(f"{modules_file} must hold a list of module objects")
+    pooling = Pooling()
+    for m in modules:
+        kind = str(m.get("type", "")).rsplit(".", 1)[-1]
+        if kind == "Pooling":
+            folder = m.get("path")
+            if not isinstance(folder, str):
+                raise LmlabError(f"{modules_file}: the Pooling module's path is {folder!r}")
+            cfg_file = inside(p, str(Path(folder) / "config.json"), f"{modules_file} (Pooling)")
+            cfg = read_json_object(cfg_file, f"{what}: pooling config")
+            on = [mode for mode in POOLING_MODES if cfg.get(f"pooling_mode_{mode}_tokens")] + (
+                ["cls"] if cfg.get("pooling_mode_cls_token") else []
+            )
+            if len(on) != 1:
+                raise LmlabError(
+                    f"{cfg_file} asks for pooling {on or 'none'}; lmlab supports exactly one of "
+                    f"{', '.join(POOLING_MODES)}"
                 )
-                if len(on) != 1:
-                    raise LmlabError(
-                        f"{p / m['path'] / 'config.json'} asks for pooling {on or 'none'}; lmlab "
-                        f"supports exactly one of {', '.join(POOLING_MODES)}"
-                    )
-                pooling.mode = on[0]
-            elif kind == "Normalize":
-                pooling.normalize = True
-        st = p / "sentence_bert_config.json"
-        if st.is_file():
-            pooling.max_len = json.loads(st.read_text(encoding="utf-8")).get("max_seq_length")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # e.g. a list, not {}
-        raise LmlabError(f"cannot read the sentence-transformers files of {p}: {e}") from None
+            pooling.mode = on[0]
+        elif kind == "Normalize":
+            pooling.normalize = True
+    st = p / "sentence_bert_config.json"
+    if os.path.lexists(st):
+        raw = read_json_object(inside(p, st.name, what), f"{what}: sentence_bert_config.json")
+        max_len = raw.get("max_seq_length")
+        if max_len is not None and (
+            isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1
+        ):
+            raise LmlabError(f"{st}: max_seq_length is {max_len!r}; it must be an integer >= 1")
+        pooling.max_len = max_len
     return pooling
 
 

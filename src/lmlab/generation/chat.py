@@ -25,20 +25,27 @@ from lmlab.data.tokenizer import Tokenizer
 from lmlab.errors import LmlabError
 from lmlab.generation.generate import SamplingParams, generate_ids
 from lmlab.generation.stream import StopStrings, token_text
+from lmlab.textsafe import for_terminal, one_line
 
 Message = dict[str, str]
 
 
 def chat_template_of(tokenizer: Tokenizer) -> str:
-    """The tokenizer's chat template. Raises LmlabError when it has none."""
+    """The tokenizer's chat template. Raises LmlabError when it has none or it is not a string
+    (a GGUF key or a tokenizer_config.json field of another type)."""
     template = getattr(tokenizer, "chat_template", None)
-    if not template:
+    if template is None or template == "":
         raise LmlabError(
             "this model's tokenizer has no chat template (a GGUF file's "
             "tokenizer.chat_template, or chat_template in the tokenizer_config.json beside its "
             "tokenizer.json); use --prompt for plain continuation"
         )
-    return str(template)
+    if not isinstance(template, str):
+        raise LmlabError(
+            f"this model's chat template is a {type(template).__name__}, not Jinja source text; "
+            "lmlab renders only a string template"
+        )
+    return template
 
 
 def render_chat(
@@ -49,27 +56,22 @@ def render_chat(
     eos_token: str = "",
 ) -> str:
     """Render ``messages`` with a Jinja chat template in an immutable sandbox (the template
-    cannot touch Python objects or files). Raises LmlabError if the template is invalid or calls
-    ``raise_exception``."""
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    cannot touch Python objects or files) with bounded time, recursion and output
+    (:mod:`lmlab.generation.chat_template`). Raises LmlabError if the template is not a string,
+    is invalid, reaches a bound, or calls ``raise_exception``."""
+    from lmlab.generation.chat_template import render_template
 
-    def raise_exception(message: str) -> None:
+    def raise_exception(message: object) -> None:
         raise LmlabError(f"the chat template refused the conversation: {message}")
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
-    env.globals["raise_exception"] = raise_exception
-    try:
-        return env.from_string(template).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token,
-            eos_token=eos_token,
-        )
-    except TemplateError as e:
-        raise LmlabError(f"the chat template failed: {e}") from None
+    variables = {
+        "messages": messages,
+        "add_generation_prompt": add_generation_prompt,
+        "bos_token": bos_token,
+        "eos_token": eos_token,
+    }
+    chars = sum(len(str(m.get("content", ""))) for m in messages)
+    return render_template(template, variables, raise_exception, chars)
 
 
 def stop_ids_of(tokenizer: Tokenizer) -> set[int]:
@@ -199,7 +201,8 @@ def chat_repl(
     too long for the context is refused with an ``error:`` line, the history kept, and the chat
     goes on. Returns the exit status: 0, or 2 if a message was refused. Raises LmlabError when
     ``system`` alone leaves no room for a message."""
-    inp, out, err = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    inp, err = stdin or sys.stdin, stderr or sys.stderr
+    out = for_terminal(stdout or sys.stdout)  # a model's control characters escaped on a tty
     session = ChatSession(model, tokenizer, params, max_context, system)
     if system:  # a system message that leaves no room would refuse every message
         try:
@@ -248,7 +251,7 @@ def chat_repl(
         except KeyboardInterrupt:
             err.write("\n(reply interrupted)")
         except LmlabError as e:  # e.g. a message too long for the context: say so, keep going
-            err.write(f"error: {e}\n")
+            err.write(f"error: {one_line(str(e))}\n")
             refused = True
             continue
         out.write("\n")

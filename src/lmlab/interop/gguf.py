@@ -17,6 +17,7 @@ tensor of GGML shape [D, V] is the (V, D) matrix PyTorch expects.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from lmlab.config import (
     RopeScalingConfig,
 )
 from lmlab.errors import CheckpointError, LmlabError
+from lmlab.interop import hf_fields as F
 from lmlab.interop.rope_layout import gguf_unpermute
 
 GGUF_MAGIC = b"GGUF"
@@ -149,21 +151,45 @@ def read_gguf(path: str | Path) -> GGUFFile:
     return GGUFFile(p, meta, tensors, types)
 
 
-def _get(meta: dict[str, Any], key: str, path: Path, default: Any = None) -> Any:
+_MISSING = object()
+
+
+def _get(meta: dict[str, Any], key: str, path: Path, default: Any = _MISSING) -> Any:
     value = meta.get(key, default)
-    if value is None:
+    if value is _MISSING or value is None:
         raise LmlabError(f"{path} lacks the metadata key {key!r}, which a Llama GGUF needs")
     if isinstance(value, list):
         raise LmlabError(f"{path}: {key} holds one value per layer, which lmlab does not support")
     return value
 
 
+def _int(
+    meta: dict[str, Any], key: str, path: Path, hi: int, default: Any = _MISSING, lo: int = 1
+) -> int:
+    """Metadata ``key`` as an integer in [lo, hi]; LmlabError naming the file and key."""
+    value = _get(meta, key, path, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise LmlabError(f"{path}: {key} is {value!r}; it must be an integer in [{lo}, {hi:,}]")
+    return value
+
+
+def _float(meta: dict[str, Any], key: str, path: Path, default: Any = _MISSING) -> float:
+    """Metadata ``key`` as a finite number > 0; LmlabError naming the file and key."""
+    value = _get(meta, key, path, default)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value <= 0:
+        raise LmlabError(f"{path}: {key} is {value!r}; it must be a finite number > 0")
+    return float(value)
+
+
 def gguf_model_config(meta: dict[str, Any], tensor_names: set[str], path: Path) -> ModelConfig:
     """GGUF metadata -> the Llama-shaped ModelConfig (RMSNorm, SwiGLU, half-split RoPE, GQA,
     Pre-Norm, no biases). ``output.weight`` absent from ``tensor_names`` means tied embeddings.
 
-    Raises LmlabError for an architecture other than those in SUPPORTED_ARCHITECTURES (naming
-    it), a missing key, partial rotary, or a RoPE scaling type lmlab has no component for.
+    Every number is checked for its type and range (the bounds of
+    :mod:`lmlab.interop.hf_fields`) before anything is built. Raises LmlabError for an
+    architecture other than those in SUPPORTED_ARCHITECTURES (naming it), a missing or bad key
+    (naming it), partial rotary, or a RoPE scaling type lmlab has no component for.
     """
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -172,11 +198,22 @@ def gguf_model_config(meta: dict[str, Any], tensor_names: set[str], path: Path) 
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     a = f"{arch}."
-    d_model = int(_get(meta, a + "embedding_length", path))
-    n_heads = int(_get(meta, a + "attention.head_count", path))
-    n_kv = int(_get(meta, a + "attention.head_count_kv", path, n_heads))
-    head_dim = int(_get(meta, a + "attention.key_length", path, d_model // n_heads))
-    rot = int(_get(meta, a + "rope.dimension_count", path, head_dim))
+    d_model = _int(meta, a + "embedding_length", path, F.MAX_WIDTH)
+    n_heads = _int(meta, a + "attention.head_count", path, F.MAX_HEADS)
+    n_kv = _int(meta, a + "attention.head_count_kv", path, n_heads, n_heads)
+    if n_heads % n_kv:
+        raise LmlabError(
+            f"{path}: {a}attention.head_count ({n_heads}) is not a multiple of "
+            f"{a}attention.head_count_kv ({n_kv})"
+        )
+    key_length = meta.get(a + "attention.key_length")
+    if key_length is None and d_model % n_heads:
+        raise LmlabError(
+            f"{path}: {a}embedding_length ({d_model}) is not divisible by "
+            f"{a}attention.head_count ({n_heads}) and no {a}attention.key_length is given"
+        )
+    head_dim = _int(meta, a + "attention.key_length", path, F.MAX_HEADS, d_model // n_heads)
+    rot = _int(meta, a + "rope.dimension_count", path, F.MAX_HEADS, head_dim)
     if rot != head_dim:
         raise LmlabError(
             f"{path}: rope.dimension_count {rot} != head_dim {head_dim} (partial rotary) is not "
@@ -185,7 +222,8 @@ def gguf_model_config(meta: dict[str, Any], tensor_names: set[str], path: Path) 
     scaling = RopeScalingConfig()
     scaling_type = meta.get(a + "rope.scaling.type", "none")
     if scaling_type == "linear":
-        scaling = RopeScalingConfig(kind="linear", factor=float(meta[a + "rope.scaling.factor"]))
+        factor = _float(meta, a + "rope.scaling.factor", path)
+        scaling = RopeScalingConfig(kind="linear", factor=factor)
     elif scaling_type != "none":
         raise LmlabError(
             f"{path}: RoPE scaling {scaling_type!r} has no lmlab component here; "
@@ -195,25 +233,27 @@ def gguf_model_config(meta: dict[str, Any], tensor_names: set[str], path: Path) 
         raise LmlabError(
             f"{path}: per-channel RoPE frequencies (rope_freqs, Llama 3.1) are not supported"
         )
-    vocab = meta.get(a + "vocab_size") or len(meta.get("tokenizer.ggml.tokens") or []) or None
+    vocab: int | None = None
+    if meta.get(a + "vocab_size") is not None:
+        vocab = _int(meta, a + "vocab_size", path, F.MAX_VOCAB)
     head_dim_cfg = head_dim if head_dim != d_model // n_heads else None
     return ModelConfig(
-        vocab_size=int(vocab) if vocab else None,
+        vocab_size=vocab,
         d_model=d_model,
-        n_layers=int(_get(meta, a + "block_count", path)),
-        max_seq_len=int(_get(meta, a + "context_length", path)),
+        n_layers=_int(meta, a + "block_count", path, F.MAX_LAYERS),
+        max_seq_len=_int(meta, a + "context_length", path, F.MAX_POSITIONS),
         tie_embeddings="output.weight" not in tensor_names,
         attention=AttentionConfig(n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim_cfg),
         position=PositionConfig(
             kind="rope",
-            rope_theta=float(_get(meta, a + "rope.freq_base", path, 10000.0)),
+            rope_theta=_float(meta, a + "rope.freq_base", path, 10000.0),
             scaling=scaling,
         ),
         norm=NormConfig(
-            kind="rmsnorm", eps=float(_get(meta, a + "attention.layer_norm_rms_epsilon", path))
+            kind="rmsnorm", eps=_float(meta, a + "attention.layer_norm_rms_epsilon", path)
         ),
         ffn=FFNConfig(
-            kind="swiglu", d_ff=int(_get(meta, a + "feed_forward_length", path)), bias=False
+            kind="swiglu", d_ff=_int(meta, a + "feed_forward_length", path, F.MAX_FFN), bias=False
         ),
         block=BlockConfig(kind="pre"),
     )
@@ -263,28 +303,61 @@ def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], source: s
             )
 
 
+def _stored_shapes(reader: Any, path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the file as a float32 meta tensor of its PyTorch shape (nothing
+    dequantized), its type checked. Raises LmlabError naming a tensor stored as integers."""
+    from gguf import GGMLQuantizationType
+
+    out: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        qtype = GGMLQuantizationType(t.tensor_type)
+        if qtype.name.startswith(("I8", "I16", "I32", "I64")):
+            raise LmlabError(
+                f"{path}: tensor {t.name} is stored as integers ({qtype.name}), not weights "
+                "lmlab can load"
+            )
+        shape = tuple(int(d) for d in reversed(list(t.shape)))  # GGML lists fastest dim first
+        out[t.name] = torch.empty(shape, dtype=torch.float32, device="meta")
+    return out
+
+
 def load_gguf(path: str | Path, device: str = "cpu") -> tuple[nn.Module, Any]:
     """Load a Llama-family GGUF file as ``(DecoderLM in eval mode, GGUFTokenizer)``: every
     tensor dequantized to float32, q/k rows in half-split RoPE order, the tokenizer and chat
     template from the metadata (:mod:`lmlab.interop.gguf_tokenizer`).
 
-    Raises CheckpointError for an unreadable file or a missing / wrongly shaped tensor (named),
-    LmlabError for an unsupported architecture, quantization type or tokenizer.
+    Before any tensor is dequantized: the metadata is checked key by key, every tensor's name
+    and shape against the model the metadata describes, and the float32 bytes against the
+    memory available (:func:`lmlab.training.memory.check_load_memory`, cgroup limits included).
+    Raises CheckpointError for an unreadable file or a missing / wrongly shaped tensor (named,
+    both shapes given), LmlabError for an unsupported architecture, a bad metadata value,
+    quantization type or tokenizer, or a model too large for the memory.
     """
     from lmlab.interop.gguf_tokenizer import gguf_tokenizer
     from lmlab.models.build import build_model
     from lmlab.nn.position import POSITION
     from lmlab.training.hardware import resolve_device
+    from lmlab.training.memory import check_load_memory
 
-    f = read_gguf(path)
-    cfg = gguf_model_config(f.metadata, set(f.tensors), f.path)
-    tokenizer = gguf_tokenizer(f.metadata, f.path)
+    p = Path(path)
+    reader = _open(p)
+    meta = _metadata(reader, p)
+    shapes = _stored_shapes(reader, p)
+    cfg = gguf_model_config(meta, set(shapes), p)
+    tokenizer = gguf_tokenizer(meta, p)
     if cfg.vocab_size is None:
         cfg.vocab_size = tokenizer.vocab_size
-    state = gguf_state_dict(f.tensors, cfg)
     with torch.device("meta"):  # no random init of weights about to be replaced
         model = build_model(cfg)
-    check_state_dict(model, state, str(f.path))
+    check_state_dict(model, gguf_state_dict(shapes, cfg), str(p))
+    nbytes = sum(t.numel() * 4 for t in shapes.values())  # float32 after dequantizing
+    check_load_memory(nbytes, torch.device("cpu"), f"the model in {p}")
+    dev = resolve_device(device)
+    if dev.type != "cpu":
+        check_load_memory(nbytes, dev, f"the model in {p}")
+    tensors = {t.name: _dequantize(t, p) for t in reader.tensors}
+    state = gguf_state_dict(tensors, cfg)
+    check_state_dict(model, state, str(p))
     model.load_state_dict(state, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight  # type: ignore[union-attr]
@@ -292,5 +365,5 @@ def load_gguf(path: str | Path, device: str = "cpu") -> tuple[nn.Module, Any]:
     model.position = POSITION.get(cfg.position.kind, "model.position.kind")(cfg)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
-        raise LmlabError(f"internal: {left[0]} was not loaded from {f.path}")
-    return model.to(resolve_device(device)).eval(), tokenizer
+        raise LmlabError(f"internal: {left[0]} was not loaded from {p}")
+    return model.to(dev).eval(), tokenizer

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from lmlab.data.tokenizer import BPETokenizer, _unicode_to_byte
 from lmlab.errors import LmlabError
+from lmlab.interop.hf_fields import MAX_VOCAB
 
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
 
@@ -94,6 +95,19 @@ class GGUFTokenizer(BPETokenizer):
         return "" if self._eos is None else str(self.hf.id_to_token(self._eos))
 
 
+def _list_of(meta: dict[str, Any], key: str, kind: type, path: Path, most: int) -> list[Any]:
+    """Metadata ``key`` as a list of at most ``most`` values of ``kind`` (absent: [])."""
+    value = meta.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list) or len(value) > most:
+        raise LmlabError(f"{path}: {key} must be a list of at most {most:,} {kind.__name__}s")
+    bad = next((v for v in value if isinstance(v, bool) or not isinstance(v, kind)), None)
+    if bad is not None:
+        raise LmlabError(f"{path}: {key} holds {bad!r}, not a {kind.__name__}")
+    return value
+
+
 def gguf_tokenizer(meta: dict[str, Any], path: Path) -> GGUFTokenizer:
     """Build the tokenizer a GGUF file's metadata describes. Raises LmlabError for a tokenizer
     model other than ``gpt2`` (byte-level BPE) or a pre-tokenizer lmlab does not know, naming it."""
@@ -103,17 +117,22 @@ def gguf_tokenizer(meta: dict[str, Any], path: Path) -> GGUFTokenizer:
             f"{path}: tokenizer.ggml.model {kind!r} is not supported; supported: gpt2 "
             "(byte-level BPE)"
         )
-    pre = str(meta.get("tokenizer.ggml.pre") or "default")
-    if pre not in PRE_TOKENIZERS:
+    pre = meta.get("tokenizer.ggml.pre") or "default"
+    if not isinstance(pre, str) or pre not in PRE_TOKENIZERS:
         raise LmlabError(
             f"{path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; supported: "
             f"{', '.join(PRE_TOKENIZERS)}"
         )
-    tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or [])
-    merges_raw: list[str] = list(meta.get("tokenizer.ggml.merges") or [])
+    tokens = _list_of(meta, "tokenizer.ggml.tokens", str, path, MAX_VOCAB)
+    merges_raw = _list_of(meta, "tokenizer.ggml.merges", str, path, 4 * MAX_VOCAB)
     if not tokens:
         raise LmlabError(f"{path} has no tokenizer.ggml.tokens")
-    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    types = _list_of(meta, "tokenizer.ggml.token_type", int, path, MAX_VOCAB) or [1] * len(tokens)
+    if len(types) != len(tokens):
+        raise LmlabError(
+            f"{path}: tokenizer.ggml.token_type has {len(types):,} entries for "
+            f"{len(tokens):,} tokens"
+        )
     vocab = {tok: i for i, tok in enumerate(tokens)}
     merges = []
     for m in merges_raw:
@@ -121,7 +140,12 @@ def gguf_tokenizer(meta: dict[str, Any], path: Path) -> GGUFTokenizer:
         if not sep:
             raise LmlabError(f"{path}: tokenizer merge {m!r} is not two tokens")
         merges.append((a, b))
-    hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    try:
+        hf = HFTokenizer(
+            models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+        )
+    except Exception as e:  # the tokenizers library raises plain Exception (a merge of unknowns)
+        raise LmlabError(f"{path}: the tokenizer in its metadata is inconsistent: {e}") from None
     hf.pre_tokenizer = PRE_TOKENIZERS[pre]()
     hf.decoder = decoders.ByteLevel()
     special = {i for i, t in enumerate(types) if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED)}
@@ -131,7 +155,9 @@ def gguf_tokenizer(meta: dict[str, Any], path: Path) -> GGUFTokenizer:
 
     def ident(key: str) -> int | None:
         v = meta.get(f"tokenizer.ggml.{key}")
-        return int(v) if v is not None and 0 <= int(v) < len(tokens) else None
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise LmlabError(f"{path}: tokenizer.ggml.{key} is {v!r}, not a token id")
+        return v if v is not None and 0 <= v < len(tokens) else None
 
     eos = ident("eos_token_id")
     stop = {i for i in (eos, ident("eot_token_id")) if i is not None}

@@ -132,10 +132,10 @@ def llama_state_dict(sd: dict[str, torch.Tensor], tied: bool) -> dict[str, torch
             continue
         parts = key.split(".")  # model.layers.{i}.{module...}.{weight|bias}
         if parts[:2] != ["model", "layers"]:
-            raise LmlabError(f"unexpected Llama weight {key!r}")
+            raise LmlabError(f"Llama weight {key!r} has no place in an lmlab model")
         module = ".".join(parts[3:-1])
         if module not in LLAMA_LAYER_KEYS:
-            raise LmlabError(f"unexpected Llama weight {key!r}")
+            raise LmlabError(f"Llama weight {key!r} has no place in an lmlab model")
         out[f"layers.{parts[2]}.{LLAMA_LAYER_KEYS[module]}.{parts[-1]}"] = value
     if tied:
         out["lm_head.weight"] = out["embed.weight"]
@@ -192,11 +192,11 @@ def gpt2_state_dict(sd: dict[str, torch.Tensor], d_model: int) -> dict[str, torc
                     "ln_2": "ffn_norm",
                 }
                 if module not in names:
-                    raise LmlabError(f"unexpected GPT-2 weight {key!r}")
+                    raise LmlabError(f"GPT-2 weight {key!r} has no place in an lmlab model")
                 conv1d = module.startswith(("attn.", "mlp.")) and kind == "weight"
                 out[f"{prefix}{names[module]}.{kind}"] = value.t() if conv1d else value
         else:
-            raise LmlabError(f"unexpected GPT-2 weight {key!r}")
+            raise LmlabError(f"GPT-2 weight {key!r} has no place in an lmlab model")
     out = {k: v.contiguous() for k, v in out.items()}
     out["lm_head.weight"] = out["embed.weight"]
     return out

@@ -116,7 +116,7 @@ def bert_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
         if module.startswith("encoder.layer."):
             i, _, rest = module[len("encoder.layer.") :].partition(".")
             if rest not in BERT_LAYER_KEYS:
-                raise LmlabError(f"unexpected BERT tensor {key!r}")
+                raise LmlabError(f"BERT tensor {key!r} has no place in an lmlab model")
             out[f"layers.{i}.{BERT_LAYER_KEYS[rest]}.{kind}"] = value
         elif module in BERT_TOP_KEYS:
             out[f"{BERT_TOP_KEYS[module]}.{kind}"] = value
@@ -128,7 +128,7 @@ def bert_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
         elif k == "cls.predictions.decoder.bias":
             continue  # the same tensor as cls.predictions.bias
         else:
-            raise LmlabError(f"unexpected BERT tensor {key!r}")
+            raise LmlabError(f"BERT tensor {key!r} has no place in an lmlab model")
     if cfg.mlm_head and cfg.tie_embeddings and "embed.weight" in out:
         out["lm_head.weight"] = out["embed.weight"]
     return out

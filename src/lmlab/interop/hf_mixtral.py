@@ -82,7 +82,7 @@ def mixtral_state_dict(sd: dict[str, torch.Tensor], tied: bool) -> dict[str, tor
         elif len(sub) == 4 and sub[2] in W_NAMES and sub[3] == "weight":
             out[f"{prefix}experts.{sub[1]}.{W_NAMES[sub[2]]}.weight"] = value
         else:
-            raise LmlabError(f"unexpected Mixtral weight {key!r}")
+            raise LmlabError(f"Mixtral weight {key!r} has no place in an lmlab model")
     out.update(llama_state_dict(rest, tied))
     return {k: v.contiguous() for k, v in out.items()}
 

@@ -109,9 +109,9 @@ def neox_state_dict(
             elif module in NEOX_LAYER_KEYS:
                 out[f"layers.{i}.{NEOX_LAYER_KEYS[module]}.{kind}"] = value
             else:
-                raise LmlabError(f"unexpected GPT-NeoX weight {key!r}")
+                raise LmlabError(f"GPT-NeoX weight {key!r} has no place in an lmlab model")
         else:
-            raise LmlabError(f"unexpected GPT-NeoX weight {key!r}")
+            raise LmlabError(f"GPT-NeoX weight {key!r} has no place in an lmlab model")
     if tied:
         out["lm_head.weight"] = out["embed.weight"]
     return out

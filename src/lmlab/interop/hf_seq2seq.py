@@ -35,7 +35,9 @@ def rename(
                 break
         else:
             side = "lmlab" if reverse else family
-            raise LmlabError(f"unexpected {side} weight {key!r} (no {family} counterpart)")
+            raise LmlabError(
+                f"{side} weight {key!r} has no place in an lmlab model (no {family} counterpart)"
+            )
     return out
 
 

@@ -94,24 +94,100 @@ def estimate_training_memory(cfg: RunConfig) -> MemoryEstimate:
     return MemoryEstimate(p, 4 * p, 4 * p, 8 * p, 2 * p if a == 2 else 0, activations)
 
 
+MEMINFO = Path("/proc/meminfo")
+PROC_CGROUP = Path("/proc/self/cgroup")  # which cgroup this process is in
+CGROUP_ROOT = Path("/sys/fs/cgroup")  # where cgroup v2 (unified) or v1 is mounted
+_UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
+
+
+def _read_int(path: Path) -> int | None:
+    """The integer in a small /proc or /sys file ("max" or unreadable: None)."""
+    try:
+        text = path.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _cgroup_dirs() -> list[tuple[Path, str]]:
+    """(folder, "v2" or "v1") of the memory cgroup(s) of this process, innermost first, from
+    /proc/self/cgroup; the mount root as a fallback."""
+    out: list[tuple[Path, str]] = []
+    try:
+        lines = PROC_CGROUP.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        lines = []
+    for line in lines:
+        parts = line.split(":", 2)  # hierarchy-id:controllers:path
+        if len(parts) != 3:
+            continue
+        rel = parts[2].lstrip("/")
+        if parts[0] == "0" and parts[1] == "":
+            out.append((CGROUP_ROOT / rel, "v2"))
+        elif "memory" in parts[1].split(","):
+            out.append((CGROUP_ROOT / "memory" / rel, "v1"))
+    out += [(CGROUP_ROOT, "v2"), (CGROUP_ROOT / "memory", "v1")]
+    return out
+
+
+def cgroup_memory_free() -> tuple[int, str] | None:
+    """(bytes the container's memory limit still allows, where it comes from), or None where no
+    limit applies: cgroup v2 ``memory.max`` - ``memory.current``, cgroup v1
+    ``memory.limit_in_bytes`` - ``memory.usage_in_bytes``, of this process's cgroup (or the
+    mount root when /proc/self/cgroup names none)."""
+    for folder, version in _cgroup_dirs():
+        names = (
+            ("memory.max", "memory.current")
+            if version == "v2"
+            else ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        )
+        limit_file = folder / names[0]
+        if not limit_file.is_file():
+            continue
+        limit = _read_int(limit_file)
+        if limit is None or limit >= _UNLIMITED:
+            continue  # "max": no limit at this level
+        used = _read_int(folder / names[1]) or 0
+        return max(limit - used, 0), f"the cgroup memory limit in {limit_file}"
+    return None
+
+
 def available_memory(device: torch.device) -> tuple[int, str] | None:
     """(bytes free for this process, where the number comes from), or None where unknown.
 
-    cuda: ``torch.cuda.mem_get_info`` (free device memory); cpu: ``MemAvailable`` in
-    /proc/meminfo (Linux); other devices and systems: None (no check).
+    cuda: ``torch.cuda.mem_get_info`` (free device memory); cpu: the smaller of ``MemAvailable``
+    in /proc/meminfo and what the container's cgroup memory limit leaves
+    (:func:`cgroup_memory_free`) (Linux); other devices and systems: None (no check).
     """
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free), f"free memory on {torch.cuda.get_device_name(device)}"
     if device.type == "cpu":
+        found: list[tuple[int, str]] = []
         try:
-            text = Path("/proc/meminfo").read_text()
+            text = MEMINFO.read_text()
         except OSError:
-            return None
+            text = ""
         match = re.search(r"^MemAvailable:\s+(\d+)\s*kB", text, re.MULTILINE)
         if match:
-            return int(match.group(1)) * 1024, "MemAvailable in /proc/meminfo"
+            found.append((int(match.group(1)) * 1024, "MemAvailable in /proc/meminfo"))
+        cgroup = cgroup_memory_free()
+        if cgroup is not None:
+            found.append(cgroup)
+        return min(found) if found else None
     return None
+
+
+def check_load_memory(nbytes: int, device: torch.device, what: str) -> None:
+    """Refuse to load a model whose tensors need ``nbytes`` (estimated from the file's config and
+    headers, before any is allocated) when that exceeds the memory available on ``device``
+    (:func:`available_memory`, the cgroup limit included). Raises LmlabError naming ``what``."""
+    free = available_memory(device)
+    if free is not None and nbytes > free[0]:
+        raise LmlabError(
+            f"{what} needs about {format_bytes(nbytes)} of memory to load, more than the "
+            f"{format_bytes(free[0])} available on {device.type} ({free[1]})"
+        )
 
 
 def format_bytes(n: float) -> str:
