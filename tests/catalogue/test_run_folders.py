@@ -67,6 +67,10 @@ STATES = {
     "loss-infinite": ('{"step": 30, "tokens": 0, "train_loss": 1e999}', "train_loss must be"),
     "world-size-zero": ('{"step": 30, "tokens": 0, "world_size": 0}', "world_size must be"),
     "not-an-object": ("[30, 0]", "must hold a JSON object"),
+    "imported-from-number": (
+        '{"step": 30, "tokens": 0, "imported_from": 5}',
+        "imported_from must be a string or null",
+    ),
     "duplicate-step": ('{"step": 30, "step": 2, "tokens": 0}', "duplicate key 'step'"),
 }
 

@@ -347,7 +347,8 @@ def _checkpoint_file(ckpt: Path, name: str) -> Path:
 
 
 # trainer_state.json: key -> (kind, lowest, highest); "count" is an int, "seconds" a finite
-# number >= 0, "loss" a finite number or null, "text" a string. Unknown keys are kept as read.
+# number >= 0, "loss" a finite number or null, "text" a string or null. Unknown keys are kept
+# as read.
 STATE_FIELDS: dict[str, tuple[str, float, float]] = {
     "step": ("count", 0, MAX_STEP),
     "tokens": ("count", 0, MAX_TOKENS),
@@ -373,12 +374,12 @@ def check_trainer_state(data: dict[str, Any], path: Path) -> dict[str, Any]:
         if key not in data:
             continue
         value = data[key]
-        if value is None and kind in ("loss", "count?"):
+        if value is None and kind in ("loss", "count?", "text"):  # null: not recorded
             continue
         number = isinstance(value, int | float) and not isinstance(value, bool)
         if kind == "text":
             ok = isinstance(value, str)
-            want = "a string"
+            want = "a string or null"
         elif kind.startswith("count"):
             ok = number and isinstance(value, int) and lo <= value <= hi
             want = f"an integer from {lo:,} to {hi:,}" + (" or null" if kind == "count?" else "")
