@@ -1,6 +1,6 @@
 """End-to-end: every subcommand in-process through lmlab.cli.main, on a tiny preset.
 
-Bad inputs (one error line, no traceback, run folders untouched) are in test_bad_inputs.py."""
+Bad inputs (one error line, no traceback, run folders untouched) are in tests/catalogue/."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def test_generate_streams_text(tiny_run: Path, capsys):
 
 
 def test_a_prompt_longer_than_the_context_keeps_its_end(tiny_run: Path, capsys):
-    # Not an error (see test_bad_inputs.py for those): the last max_seq_len tokens are kept.
+    # Not an error (see tests/catalogue/ for those): the last max_seq_len tokens are kept.
     code, out, err = run_cli(
         capsys, "generate", str(tiny_run), "--prompt", "x" * 100, "--max-new-tokens", "3"
     )
