@@ -70,7 +70,15 @@ def measure_matmul_peak(
     b = torch.randn(n, n, device=device, dtype=dtype)
     best = float("inf")
     for _ in range(3):  # warm-up: thread pool, caches, clocks
-        torch.matmul(a, b)
+        synchronize(device)
+        with _timed() as t:
+            torch.matmul(a, b)
+            synchronize(device)
+        if t[0] > seconds:  # a slow path (bf16 on a CPU without bf16 units: ~2.5 s a matmul):
+            with _timed() as t:  # one more, timed warm, is a long enough sample on its own
+                torch.matmul(a, b)
+                synchronize(device)
+            return 2 * n**3 / t[0]
     burst = seconds / (2 * trials)
     for _ in range(trials):
         deadline = time.perf_counter() + burst
