@@ -323,3 +323,14 @@ def test_a_corpus_changed_since_the_run_started_is_refused_on_resume(run: Path, 
     cfg["data"]["corpus"] = str(changed)
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
     refused(capsys, run, "resume", "is not the text this run started with", str(changed))
+
+
+def test_a_data_folder_that_links_outside_the_run_is_refused(run, capsys, tmp_path):
+    """data/ a symlink to an empty folder outside the run: the resume refuses it (was: the token
+    cache was rebuilt into the folder outside, and read from there)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.rmtree(run / "data")
+    (run / "data").symlink_to(elsewhere)
+    refused(capsys, run, "train", f"token cache folder {run / 'data'} leads outside {run}")
+    assert list(elsewhere.iterdir()) == []
