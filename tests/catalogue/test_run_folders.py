@@ -334,3 +334,24 @@ def test_a_data_folder_that_links_outside_the_run_is_refused(run, capsys, tmp_pa
     (run / "data").symlink_to(elsewhere)
     refused(capsys, run, "train", f"token cache folder {run / 'data'} leads outside {run}")
     assert list(elsewhere.iterdir()) == []
+
+
+@pytest.mark.parametrize("entry", ["loss.png", "tb"])
+def test_a_run_entry_that_links_outside_the_run_is_refused_on_resume(run, capsys, tmp_path, entry):
+    """loss.png or tb/ a symlink to a file or folder outside the run: the resume refuses it (was:
+    loss.png outside overwritten with the plot, TensorBoard events written into the folder
+    outside)."""
+    target = tmp_path / "elsewhere"
+    if entry == "tb":
+        target.mkdir()
+        shutil.rmtree(run / entry)
+    else:
+        target.write_text("keep me")
+        (run / entry).unlink()
+    (run / entry).symlink_to(target)
+    before = snapshot(tmp_path / "elsewhere") if entry == "tb" else None
+    refused(capsys, run, "train", f"{run / entry} leads outside {run}")
+    if entry == "tb":
+        assert snapshot(target) == before == {}
+    else:
+        assert target.read_text() == "keep me"
