@@ -673,11 +673,11 @@ def _generate_seq2seq(args: argparse.Namespace, params: typing.Any) -> int:
 
 def _load_with_tokenizer(path: str, device: str | None) -> tuple[typing.Any, typing.Any]:
     """``lmlab.load(path)``; LmlabError when the model comes without a tokenizer."""
-    from lmlab.interop.load import load
+    from lmlab.interop.load import load, no_tokenizer
 
     model, tokenizer = load(path, device or "auto")
     if tokenizer is None:
-        raise LmlabError(f"{path} has no tokenizer, so text cannot be generated with it")
+        raise no_tokenizer(path, "generated")
     return model, tokenizer
 
 

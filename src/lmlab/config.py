@@ -378,7 +378,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     Each override is ``dotted.key=value``; the value is parsed as YAML (``8``, ``true``, ``null``).
     The file must be a regular file of at most :data:`CONFIG_MAX_BYTES`, parsed by
     :func:`lmlab.safeio.parse_yaml` (duplicate keys refused, aliases bounded). Raises
-    :class:`ConfigError` naming the file or field at fault.
+    :class:`ConfigError` naming the file or field at fault (a bad field of the file (not one
+    set by an override) names both: ``config file PATH: model.d_model: ...``).
     """
     data: dict[str, Any] = {}
     if path is not None:
@@ -390,7 +391,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data.setdefault("name", p.stem)
     for item in overrides or []:
         apply_override(data, item)
-    return config_from_dict(data).validate()
+    try:
+        return config_from_dict(data).validate()
+    except ConfigError as e:  # a field of the file: the message names the file too
+        keys = [item.split("=", 1)[0].strip() for item in overrides or []]
+        if path is None or str(path) in str(e) or any(k and k in str(e) for k in keys):
+            raise
+        raise ConfigError(f"config file {path}: {e}") from None
 
 
 # ----------------------------------------------------------------------------- YAML in, bounded

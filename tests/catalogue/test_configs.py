@@ -4,6 +4,7 @@ naming the file (or flag) and the field, exit 2, fast, and nothing echoed whole
 
 from __future__ import annotations
 
+import shutil
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -218,3 +219,40 @@ def test_experiment_number_out_of_range_is_refused(capsys, tmp_path, changes, ne
     path = _experiment(tmp_path, **changes)  # --smoke: 2 steps, should a bad value pass after all
     code, _, err = run_cli(capsys, "compare", path, "--smoke", "--out", tmp_path / "o")
     assert_one_error(code, err, "exp.yaml", needle)
+
+
+# the file named with the field
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("model:\n  d_model: '32'\n", "model.d_model: expected int"),  # wrong type
+        ("model:\n  d_model: 33\n", "model.d_model (33) must be divisible"),  # cross-field rule
+    ],
+)
+def test_a_bad_field_of_a_config_file_names_the_file(capsys, tmp_path, text, field):
+    """A field of a config file that fails its check: the error names the file and the field
+    (was: the field alone, which for a run folder's config.yaml did not say which file)."""
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    code, _, err = run_cli(capsys, "train", "--config", config, "--out", tmp_path / "r")
+    assert_one_error(code, err, f"config file {config}: {field}")
+
+
+def test_a_bad_field_of_a_run_config_names_the_run_file(capsys, tiny_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    (run / "config.yaml").write_text("model:\n  d_model: '32'\n")
+    code, _, err = run_cli(capsys, "eval", run)
+    assert_one_error(code, err, f"{run / 'config.yaml'}: model.d_model: expected int")
+
+
+def test_a_bad_set_value_is_named_as_the_set_not_the_file(capsys, tmp_path):
+    config = tmp_path / "ok.yaml"
+    config.write_text("model:\n  d_model: 32\n")
+    code, _, err = run_cli(
+        capsys, "train", "--config", config, "--set", "model.d_model=33", "--out", tmp_path / "r"
+    )
+    line = assert_one_error(code, err, "model.d_model (33)")
+    assert str(config) not in line

@@ -61,7 +61,20 @@ CASES = [
         "only inference-time position settings",
     ),
     (bad(eval={"inference": {"x": {"variant": "mha"}}}), "eval.inference needs eval.lengths"),
+    # was accepted: a run folder named with a newline, report.md's table row split in two
+    (bad(variants={"a\nb": {}}), r"variant name 'a\\nb' must be a plain folder name \(no back"),
+    (bad(variants={"a\x1b[31m": {}}), "must be a plain folder name"),
+    (bad(name="x\ty"), r"name 'x\\ty' must be a plain folder name"),
+    # was "variant name 1 must be a plain folder name (no slashes)"
+    (bad(variants={1: {}}), "variant name 1 must be a string"),
 ]
+
+
+def test_the_variants_example_is_printed_with_single_braces():
+    """was: 'variants: {{base: {{}}, ...}}' (an f-string's escaping in a plain string)."""
+    with pytest.raises(ConfigError) as e:
+        experiment_from_dict(bad(variants=["a"]), Path("exp.yaml"))
+    assert "{base: {}, wide: {model.d_model: 256}}" in str(e.value)
 
 
 @pytest.mark.parametrize("raw, message", CASES, ids=[c[1][:40] for c in CASES])

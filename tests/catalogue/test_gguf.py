@@ -76,3 +76,14 @@ def test_loading_a_gguf_checks_the_cgroup_memory_limit_before_dequantizing(
     code, _, err = _run(capsys, tmp_path, hf_model, {})
     assert_one_error(code, err, "needs about", "memory.limit_in_bytes")
     assert dequantized == []
+
+
+@pytest.mark.parametrize("key", ["eos_token_id", "bos_token_id"])
+def test_a_special_token_id_outside_the_vocabulary_is_not_ignored_silently(
+    tmp_path, capsys, hf_model, key
+):
+    """An end-of-text id beyond the vocabulary can never stop generation: it is ignored as
+    llama.cpp ignores it, but with a warning naming the file and key (was: silently)."""
+    code, _, err = _run(capsys, tmp_path, hf_model, {f"tokenizer.ggml.{key}": 2**31})
+    assert code == 0, err
+    assert f"warning: {tmp_path / 'm.gguf'}: tokenizer.ggml.{key} is 2,147,483,648" in err

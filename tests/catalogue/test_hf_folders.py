@@ -281,3 +281,22 @@ def test_a_shard_that_is_a_fifo_is_refused_without_blocking(tmp_path, capsys):
     os.mkfifo(folder / "shard-1.safetensors")  # was: open() waited for a writer forever
     code, _, err = _load(capsys, folder)
     assert_one_error(code, err, "shard-1.safetensors", "FIFO")
+
+
+@pytest.mark.parametrize(
+    ("tokenizer_config", "cause"),
+    [({"chat_template": 7}, "chat_template must be a string"), ({"eos_token": 5}, "eos_token")],
+    ids=["template-a-number", "eos-a-number"],
+)
+def test_a_refused_tokenizer_is_not_called_missing(
+    tmp_path, capsys, tiny_run, tokenizer_config, cause
+):
+    """A tokenizer.json beside a bad tokenizer_config.json: the model loads without it (a
+    warning naming the file and field) and generate's error says the tokenizer was refused (was:
+    'has no tokenizer', beside a tokenizer.json)."""
+    folder = _llama_folder(tmp_path / "hf")
+    (folder / "tokenizer.json").write_bytes((tiny_run / "tokenizer.json").read_bytes())
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    code, _, err = _load(capsys, folder)
+    assert_one_error(code, err, str(folder), "tokenizer was refused")
+    assert f"warning: {folder / 'tokenizer_config.json'}: {cause}" in err

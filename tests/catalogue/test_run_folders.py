@@ -9,6 +9,7 @@ afterwards (a failed resume never truncates or deletes anything).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from catalogue_helpers import assert_one_error, assert_unchanged, run_cli, snapshot
+from catalogue_helpers import assert_one_error, assert_unchanged, run_cli, snapshot, within
 from safetensors.torch import load_file, save_file
 
 CKPT = "checkpoints/step-000030"
@@ -119,6 +120,26 @@ def test_a_damaged_metrics_line_is_refused_and_nothing_is_truncated(run, capsys,
     # the resume would drop the records after step 30 from the file: first it reads every line
     _replace_line(run, 1, text)
     refused(capsys, run, "train", "metrics.jsonl", needle)
+
+
+def test_a_metrics_file_that_is_a_fifo_is_refused_on_resume(run, capsys):
+    """A FIFO as metrics.jsonl: the resume refuses it (was: skipped by the check, then the
+    append-open blocked forever waiting for a reader)."""
+    (run / "metrics.jsonl").unlink()
+    os.mkfifo(run / "metrics.jsonl")
+    with within(20):
+        refused(capsys, run, "train", "metrics.jsonl", "FIFO")
+
+
+def test_a_metrics_file_that_links_outside_the_run_is_refused(run, capsys, tmp_path):
+    """metrics.jsonl a symlink to a file outside the run: refused, never read or rewritten."""
+    outside = tmp_path / "elsewhere.jsonl"
+    shutil.copy(run / "metrics.jsonl", outside)
+    kept = outside.read_bytes()
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").symlink_to(outside)
+    refused(capsys, run, "train", "metrics.jsonl", "leads outside")
+    assert outside.read_bytes() == kept
 
 
 def test_a_torn_last_metrics_line_is_dropped_on_resume(run, capsys):
@@ -302,3 +323,35 @@ def test_a_corpus_changed_since_the_run_started_is_refused_on_resume(run: Path, 
     cfg["data"]["corpus"] = str(changed)
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
     refused(capsys, run, "resume", "is not the text this run started with", str(changed))
+
+
+def test_a_data_folder_that_links_outside_the_run_is_refused(run, capsys, tmp_path):
+    """data/ a symlink to an empty folder outside the run: the resume refuses it (was: the token
+    cache was rebuilt into the folder outside, and read from there)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.rmtree(run / "data")
+    (run / "data").symlink_to(elsewhere)
+    refused(capsys, run, "train", f"token cache folder {run / 'data'} leads outside {run}")
+    assert list(elsewhere.iterdir()) == []
+
+
+@pytest.mark.parametrize("entry", ["loss.png", "tb"])
+def test_a_run_entry_that_links_outside_the_run_is_refused_on_resume(run, capsys, tmp_path, entry):
+    """loss.png or tb/ a symlink to a file or folder outside the run: the resume refuses it (was:
+    loss.png outside overwritten with the plot, TensorBoard events written into the folder
+    outside)."""
+    target = tmp_path / "elsewhere"
+    if entry == "tb":
+        target.mkdir()
+        shutil.rmtree(run / entry)
+    else:
+        target.write_text("keep me")
+        (run / entry).unlink()
+    (run / entry).symlink_to(target)
+    before = snapshot(tmp_path / "elsewhere") if entry == "tb" else None
+    refused(capsys, run, "train", f"{run / entry} leads outside {run}")
+    if entry == "tb":
+        assert snapshot(target) == before == {}
+    else:
+        assert target.read_text() == "keep me"

@@ -43,8 +43,20 @@ def build_token_cache(
 
     ``resuming``: the run continues from a checkpoint, so a cache built from other text is
     refused (DataError naming the corpus) instead of being rebuilt: a resumed run trains on the
-    text it started with (a missing cache is rebuilt; it then must come from the same text)."""
+    text it started with (a missing cache is rebuilt; it then must come from the same text).
+    A ``folder`` that is a symlink leading outside its parent (the run folder) is refused."""
     out = Path(folder)
+    if os.path.lexists(out):  # a data/ that is a symlink out: never read or written through
+        inside(
+            out.parent,
+            out.name,
+            "token cache folder",
+            DataError,
+            outside=(
+                f"token cache folder {out} leads outside {out.parent} (a symlink); lmlab reads and "
+                "writes a run's token cache only inside its folder"
+            ),
+        )
     with writing(out):
         out.mkdir(parents=True, exist_ok=True)
     meta_path = out / "meta.json"

@@ -230,7 +230,9 @@ def evaluate(
     text = read_text(data) if data is not None else None  # bad text fails before loading
     model, tokenizer = load(model_path, device)
     if tokenizer is None:
-        raise LmlabError(f"{model_path} has no tokenizer, so text cannot be scored with it")
+        from lmlab.interop.load import no_tokenizer
+
+        raise no_tokenizer(model_path, "scored")
     if getattr(model.cfg, "kind", None) == "encoder_decoder":  # seq2seq: exact match on pairs
         return _evaluate_seq2seq(model_path, model, tokenizer, split, data, stride, max_tokens,
                                  batch_size)  # fmt: skip

@@ -183,12 +183,19 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any, where: str) -> None:
 
 
 def _plain_name(value: Any, what: str, where: str) -> str:
-    if not isinstance(value, str) or not value or value in (".", "..") or "/" in value:
+    """``value``: a non-empty string usable as one folder name: no slash, backslash or control
+    character (a newline would split report.md's table rows), not ``.``/``..``/``seed-*``."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: {what} {short_repr(value)} must be a string")
+    if not value or value in (".", "..") or "/" in value:
         raise ConfigError(
             f"{where}: {what} {short_repr(value)} must be a plain folder name (no slashes)"
         )
-    if any(c in value for c in "\\\0") or value.startswith("seed-"):
-        raise ConfigError(f"{where}: {what} {short_repr(value)} must be a plain folder name")
+    if any(c == "\\" or not c.isprintable() for c in value) or value.startswith("seed-"):
+        raise ConfigError(
+            f"{where}: {what} {short_repr(value)} must be a plain folder name "
+            "(no backslash or control characters, not seed-*)"
+        )
     return value
 
 
@@ -317,7 +324,7 @@ def experiment_from_dict(raw: Any, path: Path | None = None) -> Experiment:
     if not isinstance(variants, dict) or not variants:
         raise ConfigError(
             f"{where}: variants must map at least one name to its overrides "
-            "(e.g. variants: {{base: {{}}, wide: {{model.d_model: 256}}}})"
+            "(e.g. variants: {base: {}, wide: {model.d_model: 256}})"
         )
     parsed: dict[str, dict[str, Any]] = {}
     for vname, overrides in variants.items():

@@ -4,13 +4,15 @@
 (the vocabulary, in GPT-2's printable-character form of the bytes), ``tokenizer.ggml.merges``
 ("a b" pairs, in priority order), ``tokenizer.ggml.token_type`` (1 normal, 3 control, 4
 user-defined ...), ``tokenizer.ggml.bos/eos/padding_token_id``, ``tokenizer.ggml.pre`` (which
-pre-tokenizer splits the text before BPE) and ``tokenizer.chat_template`` (Jinja). It is rebuilt
+pre-tokenizer splits the text before BPE) and ``tokenizer.chat_template`` (Jinja); a special id
+outside the vocabulary is ignored with a warning (as llama.cpp does). It is rebuilt
 as a Hugging Face ``tokenizers`` BPE tokenizer; control and user-defined tokens are special tokens
 matched whole in the text (so a chat template's ``<|im_start|>`` is one token).
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -157,7 +159,14 @@ def gguf_tokenizer(meta: dict[str, Any], path: Path) -> GGUFTokenizer:
         v = meta.get(f"tokenizer.ggml.{key}")
         if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
             raise LmlabError(f"{path}: tokenizer.ggml.{key} is {v!r}, not a token id")
-        return v if v is not None and 0 <= v < len(tokens) else None
+        if v is not None and not 0 <= v < len(tokens):  # ignored, as llama.cpp does, but said
+            print(
+                f"warning: {path}: tokenizer.ggml.{key} is {v:,}, not an id of its "
+                f"{len(tokens):,} tokens; ignored",
+                file=sys.stderr,
+            )
+            return None
+        return v
 
     eos = ident("eos_token_id")
     stop = {i for i in (eos, ident("eot_token_id")) if i is not None}

@@ -341,6 +341,18 @@ def load_hf_folder(folder: str | Path, device: str = "cpu") -> tuple[nn.Module, 
     return model.to(device).eval(), tokenizer
 
 
+def no_tokenizer(path: str | Path, use: str) -> LmlabError:
+    """The error for a model at ``path`` that came without a tokenizer, needed to ``use`` text
+    ("generated", "scored"): where a tokenizer.json is there but was refused (the warning above
+    says why), the message says so rather than that there is none."""
+    if os.path.lexists(Path(path) / "tokenizer.json"):
+        return LmlabError(
+            f"{path}: its tokenizer was refused (see the warning above), so text cannot be "
+            f"{use} with it"
+        )
+    return LmlabError(f"{path} has no tokenizer, so text cannot be {use} with it")
+
+
 def load(path: str | Path, device: str = "cpu") -> tuple[nn.Module, Tokenizer | None]:
     """Load ``(model, tokenizer)`` from an lmlab run folder (latest checkpoint), a Hugging Face
     model folder of a supported family (``lmlab list hf_family``) or a Llama-family ``.gguf`` file

@@ -109,12 +109,14 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """All records of ``metrics.jsonl`` ([] when there is none), each checked by
     :func:`check_record`. A torn last line (no newline: a crash mid-write) is skipped; any other
     line that is not a valid record raises LmlabError naming the file, line and field (also for
-    a file that is not UTF-8 or is over 1 GiB)."""
-    from lmlab.safeio import parse_json
+    a file that is not UTF-8 or is over 1 GiB, a FIFO or other special file, or a symlink that
+    leads outside ``run_dir``)."""
+    from lmlab.safeio import inside, parse_json
 
     path = Path(run_dir) / METRICS_FILE
     if not path.exists() and not path.is_symlink():
         return []
+    inside(run_dir, METRICS_FILE, "metrics file")
     text = read_text(path, "metrics file", METRICS_BYTES)
     lines = text.split("\n")
     torn = lines.pop()  # '' when the file ends with a newline
@@ -138,7 +140,7 @@ def truncate_metrics(run_dir: str | Path, last_step: int) -> None:
     from lmlab.fsutil import atomic_write_text
 
     path = Path(run_dir) / METRICS_FILE
-    if path.is_file():
+    if path.exists() or path.is_symlink():  # a FIFO or a link out is refused, not skipped
         keep = [r for r in read_metrics(run_dir) if r["step"] <= last_step]
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
 

@@ -20,6 +20,7 @@ the first one's pid and changes nothing.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from lmlab.errors import LmlabError
 from lmlab.fsutil import check_out_path, write_error
 from lmlab.run import CONFIG_FILE, TOKENIZER_FILE
 from lmlab.runlock import LOCK_FILE, FolderLock, lock_folder
+from lmlab.safeio import inside
 from lmlab.training.checkpoint import has_checkpoint
 from lmlab.training.metrics import METRICS_FILE
 
@@ -133,7 +135,20 @@ def claim_new_run(run_dir: Path, overwrite: bool = False, is_main: bool = True) 
 def claim_resumed_run(run_dir: Path, is_main: bool = True) -> RunFolder:
     """Lock the run folder ``run_dir`` for ``--resume`` (rank 0; a folder that is not a run is
     left alone, for :func:`lmlab.run.read_run_config` to refuse). Raises LmlabError naming the
-    pid of another process writing it."""
+    pid of another process writing it, or a loss.png or tb/ that is a symlink
+    leading outside it."""
     if not is_main or not (run_dir / CONFIG_FILE).is_file():
         return RunFolder(run_dir, False, None)
+    # written without being read first (the other entries are checked where they are read)
+    for entry in ("tb", "loss.png"):
+        if os.path.lexists(run_dir / entry):
+            inside(
+                run_dir,
+                entry,
+                entry,
+                outside=(
+                    f"{run_dir / entry} leads outside {run_dir} (a symlink); a resumed run reads "
+                    "and writes its files only inside its folder"
+                ),
+            )
     return RunFolder(run_dir, False, lock_folder(run_dir))
