@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import yaml
-from catalogue_helpers import assert_one_error, run_cli
+from catalogue_helpers import assert_one_error, run_cli, within
 from conftest import TINY
 
 GUARD_S = 30  # far above what a refusal takes; only a hang reaches it
@@ -23,16 +22,8 @@ HUGE = 100 << 30  # bytes: a sparse file of this size uses no disk
 
 @pytest.fixture(autouse=True)
 def _no_hang() -> Iterator[None]:
-    def fail(signum: int, frame: object) -> None:
-        raise TimeoutError(f"hung for {GUARD_S} s reading a special file")
-
-    old = signal.signal(signal.SIGALRM, fail)
-    signal.alarm(GUARD_S)
-    try:
+    with within(GUARD_S):  # a hang fails the test instead of stalling the suite
         yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def _fifo(p: Path) -> None:
