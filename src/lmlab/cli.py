@@ -457,6 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
         "it and a one-line description citing its source.",
     )
     ls.add_argument("family", nargs="?", help="only this family (e.g. position, ffn)")
+    ls.add_argument("--markdown", action="store_true", help="print docs/components.md")
     ls.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     return parser
 
@@ -824,8 +825,12 @@ def cmd_list(args: argparse.Namespace) -> int:
     import lmlab.models.init  # noqa: F401
     import lmlab.nn  # noqa: F401
     import lmlab.training.objectives  # noqa: F401
+    from lmlab.analysis.components_doc import components_markdown
     from lmlab.registry import families
 
+    if args.markdown:
+        print(components_markdown(), end="")
+        return 0
     regs = families()
     if args.family is not None and args.family not in regs:
         raise LmlabError(f"unknown family {args.family!r}; families: {', '.join(sorted(regs))}")

@@ -55,7 +55,13 @@ class Registry(Generic[T]):
     family chosen in code. Lookup by name: ``REG.get(name)`` (a ConfigError with did-you-mean
     and the allowed names) or ``REG[name]`` (KeyError); ``name in REG``, ``list(REG)`` (names in
     registration order), ``len(REG)`` and ``REG.items()`` work as on a dict.
+
+    ``notes`` is the family's markdown conventions and guidance (layouts, cache kinds, which
+    variant to reach for), set in the family's module next to the code and printed under its
+    table by ``lmlab list --markdown`` (docs/components.md).
     """
+
+    notes: str = ""
 
     def __init__(self, family: str, field: str | None = None) -> None:
         self.family = family

@@ -139,6 +139,12 @@ class Tokenizer(ABC):
 
 
 TOKENIZERS: Registry[type[Tokenizer]] = Registry("tokenizer", "data.tokenizer.kind")
+TOKENIZERS.notes = """
+When to use: `char` (Karpathy 2015, char-rnn) for tinyshakespeare and teaching; `bpe` for any
+other text, multilingual without unknown characters; `wordlevel` (or `bpe` with
+`special_tokens: bert`) for masked LMs; `hf` is what a model that ships its own
+`tokenizer.json` imports as, and is never fitted to a corpus.
+"""
 
 
 def _char_hf_tokenizer(chars: list[str]) -> HFTokenizer:

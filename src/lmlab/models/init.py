@@ -18,6 +18,11 @@ from lmlab.registry import Registry
 
 InitFn = Callable[[nn.Module, ModelConfig], None]
 INIT: Registry[InitFn] = Registry("init", "model.init")
+INIT.notes = """
+`model.init_std` defaults to 0.02, so `gpt2` is N(0, 0.02) with residual projections scaled by
+1/sqrt(2 L), and `normal` is N(0, 0.02) everywhere. When to use: `gpt2` is the default; `normal`
+for shallow models and ablations; `small` for wide models.
+"""
 
 
 def _normal_init(model: nn.Module, std: float, residual_std: float) -> None:

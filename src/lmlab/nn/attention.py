@@ -36,6 +36,31 @@ if TYPE_CHECKING:
     from lmlab.nn.position import PositionEncoding
 
 ATTENTION: Registry[type[nn.Module]] = Registry("attention", "model.attention.kind")
+ATTENTION.notes = """
+When to use: `softmax`, softmax(QK^T/sqrt(d_k))V, is the default (Vaswani et al. 2017);
+`model.attention.n_kv_heads` < `n_heads` gives grouped-query attention (GQA, Ainslie et al.
+2023) and 1 gives multi-query attention (MQA, Shazeer 2019), to shrink the KV cache at little
+quality cost. `linear` is for very long sequences, and to see attention as an RNN: a
+constant-size recurrent state when decoding.
+
+Options every kind reads:
+
+- `model.attention.qk_norm: true`: RMSNorm on each q and k head before RoPE (Dehghani et al.
+  2023; Qwen3); stable training at high learning rates.
+- `model.attention.scaled: false`: drops the 1/sqrt(d_k) factor (Vaswani et al. 2017, 3.2.1);
+  the tutorial's experiment on why the scale exists.
+- `model.attention.bias`, `out_bias`: biases on q/k/v and, separately, o (Qwen2, Yang et al.
+  2024); loading Qwen2 weights.
+- `model.attention.dropout`: dropout on the attention weights in training (Srivastava et al.
+  2014); small-data regularisation.
+- `model.attention.backend`: `sdpa` is PyTorch's fused kernel; `math` spells the formula out and
+  returns attention weights (its softmax runs in float32, or float64 for a float64 model); use
+  `math` to look at attention maps.
+
+KV cache (follows the mask, no field of its own): dynamic (grows with the sequence), sliding
+(`sliding_window`: keeps the last window-1 tokens) or recurrent (linear attention's fixed-size
+state). `KVCache.nbytes()` reports its bytes.
+"""
 
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 

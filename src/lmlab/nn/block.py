@@ -23,6 +23,19 @@ if TYPE_CHECKING:
     from lmlab.nn.position import PositionEncoding
 
 BLOCK: Registry[type[Block]] = Registry("block", "model.block.kind")
+BLOCK.notes = """
+When to use: `pre` is the default and trains deep stacks without warmup tricks; `post` is the
+original Transformer and BERT, and needs warmup when deep; `hybrid` gives Pre-Norm's stability
+with Post-Norm's final quality.
+
+Block options:
+
+- `model.block.parallel: true`: x + attn(norm1(x)) + ffn(norm2(x)) (Wang & Komatsuzaki 2021,
+  GPT-J; Black et al. 2022, NeoX); faster on hardware that overlaps the two branches.
+- `model.block.residual: false`: x = f(x) instead of x + f(x) in every block, no skip
+  connection (He et al. 2016 is what it removes); an ablation only, showing why residuals matter
+  (experiments/ablations.yaml).
+"""
 
 
 class Block(nn.Module):

@@ -15,6 +15,22 @@ if TYPE_CHECKING:
     from lmlab.config import ModelConfig
 
 FFN: Registry[type[nn.Module]] = Registry("ffn", "model.ffn.kind")
+FFN.notes = """
+When to use: `mlp` for GPT-2, NeoX and BERT, with `model.ffn.activation` gelu (Hendrycks &
+Gimpel 2016), gelu_tanh, relu or silu; `swiglu` for Llama and Mistral, better loss per parameter
+(`model.ffn.two_thirds: true` keeps the MLP's parameter count); `geglu` for Gemma and T5 v1.1;
+`moe` for more parameters at the same FLOPs per token.
+
+MoE conventions: each expert is a `model.ffn.expert` FFN (default swiglu), optionally with a
+`shared_expert`; `model.ffn.router` picks the router (family `router`); the model returns
+`aux_loss` and `expert_counts`. Two losses, both worth using:
+
+- `model.ffn.aux_loss_coef` (default 0.01): load balancing E * sum_e f_e P_e pooled over layers,
+  equal to Hugging Face's `load_balancing_loss_func` (= top_k under uniform routing) (Fedus et al.
+  2021); always when training an MoE.
+- `model.ffn.z_loss_coef` (default 0.001): the router z-loss mean(logsumexp(logits)^2) (Zoph et
+  al. 2022, ST-MoE); router stability, especially in bf16.
+"""
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,  # exact erf form (Hendrycks & Gimpel 2016)

@@ -22,6 +22,13 @@ from lmlab.registry import Registry
 
 MaskFn = Callable[..., torch.Tensor]
 MASKS: Registry[MaskFn] = Registry("mask")
+MASKS.notes = """
+Selected by `model.attention.mask` (default `causal`). When to use: `causal` (a query sees
+itself and every earlier token) for every decoder LM (Vaswani et al. 2017); `bidirectional` for
+encoders, and to show why a decoder needs the causal mask; `sliding_window` (+
+`model.attention.window`, required with it) for long generation with bounded memory: a query
+sees itself and the window-1 tokens before it, and the KV cache keeps only the window.
+"""
 
 
 def _query_key_positions(

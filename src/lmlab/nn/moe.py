@@ -34,6 +34,11 @@ if TYPE_CHECKING:
 
 RouterFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 ROUTERS: Registry[RouterFn] = Registry("router")
+ROUTERS.notes = """
+Selected by `model.ffn.router` (for `ffn.kind: moe`). When to use: `topk_softmax` (= Mixtral's
+softmax, top-k, renormalise) for Mixtral and top_k >= 2; `softmax_topk` for top-1 (Switch)
+routing, where the LM loss must still train the router.
+"""
 
 
 @ROUTERS.register("topk_softmax")

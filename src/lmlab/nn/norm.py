@@ -13,6 +13,10 @@ if TYPE_CHECKING:
     from lmlab.config import ModelConfig
 
 NORM: Registry[type[nn.Module]] = Registry("norm", "model.norm.kind")
+NORM.notes = """
+When to use: `layernorm` for GPT-2, NeoX and BERT; `rmsnorm` (computed in float32) for
+Llama-family models, slightly cheaper.
+"""
 
 
 @NORM.register("layernorm")

@@ -31,6 +31,27 @@ if TYPE_CHECKING:
     from lmlab.config import ModelConfig
 
 POSITION: Registry[type[PositionEncoding]] = Registry("position", "model.position.kind")
+POSITION.notes = """
+When to use: `none` for ablations; `sinusoidal` for the original Transformer, with no
+parameters: the token embeddings are scaled by sqrt(d_model) first (`model.scale_embedding`,
+default true here: unscaled std-0.02 embeddings drown under the amplitude-1 table); `learned`
+for GPT-2 compatibility (it cannot go past max_seq_len); `rope`, which rotates q and k by
+position-dependent angles, is the modern default (Llama, Mistral, NeoX); `alibi` for reading
+past the training length and BLOOM-like models: a per-head score bias -slope * (i - j), with
+slopes for any head count (float32 whatever the model's dtype); `t5_relative` for T5-style
+encoder-decoders.
+
+RoPE conventions (`rope` options):
+
+- `model.position.rope_theta` (default 10000): the base. Frequencies and angles stay float32 in
+  a bf16/fp16 model; only cos/sin are cast.
+- Layout: half-split by default, pairing channels (i, i + r/2) as Llama does;
+  `model.position.interleaved: true` pairs (2i, 2i+1) instead (Su et al. 2021; GPT-J), for
+  RoFormer / GPT-J weights. Every conversion between the two lives in `lmlab.interop.rope_layout`.
+- `model.position.partial_rotary_factor` (e.g. `0.25`): rotate only the first fraction of each
+  head (Black et al. 2022, GPT-NeoX), for NeoX / Pythia.
+- `model.position.scaling.kind`: a context extension (family `rope_scaling`).
+"""
 
 
 class PositionEncoding(nn.Module):

@@ -27,6 +27,14 @@ RopeScalingFn = Callable[
     [int, float, "RopeScalingConfig", "torch.Tensor | None"], tuple[torch.Tensor, float]
 ]
 ROPE_SCALING: Registry[RopeScalingFn] = Registry("rope_scaling")
+ROPE_SCALING.notes = """
+Selected by `model.position.scaling.kind` (with `scaling.factor`), for `position.kind: rope`;
+`lmlab eval --lengths ... --set model.position.scaling.kind=yarn` may change it at inference.
+When to use: `linear` for a longer context with a short fine-tune; `ntk` for a longer context
+with no fine-tune; `dynamic_ntk` for inference past the training length (the NTK base is
+recomputed once past the original length); `yarn`, whose attention temperature is
+0.1 ln(s) + 1, is the strongest extension, as in Qwen / DeepSeek configs.
+"""
 
 
 def rope_inv_freq(dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
