@@ -23,7 +23,7 @@ Gimpel 2016), gelu_tanh, relu or silu; `swiglu` for Llama and Mistral, better lo
 
 MoE conventions: each expert is a `model.ffn.expert` FFN (default swiglu), optionally with a
 `shared_expert`; `model.ffn.router` picks the router (family `router`); the model returns
-`aux_loss` and `expert_counts`. Two losses, both worth using:
+`aux_loss` and `expert_counts`. Two router losses:
 
 - `model.ffn.aux_loss_coef` (default 0.01): load balancing E * sum_e f_e P_e pooled over layers,
   equal to Hugging Face's `load_balancing_loss_func` (= top_k under uniform routing) (Fedus et al.
