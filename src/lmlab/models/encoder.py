@@ -48,7 +48,7 @@ class EncoderLM(TiedEmbeddingsModule):
         self.final_norm = build_norm(cfg) if cfg.final_norm and not post else nn.Identity()
         self.pooler = nn.Linear(d, d) if cfg.pooler else None
         self.mlm_dense = nn.Linear(d, d) if cfg.mlm_head else None
-        self.mlm_act = ACTIVATIONS[cfg.ffn.activation]
+        self.mlm_act = ACTIVATIONS.get(cfg.ffn.activation, "model.ffn.activation")
         self.mlm_norm = build_norm(cfg) if cfg.mlm_head else None
         self.lm_head = nn.Linear(d, cfg.vocab_size) if cfg.mlm_head else None
         self.reset_parameters()
