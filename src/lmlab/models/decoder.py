@@ -15,6 +15,7 @@ from lmlab.errors import LmlabError
 from lmlab.models.counting import num_params
 from lmlab.models.init import INIT
 from lmlab.models.output import ModelOutput
+from lmlab.models.stack import LayerStack, padding_mask
 from lmlab.models.tying import TiedEmbeddingsModule
 from lmlab.nn.block import BLOCK
 from lmlab.nn.kv_cache import KVCache
@@ -36,7 +37,7 @@ class DecoderLM(TiedEmbeddingsModule):
         self.position = POSITION.get(cfg.position.kind, "model.position.kind")(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         block_cls = BLOCK.get(cfg.block.kind, "model.block.kind")
-        self.layers = nn.ModuleList(block_cls(cfg, i) for i in range(cfg.n_layers))
+        self.layers = LayerStack([block_cls(cfg, i) for i in range(cfg.n_layers)])
         self.final_norm = build_norm(cfg) if cfg.final_norm else nn.Identity()
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.reset_parameters()
@@ -83,31 +84,18 @@ class DecoderLM(TiedEmbeddingsModule):
             raise ValueError(f"position_ids must be (B, T) = {(b, t)}, got {shape}")
         else:
             positions = position_ids  # (B, T)
-        key_mask = None
-        if attention_mask is not None:
-            if attention_mask.shape != (b, past + t):
-                raise ValueError(
-                    f"attention_mask must be (B, cached + new tokens) = {(b, past + t)}, "
-                    f"got {tuple(attention_mask.shape)}"
-                )
-            key_mask = attention_mask.bool()  # (B, S)
+        dims = "(B, cached + new tokens)"
+        key_mask = padding_mask(attention_mask, (b, past + t), "attention_mask", dims)  # (B, S)
         x = self.embed(input_ids)  # (B, T, D)
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
         x = self.position.embed(x, positions)
         x = self.drop(x)
-        hidden: list[torch.Tensor] = []
-        attns: list[torch.Tensor | None] = []
-        for i, layer in enumerate(self.layers):
-            if output_hidden_states:
-                hidden.append(x)
-            layer_cache = cache.layers[i] if cache is not None else None
-            x, w = layer(x, self.position, positions, key_mask, layer_cache, need_weights)
-            if need_weights:
-                attns.append(w)
-        x = self.final_norm(x)
-        if output_hidden_states:
-            hidden.append(x)
+        out = self.layers(
+            x, self.position, positions, key_mask, cache, need_weights, output_hidden_states,
+            self.final_norm,
+        )  # fmt: skip
+        x = out.x
         if last_only:
             x = x[:, -1:, :]
         logits = self.lm_head(x)  # (B, T, V)
@@ -121,7 +109,9 @@ class DecoderLM(TiedEmbeddingsModule):
         if self.has_moe:  # padding (attention_mask 0) counts in neither auxiliary loss
             token_mask = None if attention_mask is None else attention_mask[:, past:]  # (B, T)
             aux_loss, expert_counts = moe_losses(self.layers, token_mask)
-        return ModelOutput(logits, loss, cache, hidden, attns, aux_loss, expert_counts)
+        return ModelOutput(
+            logits, loss, cache, out.hidden_states, out.attentions, aux_loss, expert_counts
+        )
 
     def new_cache(self) -> KVCache:
         """An empty cache with one slot per layer, of the kind each attention needs: dynamic,

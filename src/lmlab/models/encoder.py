@@ -19,6 +19,7 @@ from lmlab.errors import LmlabError
 from lmlab.models.counting import num_params
 from lmlab.models.init import INIT
 from lmlab.models.output import ModelOutput
+from lmlab.models.stack import LayerStack
 from lmlab.models.tying import TiedEmbeddingsModule
 from lmlab.nn.block import BLOCK
 from lmlab.nn.ffn import ACTIVATIONS
@@ -42,13 +43,13 @@ class EncoderLM(TiedEmbeddingsModule):
         self.embed_norm = build_norm(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         block_cls = BLOCK.get(cfg.block.kind, "model.block.kind")
-        self.layers = nn.ModuleList(block_cls(cfg, i) for i in range(cfg.n_layers))
+        self.layers = LayerStack([block_cls(cfg, i) for i in range(cfg.n_layers)])
         # A post-norm block already ends in a norm; the others end on the residual stream.
         post = cfg.block.kind == "post"
         self.final_norm = build_norm(cfg) if cfg.final_norm and not post else nn.Identity()
         self.pooler = nn.Linear(d, d) if cfg.pooler else None
         self.mlm_dense = nn.Linear(d, d) if cfg.mlm_head else None
-        self.mlm_act = ACTIVATIONS[cfg.ffn.activation]
+        self.mlm_act = ACTIVATIONS.get(cfg.ffn.activation, "model.ffn.activation")
         self.mlm_norm = build_norm(cfg) if cfg.mlm_head else None
         self.lm_head = nn.Linear(d, cfg.vocab_size) if cfg.mlm_head else None
         self.reset_parameters()
@@ -100,17 +101,11 @@ class EncoderLM(TiedEmbeddingsModule):
             x = x + self.token_type(token_type_ids)
         x = self.drop(self.embed_norm(x))
         key_mask = attention_mask.bool() if attention_mask is not None else None  # (B, T)
-        hidden: list[torch.Tensor] = []
-        attns: list[torch.Tensor | None] = []
-        for layer in self.layers:
-            if output_hidden_states:
-                hidden.append(x)
-            x, w = layer(x, self.position, positions, key_mask, None, need_weights)
-            if need_weights:
-                attns.append(w)
-        x = self.final_norm(x)
-        if output_hidden_states:
-            hidden.append(x)
+        out = self.layers(
+            x, self.position, positions, key_mask, None, need_weights, output_hidden_states,
+            self.final_norm,
+        )  # fmt: skip
+        x, hidden, attns = out.x, out.hidden_states, out.attentions
         if self.lm_head is None:
             if targets is not None:
                 raise LmlabError("this encoder has no masked-LM head (model.mlm_head=false)")

@@ -29,6 +29,7 @@ from lmlab.errors import LmlabError
 from lmlab.models.counting import num_params
 from lmlab.models.init import INIT
 from lmlab.models.output import ModelOutput
+from lmlab.models.stack import LayerStack, StackOutput, padding_mask
 from lmlab.models.tying import TiedEmbeddingsModule
 from lmlab.nn.block import BLOCK, DECODER_BLOCK
 from lmlab.nn.kv_cache import EncoderDecoderCache
@@ -55,97 +56,56 @@ class Seq2SeqOutput(ModelOutput):
     encoder_attentions: list[torch.Tensor | None] = field(default_factory=list)
 
 
-def _with_mask(cfg: ModelConfig, mask: str) -> ModelConfig:
-    return dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, mask=mask))
+class Seq2SeqStack(nn.Module):
+    """Positions -> embedding norm -> dropout -> N blocks -> final norm: the encoder (bidirectional
+    :data:`~lmlab.nn.block.BLOCK` blocks) or, with ``decoder``, the decoder (causal
+    :data:`~lmlab.nn.block.DECODER_BLOCK` blocks reading the encoder output)."""
 
-
-class Seq2SeqEncoder(nn.Module):
-    """Positions -> embedding norm -> dropout -> N bidirectional blocks -> final norm."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, decoder: bool) -> None:
         super().__init__()
-        cfg = _with_mask(cfg, "bidirectional")
+        mask = "causal" if decoder else "bidirectional"
+        cfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, mask=mask))
+        n = (cfg.seq2seq.n_decoder_layers or cfg.n_layers) if decoder else cfg.n_layers
         self.position = POSITION.get(cfg.position.kind, "model.position.kind")(cfg)
         self.embed_norm = build_norm(cfg) if cfg.seq2seq.embed_norm else nn.Identity()
         self.drop = nn.Dropout(cfg.dropout)
-        block_cls = BLOCK.get(cfg.block.kind, "model.block.kind")
-        self.layers = nn.ModuleList(block_cls(cfg, i) for i in range(cfg.n_layers))
-        self.final_norm = build_norm(cfg) if cfg.final_norm else nn.Identity()
-
-    def forward(
-        self, x: torch.Tensor, key_mask: torch.Tensor | None, need_weights: bool, hidden: bool
-    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor | None]]:
-        """Token embeddings (B, S, D) -> (output (B, S, D), hidden states, attention weights)."""
-        positions = torch.arange(x.shape[1], device=x.device)  # (S,)
-        x = self.drop(self.embed_norm(self.position.embed(x, positions)))
-        states: list[torch.Tensor] = []
-        attns: list[torch.Tensor | None] = []
-        for layer in self.layers:
-            if hidden:
-                states.append(x)
-            x, w = layer(x, self.position, positions, key_mask, None, need_weights)
-            if need_weights:
-                attns.append(w)
-        x = self.final_norm(x)
-        if hidden:
-            states.append(x)
-        return x, states, attns
-
-
-class Seq2SeqDecoder(nn.Module):
-    """Positions -> embedding norm -> dropout -> N decoder blocks -> final norm."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        cfg = _with_mask(cfg, "causal")
-        n = cfg.seq2seq.n_decoder_layers or cfg.n_layers
-        self.position = POSITION.get(cfg.position.kind, "model.position.kind")(cfg)
-        self.embed_norm = build_norm(cfg) if cfg.seq2seq.embed_norm else nn.Identity()
-        self.drop = nn.Dropout(cfg.dropout)
-        block_cls = DECODER_BLOCK.get(cfg.block.kind, "model.block.kind")
-        self.layers = nn.ModuleList(block_cls(cfg, i) for i in range(n))
+        block_cls = (DECODER_BLOCK if decoder else BLOCK).get(cfg.block.kind, "model.block.kind")
+        self.layers = LayerStack([block_cls(cfg, i) for i in range(n)], cross=decoder)
         self.final_norm = build_norm(cfg) if cfg.final_norm else nn.Identity()
 
     def forward(
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
-        memory: torch.Tensor | None,
-        source_mask: torch.Tensor | None,
         key_mask: torch.Tensor | None,
-        cache: EncoderDecoderCache | None,
         need_weights: bool,
         hidden: bool,
-    ) -> tuple[
-        torch.Tensor, list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor | None]
-    ]:
-        """Token embeddings (B, T, D) at ``positions`` (T,) -> (output (B, T, D), hidden
-        states, self-attention weights, cross-attention weights (B, H, T, S) per layer)."""
+        cache: EncoderDecoderCache | None = None,
+        memory: torch.Tensor | None = None,
+        memory_mask: torch.Tensor | None = None,
+    ) -> StackOutput:
+        """Token embeddings (B, T, D) at ``positions`` (T,) -> :class:`StackOutput` (output
+        (B, T, D), hidden states, self-attention and, in the decoder, cross-attention weights).
+        ``memory`` (B, S, D) and ``memory_mask`` (B, S): the encoder output and its padding."""
         x = self.drop(self.embed_norm(self.position.embed(x, positions)))
-        states: list[torch.Tensor] = []
-        attns: list[torch.Tensor | None] = []
-        cross: list[torch.Tensor | None] = []
-        for i, layer in enumerate(self.layers):
-            if hidden:
-                states.append(x)
-            x, w, c = layer(
-                x,
-                self.position,
-                positions,
-                memory,
-                source_mask,
-                key_mask,
-                cache.layers[i] if cache is not None else None,
-                cache.cross[i] if cache is not None else None,
-                need_weights,
-            )
-            if need_weights:
-                attns.append(w)
-                cross.append(c)
-        x = self.final_norm(x)
-        if hidden:
-            states.append(x)
-        return x, states, attns, cross
+        return self.layers(
+            x, self.position, positions, key_mask, cache, need_weights, hidden, self.final_norm,
+            memory, memory_mask,
+        )  # fmt: skip
+
+
+class Seq2SeqEncoder(Seq2SeqStack):
+    """The encoder: bidirectional blocks over the source."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg, decoder=False)
+
+
+class Seq2SeqDecoder(Seq2SeqStack):
+    """The decoder: causal blocks with cross-attention over the encoder output."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg, decoder=True)
 
 
 class EncoderDecoderLM(TiedEmbeddingsModule):
@@ -215,23 +175,19 @@ class EncoderDecoderLM(TiedEmbeddingsModule):
         attention_mask: torch.Tensor | None,
         need_weights: bool = False,
         hidden: bool = False,
-    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor | None]]:
+    ) -> StackOutput:
         b, s = input_ids.shape
         self._check_length(s, "source")
-        if attention_mask is not None and attention_mask.shape != (b, s):
-            raise ValueError(
-                f"attention_mask must be (B, S) = {(b, s)}, got {tuple(attention_mask.shape)}"
-            )
-        key_mask = None if attention_mask is None else attention_mask.bool()
+        key_mask = padding_mask(attention_mask, (b, s), "attention_mask", "(B, S)")
         x = self.embed(input_ids) * self.embed_scale  # (B, S, D)
-        return self.encoder(x, key_mask, need_weights, hidden)
+        return self.encoder(x, torch.arange(s, device=x.device), key_mask, need_weights, hidden)
 
     def encode(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Source ids (B, S) int64, attention_mask (B, S) (1 = real token, 0 = padding) -> the
         encoder output (B, S, D). Raises LmlabError for a source longer than max_seq_len."""
-        return self._encode(input_ids, attention_mask)[0]
+        return self._encode(input_ids, attention_mask).x
 
     def forward(
         self,
@@ -264,8 +220,7 @@ class EncoderDecoderLM(TiedEmbeddingsModule):
             if targets is None:
                 raise LmlabError("an encoder-decoder forward needs decoder_input_ids or targets")
             decoder_input_ids = self.shift_right(targets)
-        enc_states: list[torch.Tensor] = []
-        enc_attns: list[torch.Tensor | None] = []
+        enc: StackOutput | None = None  # the encoder's pass, when this call runs it
         memory = encoder_hidden_states
         source_mask = None if attention_mask is None else attention_mask.bool()
         if cache is not None and cache.cross_filled:
@@ -273,21 +228,16 @@ class EncoderDecoderLM(TiedEmbeddingsModule):
         elif memory is None:
             if input_ids is None:
                 raise LmlabError("an encoder-decoder forward needs input_ids (the source)")
-            memory, enc_states, enc_attns = self._encode(
-                input_ids, attention_mask, need_weights, output_hidden_states
-            )
+            enc = self._encode(input_ids, attention_mask, need_weights, output_hidden_states)
+            memory = enc.x
         if cache is not None and not cache.cross_filled:
             cache.source_mask = source_mask
 
-        x, hidden, attns, cross = self._decode(
-            decoder_input_ids,
-            memory,
-            source_mask,
-            decoder_attention_mask,
-            cache,
-            need_weights,
+        dec = self._decode(
+            decoder_input_ids, memory, source_mask, decoder_attention_mask, cache, need_weights,
             output_hidden_states,
-        )
+        )  # fmt: skip
+        x = dec.x
         if last_only:
             x = x[:, -1:, :]
         logits = self.lm_head(x * self.output_scale)  # (B, T, V)
@@ -302,12 +252,12 @@ class EncoderDecoderLM(TiedEmbeddingsModule):
             logits,
             loss,
             cache,
-            hidden,
-            attns,
-            cross_attentions=cross,
+            dec.hidden_states,
+            dec.attentions,
+            cross_attentions=dec.cross_attentions,
             encoder_last_hidden_state=memory,
-            encoder_hidden_states=enc_states,
-            encoder_attentions=enc_attns,
+            encoder_hidden_states=enc.hidden_states if enc is not None else [],
+            encoder_attentions=enc.attentions if enc is not None else [],
         )
 
     def _decode(
@@ -319,26 +269,20 @@ class EncoderDecoderLM(TiedEmbeddingsModule):
         cache: EncoderDecoderCache | None,
         need_weights: bool,
         hidden: bool,
-    ) -> tuple[
-        torch.Tensor, list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor | None]
-    ]:
-        """Decoder ids (B, T) -> (final hidden (B, T, D), hidden states, self weights, cross
-        weights)."""
+    ) -> StackOutput:
+        """Decoder ids (B, T) -> the decoder's :class:`StackOutput` (final hidden (B, T, D),
+        hidden states, self and cross weights)."""
         b, t = ids.shape
         past = cache.seq_len if cache is not None else 0
         self._check_length(past + t, "decoder input")
-        key_mask = None
-        if decoder_attention_mask is not None:
-            if decoder_attention_mask.shape != (b, past + t):
-                raise ValueError(
-                    f"decoder_attention_mask must be (B, cached + new tokens) = {(b, past + t)}, "
-                    f"got {tuple(decoder_attention_mask.shape)}"
-                )
-            key_mask = decoder_attention_mask.bool()
+        key_mask = padding_mask(
+            decoder_attention_mask, (b, past + t), "decoder_attention_mask",
+            "(B, cached + new tokens)",
+        )  # fmt: skip
         positions = torch.arange(past, past + t, device=ids.device)  # (T,)
         x = self.embed(ids) * self.embed_scale  # (B, T, D)
         return self.decoder(
-            x, positions, memory, source_mask, key_mask, cache, need_weights, hidden
+            x, positions, key_mask, need_weights, hidden, cache, memory, source_mask
         )
 
     def num_params(self, non_embedding: bool = False) -> int:

@@ -5,19 +5,20 @@ hd head_dim. Masks are bool with True = may attend; which keys a query sees is t
 mask ``model.attention.mask`` (causal, bidirectional, sliding_window; see :mod:`lmlab.nn.masks`),
 intersected with the caller's key padding mask.
 
-Two interchangeable backends compute the same function:
-``sdpa`` calls :func:`torch.nn.functional.scaled_dot_product_attention` (fused, fast, no weights);
-``math`` spells the formula out and can return the attention weights for visualisation.
-Grouped-query attention (Ainslie et al. 2023) shares each of the K key/value heads among H/K
-query heads; K == H is multi-head attention, K == 1 multi-query attention (Shazeer 2019).
-Options on both kinds: ``qk_norm`` (RMSNorm of each q and k head), ``scaled`` (False drops the
-1/sqrt(d_k) factor), attention ``dropout``, per-projection bias (``bias``, ``out_bias``).
+Softmax kinds call the one attention core :func:`~lmlab.nn.attention_core.attend` (masks, GQA,
+padding, score bias) with the backend ``model.attention.backend`` names in
+:data:`~lmlab.nn.attention_core.ATTENTION_BACKENDS`: ``sdpa`` calls
+:func:`torch.nn.functional.scaled_dot_product_attention` (fused, fast, no weights); ``math`` spells
+the formula out and can return the attention weights for visualisation. Grouped-query
+attention (Ainslie et al. 2023) shares each of the K key/value heads among H/K query heads;
+K == H is multi-head attention, K == 1 multi-query attention (Shazeer 2019). Options on both
+kinds: ``qk_norm`` (RMSNorm of each q and k head), ``scaled`` (False drops the 1/sqrt(d_k)
+factor), attention ``dropout``, per-projection bias (``bias``, ``out_bias``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,8 +27,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmlab.errors import ConfigError, LmlabError
+from lmlab.nn.attention_core import (  # noqa: F401  (re-exported from their old home)
+    ATTENTION_BACKENDS,
+    SDPA_GQA,
+    AttentionFn,
+    attend,
+    attention_math,
+    attention_sdpa,
+    repeat_kv,
+)
 from lmlab.nn.kv_cache import LayerCache, LayerKVCache, LinearAttentionState, SlidingWindowKVCache
-from lmlab.nn.masks import MASKS, causal_mask, combine_masks
+from lmlab.nn.masks import MASKS, MaskFn
 from lmlab.nn.norm import RMSNorm
 from lmlab.registry import Registry
 
@@ -62,71 +72,6 @@ KV cache (follows the mask, no field of its own): dynamic (grows with the sequen
 state). `KVCache.nbytes()` reports its bytes.
 """
 
-AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
-
-
-def attention_math(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    dropout_p: float = 0.0,
-    bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Explicit attention. q (B, H, T, hd), k and v (B, H, S, hd); mask bool (T, S) or
-    broadcastable (True = may attend); bias: additive float scores broadcastable to (B, H, T, S).
-
-    Returns (out (B, H, T, hd), weights (B, H, T, S), rows summing to 1). A row whose keys are all
-    masked gets weights of 0 (and so an output of 0) instead of NaN. The softmax runs in the
-    scores' dtype promoted to at least float32 (bf16/fp16 up to float32, float64 stays float64),
-    so a float64 model is a float64 reference.
-    """
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, T, S)
-    if bias is not None:
-        scores = scores + bias
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    softmax_dtype = torch.promote_types(scores.dtype, torch.float32)  # promote, never demote
-    weights = torch.softmax(scores, dim=-1, dtype=softmax_dtype).nan_to_num(0.0).to(q.dtype)
-    if dropout_p > 0.0:
-        weights = F.dropout(weights, p=dropout_p)
-    return torch.matmul(weights, v), weights
-
-
-def attention_sdpa(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    enable_gqa: bool = False,
-) -> tuple[torch.Tensor, None]:
-    """The same function through PyTorch's fused kernel; shapes as :func:`attention_math`, except
-    that with ``enable_gqa`` k and v may have K heads dividing H (torch >= 2.5).
-
-    Returns (out, None): the fused kernel never materialises the weights.
-    """
-    gqa = {"enable_gqa": True} if enable_gqa else {}
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **gqa
-    )
-    return out, None
-
-
-# torch >= 2.5: scaled_dot_product_attention shares kv heads itself (no repeat_kv copy)
-SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2] if p.isdigit()) >= (2, 5)
-
-
-ATTENTION_BACKENDS: dict[str, AttentionFn] = {"sdpa": attention_sdpa, "math": attention_math}
-
-
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """(B, K, S, hd) -> (B, K * n_rep, S, hd): each kv head serves n_rep consecutive query heads."""
-    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
-
 
 @dataclass
 class AttentionOutput:
@@ -146,6 +91,9 @@ class Attention(nn.Module):
         a = cfg.attention
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.dropout = a.dropout
+        self.scale = 1.0 / math.sqrt(self.head_dim) if a.scaled else 1.0  # softmax kinds
+        self.backend = a.backend  # the name; backend_fn is the function it selects
+        self.backend_fn = ATTENTION_BACKENDS.get(a.backend, "model.attention.backend")
         self.mask_fn = MASKS.get(a.mask, "model.attention.mask")
         self.window = a.window  # tokens a query sees (itself included); sliding_window only
         d, hd = cfg.d_model, self.head_dim
@@ -162,6 +110,11 @@ class Attention(nn.Module):
         # v_norm: the same on each v head; with qk_norm, HybridNorm's QKV-norm (Zhuo et al. 2025).
         self.v_norm = RMSNorm(cfg, dim=hd) if a.v_norm else nn.Identity()
 
+    @property
+    def dropout_p(self) -> float:
+        """The attention-weight dropout probability of this call: 0 in eval mode."""
+        return self.dropout if self.training else 0.0
+
     def project(
         self, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -174,6 +127,34 @@ class Attention(nn.Module):
         q, k = position.rotate(q, k, positions)  # q (B, H, T, hd), k (B, K, T, hd)
         return q, k, v
 
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask_fn: MaskFn | None,
+        key_mask: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        need_weights: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q (B, H, T, hd), k and v (B, K, S, hd) -> (y (B, H, T, hd), weights (B, H, T, S) or
+        None): :func:`~lmlab.nn.attention_core.attend` with this module's backend, scale, GQA
+        ratio, window and dropout; ``mask_fn`` None for no structural mask."""
+        return attend(
+            q,
+            k,
+            v,
+            backend=self.backend_fn,
+            scale=self.scale,
+            n_rep=self.n_heads // self.n_kv_heads,
+            mask_fn=mask_fn,
+            window=self.window,
+            key_mask=key_mask,
+            bias=bias,
+            dropout_p=self.dropout_p,
+            need_weights=need_weights,
+        )
+
     def merge_heads(self, y: torch.Tensor) -> torch.Tensor:
         """(B, H, T, hd) -> o_proj of (B, T, H*hd) -> (B, T, D)."""
         b, _, t, _ = y.shape
@@ -183,11 +164,6 @@ class Attention(nn.Module):
 @ATTENTION.register("softmax")
 class SoftmaxAttention(Attention):
     """Scaled dot-product attention with separate q/k/v/o projections; MHA, GQA or MQA."""
-
-    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
-        super().__init__(cfg, layer_idx)
-        self.scale = 1.0 / math.sqrt(self.head_dim) if cfg.attention.scaled else 1.0
-        self.backend = cfg.attention.backend
 
     def new_cache(self) -> LayerKVCache | SlidingWindowKVCache:
         """A dynamic cache, or a bounded one when a sliding window limits what a query sees."""
@@ -210,39 +186,12 @@ class SoftmaxAttention(Attention):
         outputs 0. ``cache`` (if given) holds the keys/values of earlier tokens and is extended in
         place. ``need_weights`` switches to the math backend for this call.
         """
-        t = x.shape[1]
         q, k, v = self.project(x, position, positions)
         if cache is not None:
             k, v = cache.update(k, v)  # (B, K, S, hd)
-        s = k.shape[2]
-        rep = self.n_heads // self.n_kv_heads
-        bias = position.score_bias(positions, s)  # (H, T, S) or None
-        dropout_p = self.dropout if self.training else 0.0
-        plain_causal = bias is None and key_mask is None and self.mask_fn is causal_mask
-        fused = not need_weights and self.backend == "sdpa"
-        if fused and plain_causal and (s == t or t == 1):  # no mask to build: the fast path
-            # s == t: causal over the new tokens; t == 1: one new token sees every cached key
-            gqa = SDPA_GQA and rep > 1
-            if not gqa:
-                k, v = repeat_kv(k, rep), repeat_kv(v, rep)  # (B, H, S, hd)
-            y, _ = attention_sdpa(q, k, v, None, self.scale, dropout_p, s == t, enable_gqa=gqa)
-            return AttentionOutput(self.merge_heads(y), None)
-        k, v = repeat_kv(k, rep), repeat_kv(v, rep)  # (B, H, S, hd)
-        if key_mask is not None:
-            key_mask = key_mask[:, -s:]  # a sliding cache keeps only the last keys
-        mask, empty = combine_masks(self.mask_fn(t, s, x.device, self.window), key_mask)
-        w: torch.Tensor | None
-        if need_weights or self.backend == "math":
-            y, w = attention_math(q, k, v, mask, self.scale, dropout_p, bias)
-        else:
-            if bias is not None:  # fold the bool mask into the additive bias
-                bias = bias.to(q.dtype)
-                mask = bias.masked_fill(~mask, float("-inf"))
-            y, w = attention_sdpa(q, k, v, mask, self.scale, dropout_p)
-        if empty is not None:  # queries with no visible key (padding rows) output 0
-            y = y.masked_fill(empty, 0.0)
-            w = None if w is None else w.masked_fill(empty, 0.0)
-        return AttentionOutput(self.merge_heads(y), w if need_weights else None)
+        bias = position.score_bias(positions, k.shape[2])  # (H, T, S) or None
+        y, w = self.attend(q, k, v, self.mask_fn, key_mask, bias, need_weights)
+        return AttentionOutput(self.merge_heads(y), w)
 
 
 def elu_feature_map(x: torch.Tensor) -> torch.Tensor:
@@ -317,7 +266,7 @@ class LinearAttention(Attention):
             den = den + torch.matmul(fq, repeat_kv(past.normalizer, rep).unsqueeze(-1))
         den = den.clamp_min(torch.finfo(den.dtype).tiny)  # no visible key: 0 / tiny = 0
         w = sim / den  # (B, H, T, T) normalised weights over the new tokens
-        dropout_p = self.dropout if self.training else 0.0
+        dropout_p = self.dropout_p
         y = torch.matmul(F.dropout(w, p=dropout_p) if dropout_p else w, repeat_kv(v, rep))
         if past_num is not None:
             y = y + past_num / den

@@ -11,34 +11,16 @@ The projections, QK-norm, backends and GQA are those of :mod:`lmlab.nn.attention
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING
-
 import torch
 
 from lmlab.errors import LmlabError
-from lmlab.nn.attention import (
-    Attention,
-    AttentionOutput,
-    attention_math,
-    attention_sdpa,
-    repeat_kv,
-)
+from lmlab.nn.attention import Attention, AttentionOutput
 from lmlab.nn.kv_cache import CrossAttentionCache
-from lmlab.nn.masks import combine_masks
-
-if TYPE_CHECKING:
-    from lmlab.config import ModelConfig
 
 
 class CrossAttention(Attention):
     """softmax(Q K^T * scale) V with Q = x W_q (decoder) and K, V = memory W_k, memory W_v
     (encoder output); scale 1/sqrt(hd), or 1 with ``model.attention.scaled: false`` (T5)."""
-
-    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
-        super().__init__(cfg, layer_idx)
-        self.scale = 1.0 / math.sqrt(self.head_dim) if cfg.attention.scaled else 1.0
-        self.backend = cfg.attention.backend
 
     def memory_kv(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Encoder output (B, S, D) -> k, v (B, K, S, hd), k normalised (QK-norm) and v too
@@ -76,22 +58,10 @@ class CrossAttention(Attention):
             if cache is not None:
                 cache.set(k, v)
         s = k.shape[2]
-        rep = self.n_heads // self.n_kv_heads
-        k, v = repeat_kv(k, rep), repeat_kv(v, rep)  # (B, H, S, hd)
-        dropout_p = self.dropout if self.training else 0.0
-        mask: torch.Tensor | None = None
-        empty: torch.Tensor | None = None
-        if memory_mask is not None:
-            if memory_mask.shape != (b, s):
-                raise ValueError(
-                    f"the source mask must be (B, S) = {(b, s)}, got {tuple(memory_mask.shape)}"
-                )
-            every = torch.ones(t, s, dtype=torch.bool, device=x.device)  # no structural mask
-            mask, empty = combine_masks(every, memory_mask.bool())  # (B, 1, T, S)
-        math_path = need_weights or self.backend == "math"
-        attend = attention_math if math_path else attention_sdpa
-        y, w = attend(q, k, v, mask, self.scale, dropout_p)
-        if empty is not None:  # a source of padding only: output 0, not NaN
-            y = y.masked_fill(empty, 0.0)
-            w = None if w is None else w.masked_fill(empty, 0.0)
-        return AttentionOutput(self.merge_heads(y), w if need_weights else None)
+        if memory_mask is not None and memory_mask.shape != (b, s):
+            raise ValueError(
+                f"the source mask must be (B, S) = {(b, s)}, got {tuple(memory_mask.shape)}"
+            )
+        key_mask = None if memory_mask is None else memory_mask.bool()
+        y, w = self.attend(q, k, v, None, key_mask, None, need_weights)  # no structural mask
+        return AttentionOutput(self.merge_heads(y), w)

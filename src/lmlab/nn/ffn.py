@@ -32,12 +32,20 @@ MoE conventions: each expert is a `model.ffn.expert` FFN (default swiglu), optio
   al. 2022, ST-MoE); router stability, especially in bf16.
 """
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu": F.gelu,  # exact erf form (Hendrycks & Gimpel 2016)
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's approximation
-    "relu": F.relu,
-    "silu": F.silu,
-}
+ActivationFn = Callable[[torch.Tensor], torch.Tensor]
+# Elementwise activations by name (``model.ffn.activation``); a user may register another.
+ACTIVATIONS: Registry[ActivationFn] = Registry("activation", "model.ffn.activation")
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation (GPT-2's ``gelu_new``)."""
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS.register("gelu", "GELU, exact erf form (Hendrycks & Gimpel 2016).")(F.gelu)
+ACTIVATIONS.register("gelu_tanh", "GELU, tanh approximation (GPT-2).")(gelu_tanh)
+ACTIVATIONS.register("relu", "max(x, 0) (Nair & Hinton 2010).")(F.relu)
+ACTIVATIONS.register("silu", "x * sigmoid(x), a.k.a. swish (Elfwing et al. 2018).")(F.silu)
 
 
 @FFN.register("mlp")
@@ -47,7 +55,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         f = cfg.ffn
-        self.act = ACTIVATIONS[f.activation]
+        self.act = ACTIVATIONS.get(f.activation, "model.ffn.activation")
         self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=f.bias)
         self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=f.bias)
         self.down_proj.is_residual_proj = True  # type: ignore[assignment]
@@ -65,7 +73,7 @@ class GatedMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         f = cfg.ffn
-        self.act = ACTIVATIONS[self.activation]
+        self.act = ACTIVATIONS.get(self.activation, "model.ffn.activation")
         self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=f.bias)
         self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=f.bias)
         self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=f.bias)

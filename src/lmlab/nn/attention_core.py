@@ -1,0 +1,187 @@
+"""The attention core every softmax attention kind calls: masks, backend dispatch, GQA, padding.
+
+Legend: B batch, T query tokens, S key tokens (cache + T), H heads, K kv heads, hd head_dim.
+Masks are bool with True = may attend.
+
+:func:`attend` computes ``softmax(Q K^T * scale + bias) V`` (Vaswani et al. 2017) for q (B, H, T,
+hd) and k, v (B, K, S, hd): it builds the structural mask (a :data:`~lmlab.nn.masks.MASKS`
+function, or none) intersected with the key padding mask, shares each kv head among H/K query
+heads (grouped-query attention, Ainslie et al. 2023), calls the selected backend and zeroes the
+output of queries that see no key. Self-attention (:class:`~lmlab.nn.attention.SoftmaxAttention`),
+cross-attention and any new softmax kind call it instead of repeating that bookkeeping.
+
+A backend is a function ``fn(q, k, v, mask, scale, dropout_p) -> (out (B, H, T, hd), weights
+(B, H, T, S) or None)`` registered in :data:`ATTENTION_BACKENDS` under the name
+``model.attention.backend`` selects; k and v arrive with H heads, ``mask`` is None, a bool mask
+broadcastable to (B, H, T, S) (True = may attend) or an additive float mask (0 or -inf plus any
+score bias). Three optional attributes, set with :func:`backend_traits`, say what more it can do:
+``returns_weights`` (it returns the weights; otherwise ``need_weights`` uses ``math`` for that
+call), ``takes_bias`` (it takes the score bias as ``bias=`` with a bool mask; otherwise the bias is
+folded into an additive mask) and ``causal_fast_path`` (it takes ``mask=None`` with
+``is_causal=``/``enable_gqa=`` keywords, so plain causal attention builds no mask at all).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from lmlab.nn.masks import MaskFn, causal_mask, combine_masks
+from lmlab.registry import Registry
+
+AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+ATTENTION_BACKENDS: Registry[AttentionFn] = Registry("attention_backend", "model.attention.backend")
+
+
+def backend_traits(
+    fn: AttentionFn,
+    *,
+    returns_weights: bool = False,
+    takes_bias: bool = False,
+    causal_fast_path: bool = False,
+) -> AttentionFn:
+    """Declare what a backend function can do beyond the plain call (module docstring); returns
+    ``fn`` itself, with the three flags set as attributes."""
+    fn.returns_weights = returns_weights  # type: ignore[attr-defined]
+    fn.takes_bias = takes_bias  # type: ignore[attr-defined]
+    fn.causal_fast_path = causal_fast_path  # type: ignore[attr-defined]
+    return fn
+
+
+def attention_math(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    dropout_p: float = 0.0,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Explicit attention. q (B, H, T, hd), k and v (B, H, S, hd); mask bool (T, S) or
+    broadcastable (True = may attend); bias: additive float scores broadcastable to (B, H, T, S).
+
+    Returns (out (B, H, T, hd), weights (B, H, T, S), rows summing to 1). A row whose keys are all
+    masked gets weights of 0 (and so an output of 0) instead of NaN. The softmax runs in the
+    scores' dtype promoted to at least float32 (bf16/fp16 up to float32, float64 stays float64),
+    so a float64 model is a float64 reference.
+    """
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, T, S)
+    if bias is not None:
+        scores = scores + bias
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    softmax_dtype = torch.promote_types(scores.dtype, torch.float32)  # promote, never demote
+    weights = torch.softmax(scores, dim=-1, dtype=softmax_dtype).nan_to_num(0.0).to(q.dtype)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    return torch.matmul(weights, v), weights
+
+
+def attention_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    enable_gqa: bool = False,
+) -> tuple[torch.Tensor, None]:
+    """The same function through PyTorch's fused kernel; shapes as :func:`attention_math`, except
+    that with ``enable_gqa`` k and v may have K heads dividing H (torch >= 2.5).
+
+    Returns (out, None): the fused kernel never materialises the weights.
+    """
+    gqa = {"enable_gqa": True} if enable_gqa else {}
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **gqa
+    )
+    return out, None
+
+
+# torch >= 2.5: scaled_dot_product_attention shares kv heads itself (no repeat_kv copy)
+SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2] if p.isdigit()) >= (2, 5)
+
+ATTENTION_BACKENDS.register(
+    "sdpa", "PyTorch's fused scaled_dot_product_attention: fast, returns no weights."
+)(backend_traits(attention_sdpa, causal_fast_path=True))
+ATTENTION_BACKENDS.register(
+    "math", "The formula spelled out: materialises and can return the attention weights."
+)(backend_traits(attention_math, returns_weights=True, takes_bias=True))
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, K, S, hd) -> (B, K * n_rep, S, hd): each kv head serves n_rep consecutive query heads."""
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    backend: AttentionFn,
+    scale: float,
+    n_rep: int = 1,
+    mask_fn: MaskFn | None = None,
+    window: int | None = None,
+    key_mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    need_weights: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Softmax attention of q (B, H, T, hd) over k, v (B, K, S, hd), K = H / ``n_rep``.
+
+    ``mask_fn``: the structural mask, ``fn(t, s, device, window) -> (T, S)`` bool (queries are
+    the last T of S positions); None: every query sees every key (cross-attention). ``key_mask``
+    (B, S') bool, True = real token, S' >= S (its last S columns are used: a sliding cache keeps
+    only the last keys); padding keys are never attended to and a query with no key to attend to
+    outputs 0 (weights 0), never NaN. ``bias``: additive float scores broadcastable to (B, H, T,
+    S) (ALiBi, T5 relative bias) or None. ``dropout_p``: dropout on the weights (pass 0 in eval).
+    ``backend``: a function of :data:`ATTENTION_BACKENDS`; with ``need_weights`` one that cannot
+    return weights is replaced by :func:`attention_math` for this call.
+
+    Returns (out (B, H, T, hd), weights (B, H, T, S) when ``need_weights``, else None).
+    """
+    t, s = q.shape[2], k.shape[2]
+    if need_weights and not getattr(backend, "returns_weights", False):
+        backend = attention_math  # the one backend that materialises the weights
+    plain_causal = bias is None and key_mask is None and mask_fn is causal_mask
+    if getattr(backend, "causal_fast_path", False) and plain_causal and (s == t or t == 1):
+        # no mask to build: s == t is causal over the new tokens, t == 1 sees every cached key
+        gqa = SDPA_GQA and n_rep > 1
+        if not gqa:
+            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, S, hd)
+        y, _ = backend(q, k, v, None, scale, dropout_p, is_causal=s == t, enable_gqa=gqa)
+        return y, None
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, S, hd)
+    mask: torch.Tensor | None = None
+    empty: torch.Tensor | None = None
+    if key_mask is not None:
+        key_mask = key_mask[:, -s:]
+    if mask_fn is not None:
+        mask, empty = combine_masks(mask_fn(t, s, q.device, window), key_mask)
+    elif key_mask is not None:
+        every = torch.ones(t, s, dtype=torch.bool, device=q.device)  # no structural mask
+        mask, empty = combine_masks(every, key_mask)  # (B, 1, T, S)
+    if bias is None:
+        y, w = backend(q, k, v, mask, scale, dropout_p)
+    elif getattr(backend, "takes_bias", False):
+        y, w = backend(q, k, v, mask, scale, dropout_p, bias=bias)
+    else:  # fold the bool mask into the additive bias
+        bias = bias.to(q.dtype)
+        y, w = backend(
+            q,
+            k,
+            v,
+            bias if mask is None else bias.masked_fill(~mask, float("-inf")),
+            scale,
+            dropout_p,
+        )
+    if empty is not None:  # queries with no visible key (padding rows) output 0
+        y = y.masked_fill(empty, 0.0)
+        w = None if w is None else w.masked_fill(empty, 0.0)
+    return y, w if need_weights else None
