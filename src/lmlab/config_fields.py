@@ -54,6 +54,11 @@ class VariantSection:
     _path: ClassVar[str] = ""
     _extra: dict[str, Any]
 
+    def to_dict(self) -> dict[str, Any]:
+        """This section as nested plain dicts, its variant fields included (:func:`section_dict`;
+        ``dataclasses.asdict`` would give the raw ``_extra`` mapping instead)."""
+        return section_dict(self)
+
     if not TYPE_CHECKING:  # mypy keeps refusing misspelt attributes of the schema's own fields
 
         def __getattr__(self, name: str) -> Any:
