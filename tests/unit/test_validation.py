@@ -250,3 +250,16 @@ def test_moved_names_are_still_importable_from_lmlab_config():
     assert config.MAX_TOKENS == 1 << 24 and config.check_ranges is config_ranges.check_ranges
     with pytest.raises(AttributeError):
         config.no_such_name  # noqa: B018
+
+
+def test_validate_model_checks_a_model_config_alone():
+    from lmlab.config import NormConfig
+    from lmlab.validation import validate_model
+
+    validate_model(ModelConfig())
+    with pytest.raises(ConfigError, match=r"model\.d_model \(30\) must be divisible"):
+        validate_model(ModelConfig(d_model=30))
+    with pytest.raises(ConfigError, match=r"model\.norm\.eps must be in \(0, 0\.1\]"):
+        validate_model(ModelConfig(norm=NormConfig(eps=1.0)))  # the ranges, model fields only
+    with pytest.raises(ConfigError, match=r"model\.position\.offset applies to kind=learned"):
+        validate_model(ModelConfig(position=PositionConfig(offset=2)))
