@@ -9,8 +9,14 @@ A variant owns its **contract** (:class:`Contract`), declared next to its forwar
 - ``options``: the fields of its config section that this kind reads and that not every kind of
   the family reads (``rope_theta`` for ``position.kind=rope``). An option of the family set on a
   kind that does not declare it is refused, naming the kind(s) that do.
-- ``check(cfg)``: its own validation of a :class:`~lmlab.config.ModelConfig` (raise
-  :class:`~lmlab.errors.ConfigError` naming the dotted field); called only when it is selected.
+- ``check(cfg)``: its own validation (raise :class:`~lmlab.errors.ConfigError` naming the dotted
+  field), called by :func:`lmlab.validation.validate_run_config` only when it is selected. It
+  receives the :class:`~lmlab.config.ModelConfig` for a ``model.*`` family and the whole
+  :class:`~lmlab.config.RunConfig` for a ``data.*`` or ``train.*`` one.
+- ``fields``: config fields the variant adds to its section, ``name -> (type, default)``
+  (``{"xpos_scale_base": (float, 512.0)}``): read as ``cfg.model.position.xpos_scale_base``
+  (the default when unset), parsed and written by :mod:`lmlab.config` with no edit there, and
+  options of this kind (refused on the others).
 - ``examples``: the option combinations worth testing, each a nested mapping of ``model``
   overrides (``{"attention": {"mask": "sliding_window", "window": 4}}``) to which the registry
   adds the variant's own name at :attr:`Registry.field`. The contract tests
@@ -27,7 +33,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from lmlab.errors import ConfigError
@@ -46,6 +52,7 @@ class Contract:
     options: tuple[str, ...] = ()
     check: CheckFn | None = None
     examples: tuple[dict[str, Any], ...] = ({},)
+    fields: dict[str, tuple[type, Any]] = field(default_factory=dict)
 
 
 class Registry(Generic[T]):
@@ -79,12 +86,14 @@ class Registry(Generic[T]):
         options: tuple[str, ...] | None = None,
         check: CheckFn | None = None,
         examples: tuple[dict[str, Any], ...] | None = None,
+        fields: dict[str, tuple[type, Any]] | None = None,
     ) -> Callable[[T], T]:
         """Decorator: register ``obj`` under ``name`` (raises ValueError on a duplicate name).
 
-        ``options``, ``check`` and ``examples`` declare the variant's :class:`Contract`; when
-        left out they are read from the object's attributes of the same names (a class's
-        ``options``/``examples`` class attributes and ``check`` classmethod), else empty."""
+        ``options``, ``check``, ``examples`` and ``fields`` declare the variant's
+        :class:`Contract`; when left out they are read from the object's attributes of the same
+        names (a class's ``options``/``examples``/``fields`` class attributes and ``check``
+        classmethod), else empty. A declared field is one of the kind's options."""
 
         def deco(obj: T) -> T:
             if name in self._items:
@@ -92,12 +101,15 @@ class Registry(Generic[T]):
             self._items[name] = obj
             text = (doc or getattr(obj, "__doc__", None) or "").strip().split("\n\n")[0]
             self._docs[name] = " ".join(text.split())
+            own = dict(fields if fields is not None else getattr(obj, "fields", {}))
+            declared = tuple(options if options is not None else getattr(obj, "options", ()))
             self._contracts[name] = Contract(
-                options=tuple(options if options is not None else getattr(obj, "options", ())),
+                options=declared + tuple(n for n in own if n not in declared),
                 check=check if check is not None else getattr(obj, "check", None),
                 examples=tuple(
                     examples if examples is not None else getattr(obj, "examples", ({},))
                 ),
+                fields=own,
             )
             return obj
 

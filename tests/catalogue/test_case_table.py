@@ -169,7 +169,7 @@ CASES: dict[str, Case] = {
     ),
     "config-window-without-sliding-mask": Case(
         train("--set", "model.attention.window=16"),
-        "model.attention.window (16) is only used by model.attention.mask=sliding_window",
+        "model.attention.window applies to mask=sliding_window only, not causal",
     ),
     "config-seq-len-beyond-context": Case(
         train("--set", "train.seq_len=512"),

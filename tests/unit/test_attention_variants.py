@@ -98,7 +98,7 @@ def test_bidirectional_mask_sees_every_key_and_model_sees_the_future():
         ({"mask": "sliding_window"}, "model.attention.window must be set"),
         ({"mask": "sliding_window", "window": 0}, r"model.attention.window must be in \[1, "),
         ({"mask": "sliding_window", "window": 33}, "model.max_seq_len=32"),
-        ({"window": 4}, "only used by model.attention.mask=sliding_window"),
+        ({"window": 4}, "window applies to mask=sliding_window only, not causal"),
         ({"mask": "sliding"}, "model.attention.mask: unknown mask kind"),
         ({"kind": "linear", "mask": "sliding_window", "window": 4}, "kind=linear supports"),
         ({"kind": "linear", "scaled": False}, "scaled=false has no effect"),

@@ -16,13 +16,18 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
+from lmlab.checks import choice
 from lmlab.config import TokenizerConfig
-from lmlab.errors import DataError
+from lmlab.errors import ConfigError, DataError
 from lmlab.registry import Registry
+
+if TYPE_CHECKING:
+    from lmlab.config import RunConfig
 
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_MAX_BYTES = 256 << 20  # tokenizer.json: large multilingual ones are ~35 MB
@@ -147,6 +152,13 @@ other text, multilingual without unknown characters; `wordlevel` (or `bpe` with
 """
 
 
+def check_special_tokens(cfg: RunConfig) -> None:
+    """``data.tokenizer.special_tokens``, when set, names a set of SPECIAL_TOKEN_SETS."""
+    name = cfg.data.tokenizer.special_tokens
+    if name is not None:
+        choice(name, SPECIAL_TOKEN_SETS, "data.tokenizer.special_tokens")
+
+
 def _char_hf_tokenizer(chars: list[str]) -> HFTokenizer:
     vocab = {c: i for i, c in enumerate(chars)}
     tok = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -219,6 +231,17 @@ class BPETokenizer(Tokenizer):
     """Byte-level BPE (Radford et al. 2019; Sennrich et al. 2016) trained with ``tokenizers``."""
 
     kind = "bpe"
+    options = ("special_tokens",)
+
+    @staticmethod
+    def check(cfg: RunConfig) -> None:
+        """A known special-token set; vocab_size >= 258 (256 bytes, <|endoftext|>, a merge)."""
+        check_special_tokens(cfg)
+        if cfg.data.tokenizer.vocab_size < 258:
+            raise ConfigError(
+                "data.tokenizer.vocab_size must be >= 258 for bpe (256 bytes + <|endoftext|> + "
+                f"1 merge), got {cfg.data.tokenizer.vocab_size}"
+            )
 
     def __init__(self, hf: HFTokenizer) -> None:
         self.hf = hf
@@ -290,6 +313,8 @@ class WordLevelTokenizer(Tokenizer):
     masked LM fill a whole word (a character one cannot)."""
 
     kind = "wordlevel"
+    options = ("special_tokens",)
+    check = staticmethod(check_special_tokens)
 
     def __init__(self, hf: HFTokenizer) -> None:
         self.hf = hf

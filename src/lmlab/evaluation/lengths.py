@@ -123,7 +123,7 @@ def apply_inference_overrides(model: nn.Module, overrides: list[str]) -> nn.Modu
     for item in overrides:
         check_inference_override(item)
     cfg: ModelConfig = model.cfg  # type: ignore[assignment]
-    data: dict[str, Any] = {"model": dataclasses.asdict(cfg)}
+    data: dict[str, Any] = {"model": cfg.to_dict()}
     for item in overrides:
         apply_override(data, item)
     new_cfg = config_from_dict(data).validate().model

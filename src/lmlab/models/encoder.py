@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmlab.checks import positive
 from lmlab.config import ModelConfig
-from lmlab.errors import LmlabError
+from lmlab.errors import ConfigError, LmlabError
 from lmlab.models.counting import num_params
 from lmlab.models.init import INIT
 from lmlab.models.output import ModelOutput
@@ -29,6 +30,20 @@ from lmlab.nn.position import POSITION
 
 class EncoderLM(TiedEmbeddingsModule):
     """A bidirectional Transformer encoder with a masked-LM head (Devlin et al. 2019, BERT)."""
+
+    # segment (token-type) embeddings, 0 for none; the pooler (dense + tanh on the first
+    # token); the masked-LM head over the vocabulary
+    options = ("type_vocab_size", "pooler", "mlm_head")
+
+    @staticmethod
+    def check(m: ModelConfig) -> None:
+        """type_vocab_size >= 0; bidirectional attention."""
+        positive(m.type_vocab_size, "model.type_vocab_size", allow_zero=True)
+        if m.attention.mask != "bidirectional":
+            raise ConfigError(
+                "model.kind=encoder needs model.attention.mask=bidirectional (every token sees "
+                f"the whole sequence), got {m.attention.mask!r}"
+            )
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

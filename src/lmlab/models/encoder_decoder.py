@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmlab.checks import choice, positive
 from lmlab.config import ModelConfig
-from lmlab.errors import LmlabError
+from lmlab.errors import ConfigError, LmlabError
 from lmlab.models.counting import num_params
 from lmlab.models.init import INIT
 from lmlab.models.output import ModelOutput
@@ -113,6 +114,35 @@ class EncoderDecoderLM(TiedEmbeddingsModule):
     unscaled attention) or BART-style (Post-Norm, LayerNorm, learned positions) by config."""
 
     final_logits_bias: torch.Tensor | None
+    options = ("seq2seq",)
+
+    @staticmethod
+    def check(m: ModelConfig) -> None:
+        """model.seq2seq's ids in the vocabulary; pre or post blocks (not parallel), softmax
+        attention with a causal decoder mask, a dense FFN; seq2seq.scale_embedding, not
+        model.scale_embedding."""
+        if m.scale_embedding is not None:
+            raise ConfigError(
+                "model.scale_embedding applies to kind=decoder and encoder; an encoder_decoder "
+                "sets model.seq2seq.scale_embedding"
+            )
+        s = m.seq2seq
+        positive(s.n_decoder_layers, "model.seq2seq.n_decoder_layers")
+        for name in ("pad_token_id", "decoder_start_token_id", "eos_token_id"):
+            value = getattr(s, name)
+            positive(value, f"model.seq2seq.{name}", allow_zero=True)
+            if value is not None and m.vocab_size is not None and value >= m.vocab_size:
+                raise ConfigError(
+                    f"model.seq2seq.{name} ({value}) must be < model.vocab_size ({m.vocab_size})"
+                )
+        choice(m.block.kind, DECODER_BLOCK.names(), "model.block.kind (encoder_decoder)")
+        if m.block.parallel:
+            raise ConfigError("model.block.parallel is not supported by model.kind=encoder_decoder")
+        choice(m.attention.kind, ["softmax"], "model.attention.kind (encoder_decoder)")
+        choice(
+            m.attention.mask, ["causal"], "model.attention.mask (encoder_decoder: the decoder's)"
+        )
+        choice(m.ffn.kind, ["mlp", "swiglu", "geglu", "gated"], "model.ffn.kind")
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

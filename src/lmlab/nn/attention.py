@@ -211,6 +211,21 @@ class LinearAttention(Attention):
     constant-size state). Score biases (ALiBi) cannot apply and raise LmlabError.
     """
 
+    @staticmethod
+    def check(m: ModelConfig) -> None:
+        """A causal or bidirectional mask; no ``scaled: false`` (there is no 1/sqrt(d_k))."""
+        if m.attention.mask not in ("causal", "bidirectional"):
+            raise ConfigError(
+                "model.attention.kind=linear supports model.attention.mask causal or "
+                f"bidirectional, got {m.attention.mask!r} (a sliding window has no "
+                "constant-size recurrent state)"
+            )
+        if not m.attention.scaled:
+            raise ConfigError(
+                "model.attention.scaled=false has no effect with model.attention.kind=linear "
+                "(linear attention has no 1/sqrt(d_k) factor); remove it or use kind=softmax"
+            )
+
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__(cfg, layer_idx)
         if cfg.attention.mask not in ("causal", "bidirectional"):

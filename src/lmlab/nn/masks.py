@@ -15,13 +15,18 @@ Padding is a separate, per-row key mask (B, S) (1 = real token, 0 = padding, the
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
+from lmlab.errors import ConfigError
 from lmlab.registry import Registry
 
+if TYPE_CHECKING:
+    from lmlab.config import ModelConfig
+
 MaskFn = Callable[..., torch.Tensor]
-MASKS: Registry[MaskFn] = Registry("mask")
+MASKS: Registry[MaskFn] = Registry("mask", "model.attention.mask")
 MASKS.notes = """
 Selected by `model.attention.mask` (default `causal`). When to use: `causal` (a query sees
 itself and every earlier token) for every decoder LM (Vaswani et al. 2017); `bidirectional` for
@@ -70,7 +75,22 @@ def bidirectional_mask(
     return torch.ones(t, s, dtype=torch.bool, device=device)
 
 
-@MASKS.register("sliding_window")
+def check_window(m: ModelConfig) -> None:
+    """sliding_window reads ``model.attention.window``: set, in [1, model.max_seq_len]."""
+    window = m.attention.window
+    if window is None:
+        raise ConfigError(
+            "model.attention.window must be set for model.attention.mask=sliding_window "
+            "(tokens a query sees, itself included; an integer in [1, model.max_seq_len])"
+        )
+    if not 1 <= window <= m.max_seq_len:
+        raise ConfigError(
+            f"model.attention.window must be in [1, model.max_seq_len={m.max_seq_len}], got "
+            f"{window} (a window wider than the context is causal attention: use mask=causal)"
+        )
+
+
+@MASKS.register("sliding_window", options=("window",), check=check_window)
 def sliding_window_mask(
     t: int, s: int, device: torch.device | str | None = None, window: int | None = None
 ) -> torch.Tensor:

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmlab.checks import choice, positive
+from lmlab.errors import ConfigError
 from lmlab.nn.ffn import FFN
 from lmlab.registry import Registry
 
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
     from lmlab.config import ModelConfig
 
 RouterFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
-ROUTERS: Registry[RouterFn] = Registry("router")
+ROUTERS: Registry[RouterFn] = Registry("router", "model.ffn.router")
 ROUTERS.notes = """
 Selected by `model.ffn.router` (for `ffn.kind: moe`). When to use: `topk_softmax` (= Mixtral's
 softmax, top-k, renormalise) for Mixtral and top_k >= 2; `softmax_topk` for top-1 (Switch)
@@ -123,6 +125,30 @@ class MoE(nn.Module):
     hidden units. After each forward the layer holds its router logits (N, E) float32 and its
     per-expert token counts (E,) int64 until :func:`moe_losses` takes them.
     """
+
+    options = (
+        "n_experts",
+        "top_k",
+        "router",
+        "expert",
+        "shared_expert",
+        "aux_loss_coef",
+        "z_loss_coef",
+    )
+
+    @staticmethod
+    def check(m: ModelConfig) -> None:
+        """An expert kind other than moe; 1 <= top_k <= n_experts; loss weights >= 0."""
+        f = m.ffn
+        choice(f.expert, [k for k in FFN.names() if k != "moe"], "model.ffn.expert")
+        positive(f.n_experts, "model.ffn.n_experts")
+        positive(f.top_k, "model.ffn.top_k")
+        if f.top_k > f.n_experts:
+            raise ConfigError(
+                f"model.ffn.top_k ({f.top_k}) must not exceed model.ffn.n_experts ({f.n_experts})"
+            )
+        positive(f.aux_loss_coef, "model.ffn.aux_loss_coef", allow_zero=True)
+        positive(f.z_loss_coef, "model.ffn.z_loss_coef", allow_zero=True)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from lmlab.errors import LmlabError
+from lmlab.checks import positive
+from lmlab.errors import ConfigError, LmlabError
 from lmlab.nn.rope_scaling import ROPE_SCALING, is_length_dependent
 from lmlab.nn.rope_scaling import rope_inv_freq as rope_inv_freq  # re-exported
 from lmlab.registry import Registry
@@ -130,6 +131,12 @@ class SinusoidalPosition(PositionEncoding):
 class LearnedPosition(PositionEncoding):
     """A trained (max_seq_len, D) table added to the embeddings (GPT-2, Radford et al. 2019)."""
 
+    options = ("offset",)
+
+    @staticmethod
+    def check(m: ModelConfig) -> None:
+        positive(m.position.offset, "model.position.offset", allow_zero=True)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         # BART keeps ``offset`` = 2 unused rows before position 0: row p + offset is position p
@@ -232,6 +239,26 @@ class T5RelativePosition(PositionEncoding):
     (``model.attention.scaled: false``).
     """
 
+    options = ("num_buckets", "max_distance")
+
+    @staticmethod
+    def check(m: ModelConfig) -> None:
+        p = m.position
+        if p.num_buckets < 4 or p.num_buckets % 2:
+            raise ConfigError(
+                f"model.position.num_buckets must be even and >= 4, got {p.num_buckets}"
+            )
+        if p.max_distance <= p.num_buckets // 2:
+            raise ConfigError(
+                f"model.position.max_distance ({p.max_distance}) must exceed num_buckets / 2 "
+                f"({p.num_buckets // 2}): half the buckets hold exact distances below it"
+            )
+        if m.attention.kind != "softmax":
+            raise ConfigError(
+                "model.position.kind=t5_relative adds a bias to attention scores: it needs "
+                f"model.attention.kind=softmax, not {m.attention.kind}"
+            )
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         p = cfg.position
@@ -299,6 +326,25 @@ class RotaryPosition(PositionEncoding):
     """
 
     inv_freq: torch.Tensor
+    options = ("rope_theta", "interleaved", "partial_rotary_factor", "scaling")
+
+    @staticmethod
+    def check(m: ModelConfig) -> None:
+        """theta > 0, factor in (0, 1], an even number (>= 2) of rotated channels."""
+        p = m.position
+        positive(p.rope_theta, "model.position.rope_theta")
+        if not 0.0 < p.partial_rotary_factor <= 1.0:
+            raise ConfigError(
+                "model.position.partial_rotary_factor must be in (0, 1], got "
+                f"{p.partial_rotary_factor}"
+            )
+        r = rotary_dim(m.head_dim, p.partial_rotary_factor)
+        if r < 2 or r % 2:
+            raise ConfigError(
+                f"model.position.kind=rope needs an even number (>= 2) of rotated channels, "
+                f"int(head_dim * partial_rotary_factor) = int({m.head_dim} * "
+                f"{p.partial_rotary_factor}) = {r}"
+            )
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)

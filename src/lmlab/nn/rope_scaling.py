@@ -18,15 +18,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lmlab.checks import positive
+from lmlab.errors import ConfigError
 from lmlab.registry import Registry
 
 if TYPE_CHECKING:
-    from lmlab.config import RopeScalingConfig
+    from lmlab.config import ModelConfig, RopeScalingConfig
 
 RopeScalingFn = Callable[
     [int, float, "RopeScalingConfig", "torch.Tensor | None"], tuple[torch.Tensor, float]
 ]
-ROPE_SCALING: Registry[RopeScalingFn] = Registry("rope_scaling")
+ROPE_SCALING: Registry[RopeScalingFn] = Registry("rope_scaling", "model.position.scaling.kind")
 ROPE_SCALING.notes = """
 Selected by `model.position.scaling.kind` (with `scaling.factor`), for `position.kind: rope`;
 `lmlab eval --lengths ... --set model.position.scaling.kind=yarn` may change it at inference.
@@ -35,6 +37,43 @@ with no fine-tune; `dynamic_ntk` for inference past the training length (the NTK
 recomputed once past the original length); `yarn`, whose attention temperature is
 0.1 ln(s) + 1, is the strongest extension, as in Qwen / DeepSeek configs.
 """
+
+WHERE = "model.position.scaling"
+
+
+def check_factor(m: ModelConfig) -> None:
+    """Every scaling kind but none: 1 <= factor < inf; original_max_seq_len > 0 when set."""
+    s = m.position.scaling
+    if not 1.0 <= s.factor < float("inf"):  # NaN and inf gave NaN losses
+        raise ConfigError(
+            f"{WHERE}.factor must be >= 1 and finite (new length / original), got {s.factor}"
+        )
+    positive(s.original_max_seq_len, f"{WHERE}.original_max_seq_len")
+
+
+def check_ntk(m: ModelConfig) -> None:
+    """NTK's base change divides by r - 2: more than 2 rotated channels."""
+    check_factor(m)
+    r = int(m.head_dim * m.position.partial_rotary_factor)
+    if r <= 2:
+        kind = m.position.scaling.kind
+        raise ConfigError(f"{WHERE}.kind={kind} needs more than 2 rotated channels, got {r}")
+
+
+def check_yarn(m: ModelConfig) -> None:
+    """beta_fast > beta_slow > 0; positive factors; mscale with mscale_all_dim or neither."""
+    check_factor(m)
+    s = m.position.scaling
+    positive(s.beta_slow, f"{WHERE}.beta_slow")
+    if s.beta_fast <= s.beta_slow:
+        raise ConfigError(
+            f"{WHERE}.beta_fast ({s.beta_fast}) must exceed {WHERE}.beta_slow ({s.beta_slow})"
+        )
+    positive(s.attention_factor, f"{WHERE}.attention_factor")
+    positive(s.mscale, f"{WHERE}.mscale")
+    positive(s.mscale_all_dim, f"{WHERE}.mscale_all_dim")
+    if (s.mscale is None) != (s.mscale_all_dim is None):
+        raise ConfigError(f"{WHERE}.mscale and {WHERE}.mscale_all_dim must be set together")
 
 
 def rope_inv_freq(dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
@@ -62,7 +101,7 @@ def no_scaling(
     return rope_inv_freq(dim, theta), 1.0
 
 
-@ROPE_SCALING.register("linear")
+@ROPE_SCALING.register("linear", options=("factor",), check=check_factor)
 def linear_scaling(
     dim: int, theta: float, s: RopeScalingConfig, seq_len: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, float]:
@@ -73,7 +112,7 @@ def linear_scaling(
     return rope_inv_freq(dim, theta) / s.factor, 1.0
 
 
-@ROPE_SCALING.register("ntk")
+@ROPE_SCALING.register("ntk", options=("factor",), check=check_ntk)
 def ntk_scaling(
     dim: int, theta: float, s: RopeScalingConfig, seq_len: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, float]:
@@ -84,7 +123,7 @@ def ntk_scaling(
     return rope_inv_freq(dim, theta * s.factor ** (dim / (dim - 2))), 1.0
 
 
-@ROPE_SCALING.register("dynamic_ntk")
+@ROPE_SCALING.register("dynamic_ntk", options=("factor", "original_max_seq_len"), check=check_ntk)
 @length_dependent
 def dynamic_ntk_scaling(
     dim: int, theta: float, s: RopeScalingConfig, seq_len: torch.Tensor | None = None
@@ -141,7 +180,20 @@ def yarn_correction_range(dim: int, theta: float, s: RopeScalingConfig) -> tuple
     return max(low, 0), min(high, dim - 1)
 
 
-@ROPE_SCALING.register("yarn")
+@ROPE_SCALING.register(
+    "yarn",
+    options=(
+        "factor",
+        "original_max_seq_len",
+        "beta_fast",
+        "beta_slow",
+        "truncate",
+        "attention_factor",
+        "mscale",
+        "mscale_all_dim",
+    ),
+    check=check_yarn,
+)
 def yarn_scaling(
     dim: int, theta: float, s: RopeScalingConfig, seq_len: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, float]:

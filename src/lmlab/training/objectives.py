@@ -49,6 +49,11 @@ class Objective:
         self.cfg, self.tokenizer, self.splits, self.seq_len = cfg, tokenizer, splits, seq_len
 
     @classmethod
+    def check(cls, cfg: RunConfig) -> None:
+        """The registry's contract check (lmlab.validation): :meth:`validate_config`."""
+        cls.validate_config(cfg)
+
+    @classmethod
     def validate_config(cls, cfg: RunConfig) -> None:
         """Cross-field checks on the config alone; raises ConfigError naming the field."""
         if cfg.model.kind not in cls.model_kinds:
@@ -105,6 +110,7 @@ class MaskedLM(Objective):
 
     name = "mlm"
     model_kinds = ("encoder",)
+    options = ("mask_prob", "whole_word_mask")
 
     def __init__(
         self, cfg: RunConfig, tokenizer: Tokenizer, splits: Mapping[str, np.ndarray], seq_len: int
