@@ -63,9 +63,10 @@ class TrainResult:
 @dataclass
 class StepOutcome:
     """What one optimizer step measured: loss (nats/token, the mean over every target of the
-    step, all ranks), aux_loss (the sum over micro-batches of the MoE auxiliary loss, or 0),
-    grad_norm (before clipping), bad_grad (the first parameter with a non-finite gradient), lr
-    (the step's learning rate), finite (the step was applied: loss and gradient finite)."""
+    step, all ranks), aux_loss (the MoE auxiliary loss summed over micro-batches, mean over
+    ranks; 0 without MoE), grad_norm (before clipping), bad_grad (the first parameter with a
+    non-finite gradient), lr (the step's learning rate), finite (the step was applied: loss and
+    gradient finite)."""
 
     loss: float
     aux_loss: float
@@ -236,7 +237,8 @@ class Trainer:
 
     def train_step(self, step: int) -> StepOutcome:
         """Optimizer step ``step`` (0-based): ``grad_accum_steps`` micro-batches forward and
-        backward, gradients clipped, the update applied when loss and gradient are finite."""
+        backward, gradients clipped, the update applied when loss and gradient are finite.
+        Runs inside :meth:`fit` (which sets up the forward function and counters)."""
         tc, par, objective, world_size = self.tc, self.par, self.objective, self.par.world_size
         lr = lr_at(step, tc)
         for group in self.optimizer.param_groups:
