@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lmlab.training import trainer
+from lmlab.training import loop
 from lmlab.training.objectives import CausalLM
 
 
@@ -29,7 +29,7 @@ def uneven_targets(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def patch_uneven_clm(setattr_: Any, parts: int = 1) -> None:
     """Install uneven targets on CausalLM.batch via ``setattr_(obj, name, value)`` (pytest's
     monkeypatch.setattr, or plain setattr in a worker)."""
-    orig_rng, orig_batch = trainer.batch_rng, CausalLM.batch
+    orig_rng, orig_batch = loop.batch_rng, CausalLM.batch
 
     def keyed_rng(seed: int, step: int, micro: int, rank: int = 0, stream: int = 0) -> Any:
         if stream != 0:
@@ -47,5 +47,5 @@ def patch_uneven_clm(setattr_: Any, parts: int = 1) -> None:
         ]
         return {k: torch.cat([p[k] for p in pieces]) for k in pieces[0]}
 
-    setattr_(trainer, "batch_rng", keyed_rng)
+    setattr_(loop, "batch_rng", keyed_rng)
     setattr_(CausalLM, "batch", batch)

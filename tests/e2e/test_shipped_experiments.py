@@ -9,7 +9,7 @@ import pytest
 
 from lmlab.experiments.compare import compare
 from lmlab.experiments.spec import load_experiment
-from lmlab.training import hardware, trainer
+from lmlab.training import hardware, loop
 
 EXPERIMENTS = sorted((Path(__file__).parents[2] / "experiments").glob("*.yaml"))
 
@@ -25,11 +25,11 @@ def test_one_experiment_per_claim():
 
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.stem)
 def test_smoke(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(trainer, "plot_losses", lambda run_dir: None)  # per-run loss.png: slow
+    monkeypatch.setattr(loop, "plot_losses", lambda run_dir: None)  # per-run loss.png: slow
     # Each run measures the matmul peak (seconds in bf16 on a CPU without bf16 units): not
     # what this test checks, so every run here gets one fixed, recorded-looking peak.
     peak = hardware.MatmulPeak(1e11, "fixed by the test")
-    monkeypatch.setattr(trainer, "matmul_peak", lambda device, precision: peak)
+    monkeypatch.setattr(loop, "matmul_peak", lambda device, precision: peak)
     exp = load_experiment(path)
     res = compare(path, out=tmp_path, smoke=True, device="cpu", log=lambda m: None)
     assert res.trained == [(v, exp.seeds[0]) for v in exp.variants]

@@ -11,7 +11,7 @@ import torch
 
 from lmlab.models.build import build_model
 from lmlab.run import read_run_config
-from lmlab.training import trainer
+from lmlab.training import loop, trainer
 from lmlab.training.objectives import CausalLM
 from tests.conftest import tiny_config
 from tests.distributed._uneven import patch_uneven_clm
@@ -22,7 +22,7 @@ def train_capturing(monkeypatch, out: Path, **train_fields: object) -> list[dict
     weights they were taken at, and the train batches drawn."""
     steps: list[dict] = []
     drawn: list[dict[str, torch.Tensor]] = []
-    clip, draw = trainer.clip_gradients, CausalLM.batch
+    clip, draw = loop.clip_gradients, CausalLM.batch
 
     def capture(model, max_norm):
         steps.append(
@@ -41,7 +41,7 @@ def train_capturing(monkeypatch, out: Path, **train_fields: object) -> list[dict
             drawn.append(batch)
         return batch
 
-    monkeypatch.setattr(trainer, "clip_gradients", capture)
+    monkeypatch.setattr(loop, "clip_gradients", capture)
     monkeypatch.setattr(CausalLM, "batch", recording_batch)
     cfg = tiny_config(train={"max_steps": 2, "eval_every": 100, **train_fields})
     trainer.train(cfg, out=out, progress=False)

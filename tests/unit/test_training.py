@@ -11,6 +11,7 @@ from lmlab.errors import CheckpointError
 from lmlab.evaluation.evaluate import score_tokens
 from lmlab.models import build_model
 from lmlab.training import checkpoint as ck
+from lmlab.training import loop
 from lmlab.training import trainer as trainer_module
 from lmlab.training.flops import flops_per_token, matmul_params
 from lmlab.training.optim import build_optimizer, lr_at, param_groups
@@ -213,7 +214,7 @@ def test_mfu_is_at_most_1_and_the_log_names_the_peak(tmp_path: Path, monkeypatch
     from lmlab.training import hardware
 
     tiny = hardware.MatmulPeak(1.0, "1 FLOP/s, a test's peak")  # far below any real rate
-    monkeypatch.setattr(trainer_module, "matmul_peak", lambda device, precision: tiny)
+    monkeypatch.setattr(loop, "matmul_peak", lambda device, precision: tiny)
     cfg = tiny_config(train={"max_steps": 2})
     res = trainer_module.train(cfg, out=tmp_path / "run", progress=None)
     assert "MFU denominator (matmul peak): 1 FLOP/s, a test's peak" in capsys.readouterr().err
