@@ -159,6 +159,15 @@ class Attention(nn.Module):
 class SoftmaxAttention(Attention):
     """Scaled dot-product attention with separate q/k/v/o projections; MHA, GQA or MQA."""
 
+    examples: tuple[dict, ...] = (
+        {},
+        {"attention": {"n_kv_heads": 2}},
+        {"attention": {"n_kv_heads": 1}},
+        {"attention": {"backend": "math"}},
+        {"attention": {"qk_norm": True}},
+        {"attention": {"scaled": False}},
+    )
+
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__(cfg, layer_idx)
         self.scale = 1.0 / math.sqrt(self.head_dim) if cfg.attention.scaled else 1.0
@@ -236,6 +245,8 @@ class LinearAttention(Attention):
     :class:`LinearAttentionState`. Masks: causal or bidirectional (a sliding window has no
     constant-size state). Score biases (ALiBi) cannot apply and raise LmlabError.
     """
+
+    examples: tuple[dict, ...] = ({}, {"attention": {"n_kv_heads": 2}})
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__(cfg, layer_idx)

@@ -21,7 +21,7 @@ import torch
 from lmlab.registry import Registry
 
 MaskFn = Callable[..., torch.Tensor]
-MASKS: Registry[MaskFn] = Registry("mask")
+MASKS: Registry[MaskFn] = Registry("mask", "model.attention.mask")
 
 
 def _query_key_positions(
@@ -63,7 +63,10 @@ def bidirectional_mask(
     return torch.ones(t, s, dtype=torch.bool, device=device)
 
 
-@MASKS.register("sliding_window")
+@MASKS.register(
+    "sliding_window",
+    examples=({"attention": {"window": 4}}, {"attention": {"window": 1, "backend": "math"}}),
+)
 def sliding_window_mask(
     t: int, s: int, device: torch.device | str | None = None, window: int | None = None
 ) -> torch.Tensor:

@@ -33,10 +33,10 @@ if TYPE_CHECKING:
     from lmlab.config import ModelConfig
 
 RouterFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
-ROUTERS: Registry[RouterFn] = Registry("router")
+ROUTERS: Registry[RouterFn] = Registry("router", "model.ffn.router")
 
 
-@ROUTERS.register("topk_softmax")
+@ROUTERS.register("topk_softmax", examples=({"ffn": {"kind": "moe"}},))
 def topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax after top-k: the k largest logits, softmax over those k (Mixtral, Jiang et al. 2024).
 
@@ -48,7 +48,9 @@ def topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     return torch.softmax(top, dim=-1), idx
 
 
-@ROUTERS.register("softmax_topk")
+@ROUTERS.register(
+    "softmax_topk", examples=({"ffn": {"kind": "moe", "top_k": 1, "shared_expert": True}},)
+)
 def softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax before top-k: softmax over all E, keep the k largest probabilities as gates,
     not renormalised (Switch Transformer, Fedus et al. 2021; DeepSeekMoE, Dai et al. 2024).

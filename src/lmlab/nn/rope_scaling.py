@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 RopeScalingFn = Callable[
     [int, float, "RopeScalingConfig", "torch.Tensor | None"], tuple[torch.Tensor, float]
 ]
-ROPE_SCALING: Registry[RopeScalingFn] = Registry("rope_scaling")
+ROPE_SCALING: Registry[RopeScalingFn] = Registry("rope_scaling", "model.position.scaling.kind")
 
 
 def rope_inv_freq(dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
@@ -54,7 +54,7 @@ def no_scaling(
     return rope_inv_freq(dim, theta), 1.0
 
 
-@ROPE_SCALING.register("linear")
+@ROPE_SCALING.register("linear", examples=({"position": {"scaling": {"factor": 4.0}}},))
 def linear_scaling(
     dim: int, theta: float, s: RopeScalingConfig, seq_len: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, float]:
@@ -65,7 +65,7 @@ def linear_scaling(
     return rope_inv_freq(dim, theta) / s.factor, 1.0
 
 
-@ROPE_SCALING.register("ntk")
+@ROPE_SCALING.register("ntk", examples=({"position": {"scaling": {"factor": 4.0}}},))
 def ntk_scaling(
     dim: int, theta: float, s: RopeScalingConfig, seq_len: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, float]:
@@ -76,7 +76,7 @@ def ntk_scaling(
     return rope_inv_freq(dim, theta * s.factor ** (dim / (dim - 2))), 1.0
 
 
-@ROPE_SCALING.register("dynamic_ntk")
+@ROPE_SCALING.register("dynamic_ntk", examples=({"position": {"scaling": {"factor": 4.0}}},))
 @length_dependent
 def dynamic_ntk_scaling(
     dim: int, theta: float, s: RopeScalingConfig, seq_len: torch.Tensor | None = None
@@ -133,7 +133,9 @@ def yarn_correction_range(dim: int, theta: float, s: RopeScalingConfig) -> tuple
     return max(low, 0), min(high, dim - 1)
 
 
-@ROPE_SCALING.register("yarn")
+@ROPE_SCALING.register(
+    "yarn", examples=({"position": {"scaling": {"factor": 4.0, "original_max_seq_len": 8}}},)
+)
 def yarn_scaling(
     dim: int, theta: float, s: RopeScalingConfig, seq_len: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, float]:
