@@ -16,6 +16,7 @@ from pathlib import Path
 
 from lmlab.errors import Interrupted, LmlabError
 from lmlab.fsutil import check_out_path
+from lmlab.plugins import add_plugin_flag, plugins
 from lmlab.textsafe import for_terminal, one_line
 
 DESCRIPTION = """\
@@ -142,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="progress bar (default: when stderr is a terminal)",
     )
     _add_common(t)
+    add_plugin_flag(t)
 
     e = sub.add_parser(
         "eval",
@@ -253,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, help="random seed for reproducible samples")
     g.add_argument("--no-prompt", action="store_true", help="print only the continuation")
     _add_common(g)
+    add_plugin_flag(g)
 
     c = sub.add_parser(
         "chat",
@@ -298,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("--config", help="a config YAML (default: every preset in configs/)")
     v.add_argument("--debug", action="store_true", help="show Python tracebacks on errors")
+    add_plugin_flag(v)
 
     ins = sub.add_parser(
         "inspect",
@@ -339,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ins.add_argument("--json", action="store_true", help="print one JSON object")
     ins.add_argument("--debug", action="store_true", help="show Python tracebacks on errors")
+    add_plugin_flag(ins)
 
     at = sub.add_parser(
         "attention",
@@ -458,6 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ls.add_argument("family", nargs="?", help="only this family (e.g. position, ffn)")
     ls.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    add_plugin_flag(ls)
     return parser
 
 
@@ -707,9 +713,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from lmlab.analysis.contract import verify_plugin
     from lmlab.analysis.verify import format_table, verify
 
-    checks = verify(args.config)
+    checks = verify_plugin(args.config, args.plugins) if args.plugin else verify(args.config)
     print(format_table(checks))
     failed = [c for c in checks if c.status == "FAIL"]
     print(f"{len(checks) - len(failed)} passed or skipped, {len(failed)} failed")
@@ -916,7 +923,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _check_text_args(args)
         _check_numeric_args(args)
-        return COMMANDS[args.command](args)
+        with plugins(getattr(args, "plugin", None)) as args.plugins:
+            return COMMANDS[args.command](args)
     except Interrupted as e:
         print(str(e), file=sys.stderr)
         return e.exit_code

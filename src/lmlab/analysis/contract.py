@@ -20,8 +20,11 @@ skip row with a one-line reason (:class:`lmlab.analysis.verify.Check`):
   holds while decoding the last token (its tensors after the step, or the keys/values the step
   read when more: a sliding window keeps window - 1 and reads them with the new one);
 - training_memory: :func:`lmlab.training.memory.estimate_training_memory`'s activation term
-  within 0.85-1.15x of the bytes autograd saves for backward in one training forward pass (the
-  band and measurement of tests/unit/test_memory.py; the estimate counts a decoder's layers).
+  within 0.85-1.15x of the bytes autograd saves for backward in one fp32 training forward pass
+  plus the float32 logits gradient backward starts with (the band and measurement of
+  tests/unit/test_memory.py; decoders only: the estimate counts a decoder's layers).
+
+A row is FAIL, never an exception, when a component raises: its reason is the last line.
 
 The tiny configs come from :func:`tiny_run_config`; :func:`cases` lists every registry's
 variants x their declared ``examples`` x the model kinds whose validation accepts them.
@@ -245,11 +248,13 @@ def check_training_memory(run: RunConfig, x: torch.Tensor) -> Result:
     b, t = x.shape
     train = TrainConfig(batch_size=b, seq_len=t, precision="fp32", device="cpu")
     estimate = estimate_training_memory(RunConfig(model=cfg, train=train)).activations
-    saved = saved_activation_bytes(_model(cfg), cfg, x)
+    # what autograd saves, plus the float32 logits gradient backward starts with (the formula's
+    # (a + 8) V counts the logits, their log-probabilities and that gradient)
+    saved = saved_activation_bytes(_model(cfg), cfg, x) + b * t * (cfg.vocab_size or 0) * 4
     ratio = estimate / max(saved, 1)
     low, high = MEMORY_BAND
     return low < ratio < high, (
-        f"estimated activations {estimate:,} bytes = {ratio:.2f} x the {saved:,} autograd saves "
+        f"estimated activations {estimate:,} bytes = {ratio:.2f} x the {saved:,} measured "
         f"(band {low}-{high})"
     )
 
@@ -309,17 +314,29 @@ class Case:
         return tiny_run_config(self.kind, self.model)
 
 
-def variant_cases(registry: Any, name: str, kinds: list[str]) -> Iterator[Case]:
-    """The cases of one variant: its declared examples x the model kinds accepting each."""
+def example_cases(registry: Any, name: str, kinds: list[str]) -> list[tuple[list[Case], str]]:
+    """Per declared example of a variant: (its cases on the model kinds accepting it, the
+    first kind's ConfigError, "" when some kind accepts it)."""
+    out = []
     for i, example in enumerate(registry.contract(name).examples):
         model = merge(example, nested(registry.field, name))
+        found, refused = [], ""
         for kind in kinds:
             try:
                 run = tiny_run_config(kind, model)
-            except ConfigError:
+            except ConfigError as e:
+                refused = refused or f"{kind}: {e}"
                 continue  # this kind does not accept the example
             if run.model.kind == kind:  # an example naming another kind is that kind's case
-                yield Case(f"{registry.family}={name}[{i}]/{kind}", kind, model)
+                found.append(Case(f"{registry.family}={name}[{i}]/{kind}", kind, model))
+        out.append((found, "" if found else refused))
+    return out
+
+
+def variant_cases(registry: Any, name: str, kinds: list[str]) -> Iterator[Case]:
+    """The cases of one variant: its declared examples x the model kinds accepting each."""
+    for found, _ in example_cases(registry, name, kinds):
+        yield from found
 
 
 def cases(only: set[tuple[str, str]] | None = None) -> list[Case]:
@@ -344,3 +361,25 @@ def cases(only: set[tuple[str, str]] | None = None) -> list[Case]:
                     seen.add(key)
                     out.append(case)
     return out
+
+
+def verify_plugin(config: str | None, registered: list[tuple[Any, str]]) -> list[Check]:
+    """``lmlab verify --plugin``: the contract on ``config`` (a YAML path; vocab 37 if unset)
+    and on every example x accepting model kind of each plugin variant in ``registered``."""
+    from lmlab.models.build import MODELS
+
+    rows = []
+    if config is not None:
+        run = load_config(config)
+        run.model.vocab_size = run.model.vocab_size or TINY["model"]["vocab_size"]
+        rows += run_contract(run, Path(config).stem)
+    for registry, name in registered:
+        for i, (found, refused) in enumerate(example_cases(registry, name, MODELS.names())):
+            if refused:
+                label = f"{registry.family}={name}[{i}]"
+                rows.append(
+                    Check(label, "examples", "FAIL", f"no model kind accepts it: {refused}")
+                )
+            for case in found:
+                rows += run_contract(case.config(), case.label)
+    return rows

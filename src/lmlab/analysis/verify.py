@@ -223,6 +223,7 @@ def verify(config: str | None = None) -> list[Check]:
 def format_table(checks: list[Check]) -> str:
     """A plain-text table: config, check, status, detail."""
     w = max([len("config")] + [len(c.config) for c in checks])
-    lines = [f"{'config':<{w}}  {'check':<10}  {'result':<6}  detail"]
-    lines += [f"{c.config:<{w}}  {c.name:<10}  {c.status:<6}  {c.detail}" for c in checks]
+    n = max([10] + [len(c.name) for c in checks])
+    lines = [f"{'config':<{w}}  {'check':<{n}}  {'result':<6}  detail"]
+    lines += [f"{c.config:<{w}}  {c.name:<{n}}  {c.status:<6}  {c.detail}" for c in checks]
     return "\n".join(lines)
