@@ -127,9 +127,11 @@ class Registry(Generic[T]):
             where = field or self.field or f"{self.family}.kind"
             hint = difflib.get_close_matches(name, self._items, n=1)
             extra = f" (did you mean {hint[0]!r}?)" if hint else ""
+            plugin = "; a plugin's kind needs its file again: --plugin FILE.py"
             raise ConfigError(
                 f"{where}: unknown {self.family} kind {name!r}{extra}; "
                 f"allowed: {', '.join(self.names())}"
+                + (plugin if (self.field or "").startswith("model.") and not hint else "")
             )
         return self._items[name]
 

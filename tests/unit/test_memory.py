@@ -77,25 +77,13 @@ def test_the_estimate_by_hand_for_the_tiny_config():
 def saved_activation_bytes(cfg) -> int:
     """Bytes of the tensors autograd saves for backward in one training forward pass (weights
     and their autocast copies excluded: they are the 4 P and 2 P terms)."""
+    from lmlab.analysis.contract import saved_activation_bytes as saved
+
     model = build_model(cfg.model)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    shapes = {tuple(p.shape) for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params and tuple(t.shape) not in shapes:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
     x = torch.randint(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.model.max_seq_len))
     bf16 = cfg.train.precision == "bf16"
-    with (
-        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-        torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16),
-    ):
-        model(x, targets=x)
-    return sum(seen.values())
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        return saved(model, cfg.model, x)
 
 
 SAVED = [

@@ -69,26 +69,51 @@ def check_causality(cfg: ModelConfig, x: torch.Tensor) -> tuple[bool | None, str
     y = x.clone()
     y[:, t:] = torch.randint(0, cfg.vocab_size or 2, y[:, t:].shape)
     with torch.no_grad():  # an encoder-decoder keeps its source x: only the decoder input changes
-        a = _call(model, cfg, x, source=x).logits[:, :t]
-        d = _max_diff(a, _call(model, cfg, y, source=x).logits[:, :t])
+        a, b = _call(model, cfg, x, source=x).logits, _call(model, cfg, y, source=x).logits
+    d = _max_diff(a[:, :t], b[:, :t])
+    if d <= ATOL and _max_diff(a[:, t:], b[:, t:]) <= ATOL:  # a model that ignores its input
+        return False, f"the logits at positions >= {t} do not depend on the tokens there"
     return d <= ATOL, f"max |change| at positions < {t}: {d:.1e}"
 
 
-def check_kv_cache(cfg: ModelConfig, x: torch.Tensor) -> tuple[bool | None, str]:
+def decode_in_steps(
+    model: nn.Module,
+    cfg: ModelConfig,
+    x: torch.Tensor,
+    sizes: list[int],
+    source: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Any]:
+    """Feed x (B, T) through one cache in steps of ``sizes`` tokens (summing to T; an
+    encoder-decoder reads ``source``, default x, on the first). Returns (logits (B, T, V), the
+    cache)."""
+    cache = model.new_cache()  # type: ignore[operator]
+    parts, start = [], 0
+    source = x if source is None else source
+    with torch.no_grad():
+        for n in sizes:
+            step = x[:, start : start + n]
+            parts.append(_call(model, cfg, step, source=source, cache=cache).logits)
+            start += n
+    return torch.cat(parts, 1), cache
+
+
+def check_kv_cache(
+    cfg: ModelConfig, x: torch.Tensor, sizes: list[int] | None = None
+) -> tuple[bool | None, str]:
+    """Cached decoding in steps of ``sizes`` tokens (default: half of x, then one at a time)
+    equals the full forward pass, and the cache has seen every token."""
     if cfg.kind == "encoder":
         return None, "an encoder reads the whole sequence at once: it has no KV cache"
     model = _model(cfg)
+    t = x.shape[1]
+    sizes = sizes or [t // 2] + [1] * (t - t // 2)
     with torch.no_grad():
         full = _call(model, cfg, x, source=x).logits
-        cache = model.new_cache()  # type: ignore[operator]
-        split = x.shape[1] // 2
-        parts = [_call(model, cfg, x[:, :split], source=x, cache=cache).logits]
-        parts += [
-            _call(model, cfg, x[:, i : i + 1], source=x, cache=cache).logits
-            for i in range(split, x.shape[1])
-        ]
-    d = _max_diff(torch.cat(parts, 1), full)
-    return d <= ATOL, f"max |cached - full|: {d:.1e}"
+    steps, cache = decode_in_steps(model, cfg, x, sizes)
+    d = _max_diff(steps, full)
+    if cache.seq_len != t:
+        return False, f"the cache has seen {cache.seq_len} tokens after {t}"
+    return d <= ATOL, f"max |cached - full| in steps {sizes[:4]}...: {d:.1e}"
 
 
 def check_gradients(cfg: ModelConfig, x: torch.Tensor) -> tuple[bool, str]:
@@ -198,6 +223,7 @@ def verify(config: str | None = None) -> list[Check]:
 def format_table(checks: list[Check]) -> str:
     """A plain-text table: config, check, status, detail."""
     w = max([len("config")] + [len(c.config) for c in checks])
-    lines = [f"{'config':<{w}}  {'check':<10}  {'result':<6}  detail"]
-    lines += [f"{c.config:<{w}}  {c.name:<10}  {c.status:<6}  {c.detail}" for c in checks]
+    n = max([10] + [len(c.name) for c in checks])
+    lines = [f"{'config':<{w}}  {'check':<{n}}  {'result':<6}  detail"]
+    lines += [f"{c.config:<{w}}  {c.name:<{n}}  {c.status:<6}  {c.detail}" for c in checks]
     return "\n".join(lines)

@@ -21,6 +21,7 @@ from lmlab.cli import generation, listing, models, scoring, training
 from lmlab.cli.common import Command, _Parser, add_common
 from lmlab.cli.training import _without_nproc
 from lmlab.errors import Interrupted, LmlabError
+from lmlab.plugins import plugins
 from lmlab.textsafe import one_line
 
 __all__ = ["COMMANDS", "build_parser", "main", "_without_nproc"]
@@ -153,7 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _check_text_args(args)
         _check_numeric_args(args)
-        return COMMANDS[args.command].run(args)
+        with plugins(getattr(args, "plugin", None)) as args.plugins:
+            return COMMANDS[args.command].run(args)
     except Interrupted as e:
         print(str(e), file=sys.stderr)
         return e.exit_code

@@ -30,8 +30,19 @@ COMMON_FLAGS: dict[str, dict[str, typing.Any]] = {
     },
     "debug": {"action": "store_true", "help": "show Python tracebacks on errors"},
     "debug-hidden": {"dest": "debug", "action": "store_true", "help": argparse.SUPPRESS},
+    "plugin": {
+        "action": "append",
+        "metavar": "FILE.py",
+        "help": "import this one-file component first (it registers itself; repeatable; runs its "
+        "code: name only files you trust)",
+    },
 }
-COMMON_FLAG_NAMES = {"device": "--device", "debug": "--debug", "debug-hidden": "--debug"}
+COMMON_FLAG_NAMES = {
+    "device": "--device",
+    "debug": "--debug",
+    "debug-hidden": "--debug",
+    "plugin": "--plugin",
+}
 
 
 def add_common(p: argparse.ArgumentParser, names: tuple[str, ...]) -> None:

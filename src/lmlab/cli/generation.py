@@ -154,6 +154,7 @@ GENERATE = Command(
     "prints only the answer.",
     arguments=_generate_arguments,
     run=cmd_generate,
+    common=("device", "debug", "plugin"),
 )
 
 

@@ -38,5 +38,5 @@ LIST = Command(
     "it and a one-line description citing its source.",
     arguments=_list_arguments,
     run=cmd_list,
-    common=("debug-hidden",),
+    common=("debug-hidden", "plugin"),
 )

@@ -74,9 +74,10 @@ def _import_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from lmlab.analysis.contract import verify_plugin
     from lmlab.analysis.verify import format_table, verify
 
-    checks = verify(args.config)
+    checks = verify_plugin(args.config, args.plugins) if args.plugin else verify(args.config)
     print(format_table(checks))
     failed = [c for c in checks if c.status == "FAIL"]
     print(f"{len(checks) - len(failed)} passed or skipped, {len(failed)} failed")
@@ -147,7 +148,7 @@ VERIFY = Command(
     "an exact counterpart (needs transformers). Prints a table; exits 1 on any failure.",
     arguments=_verify_arguments,
     run=cmd_verify,
-    common=("debug",),
+    common=("debug", "plugin"),
 )
 
 
@@ -162,7 +163,7 @@ INSPECT = Command(
     "too: their FLOP and KV-cache conventions are in docs/inspect.md.",
     arguments=_inspect_arguments,
     run=cmd_inspect,
-    common=("debug",),
+    common=("debug", "plugin"),
     epilog="example: lmlab inspect configs/llama.yaml --seq-len 2048 --batch 8 --context "
     "4096 --dtype bf16; lmlab inspect configs/bert-mini.yaml",
 )

@@ -203,6 +203,7 @@ TRAIN = Command(
     "checkpoints/step-NNNNNN/ (+ latest), metrics.jsonl, tb/ (TensorBoard) and loss.png.",
     arguments=_train_arguments,
     run=cmd_train,
+    common=("device", "debug", "plugin"),
 )
 
 

@@ -27,6 +27,8 @@ from lmlab.nn.position import POSITION
 class DecoderLM(TiedEmbeddingsModule):
     """A causal Transformer language model (Radford et al. 2018/2019, GPT)."""
 
+    examples: tuple[dict, ...] = ({}, {"tie_embeddings": False})
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         if cfg.vocab_size is None:

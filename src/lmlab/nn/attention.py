@@ -165,6 +165,15 @@ class Attention(nn.Module):
 class SoftmaxAttention(Attention):
     """Scaled dot-product attention with separate q/k/v/o projections; MHA, GQA or MQA."""
 
+    examples: tuple[dict, ...] = (
+        {},
+        {"attention": {"n_kv_heads": 2}},
+        {"attention": {"n_kv_heads": 1}},
+        {"attention": {"backend": "math"}},
+        {"attention": {"qk_norm": True}},
+        {"attention": {"scaled": False}},
+    )
+
     def new_cache(self) -> LayerKVCache | SlidingWindowKVCache:
         """A dynamic cache, or a bounded one when a sliding window limits what a query sees."""
         return LayerKVCache() if self.window is None else SlidingWindowKVCache(self.window)
@@ -210,6 +219,8 @@ class LinearAttention(Attention):
     :class:`LinearAttentionState`. Masks: causal or bidirectional (a sliding window has no
     constant-size state). Score biases (ALiBi) cannot apply and raise LmlabError.
     """
+
+    examples: tuple[dict, ...] = ({}, {"attention": {"n_kv_heads": 2}})
 
     @staticmethod
     def check(m: ModelConfig) -> None:

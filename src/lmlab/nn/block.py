@@ -79,6 +79,8 @@ class PreNormBlock(Block):
     With ``block.parallel`` both branches read the same x: x + attn(norm1(x)) + ffn(norm2(x))
     (GPT-J, Wang & Komatsuzaki 2021; GPT-NeoX, Black et al. 2022)."""
 
+    examples: tuple[dict, ...] = ({}, {"block": {"parallel": True}})
+
     def forward(self, x, position, positions, key_mask=None, cache=None, need_weights=False):
         a = self.attn(self.attn_norm(x), position, positions, key_mask, cache, need_weights)
         if self.parallel:

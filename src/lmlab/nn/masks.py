@@ -90,7 +90,12 @@ def check_window(m: ModelConfig) -> None:
         )
 
 
-@MASKS.register("sliding_window", options=("window",), check=check_window)
+@MASKS.register(
+    "sliding_window",
+    options=("window",),
+    check=check_window,
+    examples=({"attention": {"window": 4}}, {"attention": {"window": 1, "backend": "math"}}),
+)
 def sliding_window_mask(
     t: int, s: int, device: torch.device | str | None = None, window: int | None = None
 ) -> torch.Tensor:

@@ -43,7 +43,7 @@ routing, where the LM loss must still train the router.
 """
 
 
-@ROUTERS.register("topk_softmax")
+@ROUTERS.register("topk_softmax", examples=({"ffn": {"kind": "moe"}},))
 def topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax after top-k: the k largest logits, softmax over those k (Mixtral, Jiang et al. 2024).
 
@@ -55,7 +55,9 @@ def topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     return torch.softmax(top, dim=-1), idx
 
 
-@ROUTERS.register("softmax_topk")
+@ROUTERS.register(
+    "softmax_topk", examples=({"ffn": {"kind": "moe", "top_k": 1, "shared_expert": True}},)
+)
 def softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax before top-k: softmax over all E, keep the k largest probabilities as gates,
     not renormalised (Switch Transformer, Fedus et al. 2021; DeepSeekMoE, Dai et al. 2024).

@@ -178,6 +178,13 @@ class ALiBiPosition(PositionEncoding):
     -slope_h * (i - j); the absolute value makes a bidirectional mask symmetric.
     """
 
+    examples: tuple[dict, ...] = (
+        {},
+        {"attention": {"n_heads": 6, "head_dim": 8}},  # not a power of two
+        {"attention": {"backend": "math"}},
+        {"attention": {"mask": "sliding_window", "window": 4}},
+    )
+
     slopes: torch.Tensor
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -324,6 +331,13 @@ class RotaryPosition(PositionEncoding):
     r = int(hd * factor) channels, GPT-NeoX) and ``scaling`` (context extension, a
     :data:`~lmlab.nn.rope_scaling.ROPE_SCALING` function: linear, ntk, dynamic_ntk, yarn).
     """
+
+    examples: tuple[dict, ...] = (
+        {},
+        {"position": {"interleaved": True}},
+        {"position": {"partial_rotary_factor": 0.5}},
+        {"position": {"interleaved": True, "partial_rotary_factor": 0.5}},
+    )
 
     inv_freq: torch.Tensor
     options = ("rope_theta", "interleaved", "partial_rotary_factor", "scaling")

@@ -39,6 +39,7 @@ recomputed once past the original length); `yarn`, whose attention temperature i
 """
 
 WHERE = "model.position.scaling"
+FACTOR_4 = ({"position": {"scaling": {"factor": 4.0}}},)  # the contract examples of a kind
 
 
 def check_factor(m: ModelConfig) -> None:
@@ -101,7 +102,12 @@ def no_scaling(
     return rope_inv_freq(dim, theta), 1.0
 
 
-@ROPE_SCALING.register("linear", options=("factor",), check=check_factor)
+@ROPE_SCALING.register(
+    "linear",
+    options=("factor",),
+    check=check_factor,
+    examples=({"position": {"scaling": {"factor": 4.0}}},),
+)
 def linear_scaling(
     dim: int, theta: float, s: RopeScalingConfig, seq_len: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, float]:
@@ -112,7 +118,12 @@ def linear_scaling(
     return rope_inv_freq(dim, theta) / s.factor, 1.0
 
 
-@ROPE_SCALING.register("ntk", options=("factor",), check=check_ntk)
+@ROPE_SCALING.register(
+    "ntk",
+    options=("factor",),
+    check=check_ntk,
+    examples=({"position": {"scaling": {"factor": 4.0}}},),
+)
 def ntk_scaling(
     dim: int, theta: float, s: RopeScalingConfig, seq_len: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, float]:
@@ -123,7 +134,12 @@ def ntk_scaling(
     return rope_inv_freq(dim, theta * s.factor ** (dim / (dim - 2))), 1.0
 
 
-@ROPE_SCALING.register("dynamic_ntk", options=("factor", "original_max_seq_len"), check=check_ntk)
+@ROPE_SCALING.register(
+    "dynamic_ntk",
+    options=("factor", "original_max_seq_len"),
+    check=check_ntk,
+    examples=({"position": {"scaling": {"factor": 4.0}}},),
+)
 @length_dependent
 def dynamic_ntk_scaling(
     dim: int, theta: float, s: RopeScalingConfig, seq_len: torch.Tensor | None = None
@@ -193,6 +209,7 @@ def yarn_correction_range(dim: int, theta: float, s: RopeScalingConfig) -> tuple
         "mscale_all_dim",
     ),
     check=check_yarn,
+    examples=({"position": {"scaling": {"factor": 4.0, "original_max_seq_len": 8}}},),
 )
 def yarn_scaling(
     dim: int, theta: float, s: RopeScalingConfig, seq_len: torch.Tensor | None = None
