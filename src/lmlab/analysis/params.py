@@ -14,17 +14,21 @@ import dataclasses
 import torch
 
 from lmlab.config import ModelConfig
-from lmlab.models.counting import meta_model, num_params, params_by_part
+from lmlab.errors import LmlabError
+from lmlab.models.counting import meta_model, num_params, params_by_part, variant_types
 
 
 def attention_params_by_part(cfg: ModelConfig) -> dict[str, int]:
     """One layer's self-attention by part: ``q``, ``k``, ``v``, ``o`` (weights + biases) and
     ``norms`` (QK-norm / V-norm RMSNorm weights over head_dim; HybridNorm turns both on), read
     from the first attention module of the built model."""
-    from lmlab.nn.attention import Attention
+    from lmlab.nn.attention import ATTENTION, Attention
 
     model = meta_model(dataclasses.replace(cfg, vocab_size=cfg.vocab_size or 1))
-    attn = next(m for m in model.modules() if isinstance(m, Attention))
+    types = variant_types(ATTENTION, Attention)
+    attn = next((m for m in model.modules() if isinstance(m, types)), None)
+    if attn is None:
+        raise LmlabError(f"model.kind={cfg.kind} builds no attention module to count")
     out = {p: num_params(getattr(attn, f"{p}_proj")) for p in "qkvo"}
     out["norms"] = num_params(attn) - sum(out.values())
     return out

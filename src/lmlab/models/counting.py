@@ -74,7 +74,8 @@ def meta_model(cfg: ModelConfig) -> nn.Module:
     return model
 
 
-def _types(family: Any, *extra: type) -> tuple[type, ...]:
+def variant_types(family: Any, *extra: type) -> tuple[type, ...]:
+    """The classes registered in ``family`` (a Registry), after ``extra``: for isinstance."""
     return (*extra, *(obj for _, obj in family.items() if isinstance(obj, type)))
 
 
@@ -96,8 +97,9 @@ def params_by_part(model: nn.Module) -> dict[str, int]:
 
     declared = getattr(model, "param_parts", None)
     heads: dict[str, str] = declared() if callable(declared) else DEFAULT_PARTS
-    attention, ffn = _types(ATTENTION, Attention), _types(FFN)
-    norms, position = _types(NORM, nn.LayerNorm, RMSNorm), _types(POSITION, PositionEncoding)
+    attention = variant_types(ATTENTION, Attention)
+    ffn, position = variant_types(FFN), variant_types(POSITION, PositionEncoding)
+    norms = variant_types(NORM, nn.LayerNorm, RMSNorm)
     has_cross = any(isinstance(m, CrossAttention) for m in model.modules())
     order = ["embedding", "position", *(f"attention_{p}" for p in "qkvo")]
     order += [f"cross_attention_{p}" for p in "qkvo"] if has_cross else []

@@ -154,6 +154,26 @@ class Attention(nn.Module):
         b, _, t, _ = y.shape
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
+    # ------------------------------------------------------------------ declared costs
+    # What a module cannot show by its weights, per layer, for a ModelConfig (read by
+    # lmlab.analysis.costs; parameters and matmul FLOPs are counted from the module itself).
+    # Every kind here computes QK^T and AV and caches a key and a value per token unless it
+    # says otherwise; a kind also declares kv_cache_bytes (and cached_tokens) for its cache.
+
+    @classmethod
+    def kv_cache_bytes_per_token(cls, cfg: ModelConfig, dtype_bytes: int = 4) -> int:
+        """Bytes one token adds to this layer's cache: its key and value, 2 K hd dtype_bytes
+        (with a sliding window, until the cache holds the window)."""
+        return 2 * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
+
+    @classmethod
+    def score_flops_per_token(cls, cfg: ModelConfig, seq_len: int) -> int:
+        """FLOPs per query token and layer besides the weights: QK^T and AV against ``seq_len``
+        keys, 4 T H hd (2 per multiply-add; PaLM, Chowdhery et al. 2022, app. B). Every T x T
+        score is computed and then masked, so the mask does not change it (linear attention's
+        parallel form: phi(Q) phi(K)^T and its product with V, the same count)."""
+        return 4 * seq_len * cfg.attention.n_heads * cfg.head_dim
+
 
 @ATTENTION.register("softmax")
 class SoftmaxAttention(Attention):
@@ -231,12 +251,6 @@ class SoftmaxAttention(Attention):
         return context if window is None else min(context, window)
 
     @classmethod
-    def kv_cache_bytes_per_token(cls, cfg: ModelConfig, dtype_bytes: int = 4) -> int:
-        """Bytes one token adds to this layer's cache: its key and value, 2 K hd dtype_bytes
-        (with a sliding window, until the cache holds the window)."""
-        return 2 * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
-
-    @classmethod
     def kv_cache_bytes(
         cls, cfg: ModelConfig, batch: int, context: int, dtype_bytes: int = 4
     ) -> int:
@@ -246,13 +260,6 @@ class SoftmaxAttention(Attention):
         return (
             batch * cls.cached_tokens(cfg, context) * cls.kv_cache_bytes_per_token(cfg, dtype_bytes)
         )
-
-    @classmethod
-    def score_flops_per_token(cls, cfg: ModelConfig, seq_len: int) -> int:
-        """Non-matmul-weight FLOPs per query token and layer: QK^T and AV against ``seq_len``
-        keys, 4 T H hd (2 per multiply-add; PaLM, Chowdhery et al. 2022, app. B). Every T x T
-        score is computed and then masked, so the mask does not change it."""
-        return 4 * seq_len * cfg.attention.n_heads * cfg.head_dim
 
     @classmethod
     def saved_score_elements(cls, cfg: ModelConfig, seq_len: int) -> int:
@@ -363,12 +370,6 @@ class LinearAttention(Attention):
         al. 2020, eq. 10-12)."""
         hd = cfg.head_dim
         return batch * cfg.n_kv_heads * (hd * hd + hd) * dtype_bytes
-
-    @classmethod
-    def score_flops_per_token(cls, cfg: ModelConfig, seq_len: int) -> int:
-        """4 T H hd per query token and layer, as softmax attention: the parallel form computes
-        phi(Q) phi(K)^T (T x T, masked) and its product with V."""
-        return 4 * seq_len * cfg.attention.n_heads * cfg.head_dim
 
     @classmethod
     def saved_score_elements(cls, cfg: ModelConfig, seq_len: int) -> int:

@@ -97,25 +97,16 @@ class CrossAttention(Attention):
         return AttentionOutput(self.merge_heads(y), w if need_weights else None)
 
     # ------------------------------------------------------------------ declared costs
-    # Per decoder layer, for a ModelConfig (see lmlab.analysis.costs).
-
-    @classmethod
-    def kv_cache_bytes_per_token(cls, cfg: ModelConfig, dtype_bytes: int = 4) -> int:
-        """Bytes per *source* token: the key and value of the encoder output, 2 K hd
-        dtype_bytes, computed once before decoding."""
-        return 2 * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
+    # Per decoder layer (lmlab.analysis.costs); kv_cache_bytes_per_token (2 K hd bytes, here per
+    # *source* token) and score_flops_per_token (4 S H hd against S source keys) are inherited.
 
     @classmethod
     def kv_cache_bytes(
         cls, cfg: ModelConfig, batch: int, context: int, dtype_bytes: int = 4
     ) -> int:
-        """Bytes this layer's cross cache holds for ``batch`` sources of ``context`` tokens."""
+        """Bytes this layer's cross cache holds for ``batch`` sources of ``context`` tokens: the
+        key and value of the encoder output, computed once before decoding."""
         return batch * context * cls.kv_cache_bytes_per_token(cfg, dtype_bytes)
-
-    @classmethod
-    def score_flops_per_token(cls, cfg: ModelConfig, seq_len: int) -> int:
-        """FLOPs per decoder token of QK^T and AV against ``seq_len`` source keys, 4 S H hd."""
-        return 4 * seq_len * cfg.attention.n_heads * cfg.head_dim
 
     def memory_matmul_params(self) -> int:
         """Weights applied once per source token rather than per decoder token: k_proj and

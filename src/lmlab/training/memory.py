@@ -74,7 +74,9 @@ def count_parameters(cfg: RunConfig) -> int:
 
 def _first(model: torch.nn.Module, family: Any) -> torch.nn.Module | None:
     """The first module of ``model`` (in module order) that is a variant of ``family``."""
-    types = tuple(obj for _, obj in family.items() if isinstance(obj, type))
+    from lmlab.models.counting import variant_types
+
+    types = variant_types(family)
     return next((m for m in model.modules() if isinstance(m, types)), None)
 
 
