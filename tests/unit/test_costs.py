@@ -8,16 +8,40 @@ import pytest
 import torch
 
 from lmlab.analysis import costs
+from lmlab.analysis.contract import cases
 from lmlab.analysis.inspection import inspect_model
 from lmlab.analysis.params import count_params
 from lmlab.config import AttentionConfig, FFNConfig, ModelConfig, load_config
+from lmlab.errors import ConfigError
 from lmlab.models import build_model
+from lmlab.nn import ATTENTION, MASKS
 from lmlab.training import flops as train_flops
 from tests.conftest import tiny_model_config
-from tests.unit.test_model import IDS, VARIANTS
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 MiB = 2**20
+
+# Every variant example the registries declare, on a decoder (the contract's cases; no list here)
+DECODER_CASES = [c for c in cases() if c.kind == "decoder"]
+IDS = [c.label for c in DECODER_CASES]
+VARIANTS = [c.model for c in DECODER_CASES]
+
+
+def track_step_bytes(cache) -> dict[int, int]:
+    """Layer index -> bytes its attention read from the cache in the latest step: the keys and
+    values the cache handed it (a sliding window: the kept ones and the new ones), or the
+    recurrent state it holds (linear attention). Wraps each layer cache's ``update``."""
+    held: dict[int, int] = {}
+    for i, layer in enumerate(cache.layers):
+
+        def update(*args, _update=layer.update, _i=i, _layer=layer):
+            out = _update(*args)
+            kv = () if out is None else out
+            held[_i] = sum(t.numel() * t.element_size() for t in kv) if kv else _layer.nbytes()
+            return out
+
+        layer.update = update
+    return held
 
 
 def _big(n_kv_heads: int, **model: object) -> ModelConfig:
@@ -77,6 +101,51 @@ def test_a_sliding_window_bounds_the_cache_at_the_window():
     assert cache.nbytes() == 2 * 5 * per_token
 
 
+def _kinds_by_masks() -> list[dict]:
+    """Every registered attention kind with every registered mask it accepts (a window of 4
+    where the mask needs one), 4 heads sharing 2 kv heads."""
+    out = []
+    for kind in ATTENTION:
+        for mask in MASKS:
+            for extra in ({}, {"window": 4}):
+                attn = {"kind": kind, "mask": mask, "n_heads": 4, "n_kv_heads": 2, **extra}
+                try:
+                    build_model(tiny_model_config(vocab_size=37, attention=attn))
+                except ConfigError:
+                    continue
+                out.append(attn)
+                break
+    return out
+
+
+KINDS_BY_MASKS = _kinds_by_masks()
+
+
+def test_every_attention_kind_is_decoded_with_its_own_masks():
+    kinds = {a["kind"] for a in KINDS_BY_MASKS}
+    assert kinds == set(ATTENTION) and {a["mask"] for a in KINDS_BY_MASKS} == set(MASKS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("attn", KINDS_BY_MASKS, ids=str)
+def test_declared_cache_bytes_equal_what_the_cache_holds_while_decoding(attn, dtype):
+    cfg = tiny_model_config(vocab_size=37, attention=attn)
+    model = build_model(cfg).eval().to(dtype)
+    b = torch.finfo(dtype).bits // 8
+    x = torch.randint(0, 37, (2, 14))
+    cache = model.new_cache()
+    held = track_step_bytes(cache)
+    with torch.no_grad():
+        model(x[:, :3], cache=cache)  # a prefill shorter than the window (it holds them all)
+        assert sum(held.values()) == costs.kv_cache_bytes(cfg, 2, 3, b)
+        for t in range(3, 14):  # then one token a step: the cache while decoding token t + 1
+            model(x[:, t : t + 1], cache=cache)
+            assert sum(held.values()) == costs.kv_cache_bytes(cfg, 2, t + 1, b), t
+    # per token: what decoding one more token adds, until a bound (window, constant state)
+    grown = costs.kv_cache_bytes(cfg, 2, 3, b) - costs.kv_cache_bytes(cfg, 2, 2, b)
+    assert grown == 2 * costs.kv_cache_bytes_per_token(cfg, b)
+
+
 def test_linear_attention_adds_nothing_per_token_and_keeps_a_constant_state():
     cfg = tiny_model_config(vocab_size=37, attention={"n_heads": 4, "kind": "linear"})
     assert costs.kv_cache_bytes_per_token(cfg) == 0
@@ -121,6 +190,16 @@ def test_components_equal_the_built_models_tensors(variant):
         assert c[f"attention_{part}"] == built, part
     ffn = sum(p.numel() for n, p in model.named_parameters() if ".ffn." in n)
     assert c["ffn"] == ffn
+    named = dict(model.named_parameters())  # tied weights once, under the embedding's name
+
+    def size(keep) -> int:
+        return sum(p.numel() for n, p in named.items() if keep(n))
+
+    assert c["attention_norms"] == size(lambda n: ".attn." in n and "_norm." in n)
+    assert c["norms"] == size(lambda n: ".attn." not in n and "norm." in n)
+    assert c["position"] == size(lambda n: n.startswith("position."))
+    assert c["embedding"] == named["embed.weight"].numel()
+    assert c["lm_head"] == size(lambda n: n.startswith("lm_head."))
 
 
 def costs_components(cfg: ModelConfig) -> dict[str, int]:

@@ -1,4 +1,12 @@
-"""What a model costs per token: FLOPs, KV-cache bytes, and training memory, from its config alone.
+"""What a model costs per token: FLOPs, KV-cache bytes, and training memory, from its config.
+
+Nothing is allocated: the model is built on the meta device (:func:`lmlab.models.counting.
+meta_model`), N is read from its nn.Linear weights, and what cannot be read from weights is
+declared by the variant that knows it: each attention class its score FLOPs and its decoding
+cache (``score_flops_per_token``, ``kv_cache_bytes``, ``kv_cache_bytes_per_token``,
+``cached_tokens`` in :mod:`lmlab.nn.attention` and :mod:`lmlab.nn.cross_attention`), an MoE
+layer the experts a token visits, each model kind its FLOP convention (``flops_per_token``) and
+its decoding layers (``cache_attention``).
 
 Legend: L n_layers, D d_model, H heads, K kv heads, hd head_dim, F d_ff, V vocab, E experts,
 k experts per token (top_k), T sequence length (tokens), b bytes per element.
@@ -48,10 +56,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from lmlab.analysis.params import count_params, expert_params
+from torch import nn
+
 from lmlab.config import ModelConfig, RunConfig, TrainConfig
 from lmlab.errors import LmlabError
-from lmlab.training.memory import GATED_FFNS, MemoryEstimate, estimate_training_memory
+from lmlab.models.counting import active_params as _active_params
+from lmlab.models.counting import declared, meta_model
+from lmlab.training.memory import MemoryEstimate, estimate_training_memory
 
 DTYPE_BYTES = {
     "float32": 4,
@@ -78,54 +89,72 @@ def dtype_bytes(name: str) -> int:
         ) from None
 
 
+def _model(cfg: ModelConfig) -> nn.Module:
+    """The model built on the meta device; the vocabulary (which no cache depends on) may be
+    unset."""
+    return meta_model(cfg if cfg.vocab_size else dataclasses.replace(cfg, vocab_size=1))
+
+
+def _counted(cfg: ModelConfig) -> nn.Module:
+    """The meta-built model for a FLOP count. Raises LmlabError without vocab_size."""
+    if cfg.vocab_size is None:
+        raise LmlabError("model.vocab_size must be set to count FLOPs")
+    return meta_model(cfg)
+
+
+def _cache_layers(cfg: ModelConfig) -> tuple[list[nn.Module], list[nn.Module]]:
+    """(self-attention modules that decode with a cache, cross-attention modules), as the
+    model kind names them (``cache_attention()``, ``cross_cache_attention()``)."""
+    model = _model(cfg)
+    own = declared(model, "cache_attention")(model)
+    cross = getattr(model, "cross_cache_attention", None)
+    return list(own), list(cross()) if callable(cross) else []
+
+
 def decoder_layers(cfg: ModelConfig) -> int:
     """Layers that decode with a KV cache: n_layers for a decoder, the decoder stack's
     (``model.seq2seq.n_decoder_layers``, default n_layers) for an encoder-decoder, 0 for an
-    encoder (which reads its input in one pass)."""
-    if cfg.kind == "encoder":
-        return 0
-    if cfg.kind == "encoder_decoder":
-        return cfg.seq2seq.n_decoder_layers or cfg.n_layers
-    return cfg.n_layers
+    encoder (which reads its input in one pass); the model kind names them."""
+    return len(_cache_layers(cfg)[0])
 
 
 def kv_cache_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 4) -> int:
-    """Bytes one generated token adds to the KV cache: its key and value in every decoding layer
-    (:func:`decoder_layers`), 2 * layers * n_kv_heads * head_dim * dtype_bytes; 0 for an encoder.
+    """Bytes one generated token adds to the KV cache: what each decoding layer's attention
+    declares (softmax: its key and value, 2 n_kv_heads head_dim dtype_bytes), summed over the
+    layers (:func:`decoder_layers`); 0 for an encoder.
 
     Softmax attention with a sliding window: the same per token, until the cache holds the
     window (see :func:`kv_cache_bytes` for the bounded size). Linear attention: 0, its recurrent
     state has a constant size (:func:`linear_state_bytes`). An encoder-decoder's cross-attention
     cache grows with the source instead: :func:`cross_cache_bytes_per_source_token`.
     """
-    if cfg.attention.kind == "linear":
-        return 0
-    return 2 * decoder_layers(cfg) * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
+    own, _ = _cache_layers(cfg)
+    return sum(declared(a, "kv_cache_bytes_per_token")(cfg, dtype_bytes) for a in own)
 
 
 def cross_cache_bytes_per_source_token(cfg: ModelConfig, dtype_bytes: int = 4) -> int:
     """Bytes of an encoder-decoder's cross-attention cache per source token: the key and value
     of the encoder output projected by every decoder layer, computed once before decoding,
     2 * n_decoder_layers * n_kv_heads * head_dim * dtype_bytes (0 for other kinds)."""
-    if cfg.kind != "encoder_decoder":
-        return 0
-    return 2 * decoder_layers(cfg) * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
+    _, cross = _cache_layers(cfg)
+    return sum(declared(a, "kv_cache_bytes_per_token")(cfg, dtype_bytes) for a in cross)
 
 
 def cached_tokens(cfg: ModelConfig, context: int) -> int:
-    """Tokens a softmax-attention cache holds while decoding token ``context``: all of them, or
-    at most ``window`` with a sliding window (window - 1 kept between steps + the new one)."""
-    window = cfg.attention.window if cfg.attention.mask == "sliding_window" else None
-    return context if window is None else min(context, window)
+    """Tokens a decoding layer's cache holds while decoding token ``context``, as its attention
+    declares: all of them, or at most ``window`` with a sliding window (window - 1 kept between
+    steps + the new one); 0 for linear attention's state and for a model that does not decode."""
+    own, _ = _cache_layers(cfg)
+    return max((declared(a, "cached_tokens")(cfg, context) for a in own), default=0)
 
 
 def linear_state_bytes(cfg: ModelConfig, batch: int = 1, dtype_bytes: int = 4) -> int:
-    """Bytes of linear attention's recurrent state, whatever the context: per layer and
-    sequence K * (hd * hd + hd) numbers (Katharopoulos et al. 2020, eq. 10-12); 0 for softmax."""
-    if cfg.attention.kind != "linear":
-        return 0
-    hd = cfg.head_dim
-    return batch * decoder_layers(cfg) * cfg.n_kv_heads * (hd * hd + hd) * dtype_bytes
+    """Bytes of the constant-size recurrent states, whatever the context: the decoding layers
+    whose cache adds nothing per token (linear attention: per layer and sequence
+    K * (hd * hd + hd) numbers, Katharopoulos et al. 2020, eq. 10-12); 0 for softmax."""
+    own, _ = _cache_layers(cfg)
+    constant = [a for a in own if declared(a, "kv_cache_bytes_per_token")(cfg, dtype_bytes) == 0]
+    return sum(declared(a, "kv_cache_bytes")(cfg, batch, 1, dtype_bytes) for a in constant)
 
 
 def kv_cache_bytes(
@@ -135,58 +164,37 @@ def kv_cache_bytes(
     dtype_bytes: int = 4,
     source_len: int | None = None,
 ) -> int:
-    """Bytes the decoding cache of all layers holds for ``batch`` sequences of ``context``
-    tokens: batch * cached_tokens * kv_cache_bytes_per_token (bounded by a sliding window), or
-    the constant recurrent state of linear attention. An encoder-decoder adds its
-    cross-attention cache of a ``source_len``-token source (default ``context``):
-    batch * source_len * cross_cache_bytes_per_source_token. An encoder: 0."""
-    if cfg.attention.kind == "linear":
-        own = linear_state_bytes(cfg, batch, dtype_bytes)
-    else:
-        own = batch * cached_tokens(cfg, context) * kv_cache_bytes_per_token(cfg, dtype_bytes)
+    """Bytes the decoding cache of all layers holds for ``batch`` sequences while decoding
+    token ``context``: each decoding layer's declared size (softmax: batch * cached_tokens *
+    2 K hd dtype_bytes, bounded by a sliding window; linear attention: its constant recurrent
+    state). An encoder-decoder adds its cross-attention cache of a ``source_len``-token source
+    (default ``context``): batch * source_len * cross_cache_bytes_per_source_token. An
+    encoder: 0."""
+    own, cross = _cache_layers(cfg)
     source = context if source_len is None else source_len
-    return own + batch * source * cross_cache_bytes_per_source_token(cfg, dtype_bytes)
+    total = sum(declared(a, "kv_cache_bytes")(cfg, batch, context, dtype_bytes) for a in own)
+    return total + sum(
+        declared(a, "kv_cache_bytes")(cfg, batch, source, dtype_bytes) for a in cross
+    )
 
 
-def _ffn_matmul(cfg: ModelConfig, kind: str) -> int:
-    return (3 if kind in GATED_FFNS else 2) * cfg.d_model * cfg.d_ff  # (gate,) up, down
-
-
-def _layer_matmul(cfg: ModelConfig) -> int:
-    """One self-attention layer's matmul weights a token meets: q, k, v, o and the FFN (MoE:
-    the router and the top_k + shared experts)."""
-    d, hd, h, k = cfg.d_model, cfg.head_dim, cfg.attention.n_heads, cfg.n_kv_heads
-    per_layer = 2 * d * h * hd + 2 * d * k * hd  # q and o; k and v
-    f = cfg.ffn
-    if f.kind == "moe":
-        active = f.top_k + int(f.shared_expert)
-        per_layer += d * f.n_experts + active * _ffn_matmul(cfg, f.expert)  # router + experts
-    else:
-        per_layer += _ffn_matmul(cfg, f.kind)
-    return per_layer
-
-
-def _mlm_head_matmul(cfg: ModelConfig) -> int:
-    """An encoder's masked-LM head: dense D x D and the V x D projection (0 without a head)."""
-    assert cfg.vocab_size is not None
-    return cfg.d_model * cfg.d_model + cfg.vocab_size * cfg.d_model if cfg.mlm_head else 0
+def kv_cache_bounded(cfg: ModelConfig) -> bool:
+    """Whether the decoding cache stops growing with the context (a sliding window, linear
+    attention's constant state): its size is the same at 2^40 and 2^41 tokens. False for a
+    model that does not decode."""
+    if not decoder_layers(cfg):
+        return False
+    return kv_cache_bytes(cfg, 1, 2**40, 1, 0) == kv_cache_bytes(cfg, 1, 2**41, 1, 0)
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """N of the FLOP count: weights a token is multiplied by (see the module docstring),
-    L (D H hd + 2 D K hd + H hd D + FFN) + V D. An encoder: the layers + its MLM head (D D +
-    V D). An encoder-decoder: every matmul weight, L encoder layers + n decoder layers (with
-    their cross-attention q, k, v, o) + V D. Raises LmlabError without vocab_size."""
-    if cfg.vocab_size is None:
-        raise LmlabError("model.vocab_size must be set to count FLOPs")
-    body = cfg.n_layers * _layer_matmul(cfg)
-    if cfg.kind == "encoder":
-        return body + _mlm_head_matmul(cfg)
-    if cfg.kind == "encoder_decoder":
-        d, hd = cfg.d_model, cfg.head_dim
-        cross = 2 * d * cfg.attention.n_heads * hd + 2 * d * cfg.n_kv_heads * hd
-        body += decoder_layers(cfg) * (_layer_matmul(cfg) + cross)
-    return body + cfg.vocab_size * cfg.d_model
+    """N of the FLOP count: weights a token is multiplied by (see the module docstring), read
+    from the built model's nn.Linear weights, L (D H hd + 2 D K hd + H hd D + FFN) + V D; of an
+    MoE layer the router and the top_k + shared experts. An encoder: the layers + its MLM head
+    (D D + V D). An encoder-decoder: every matmul weight, L encoder layers + n decoder layers
+    (with their cross-attention q, k, v, o) + V D. Raises LmlabError without vocab_size."""
+    model = _counted(cfg)
+    return int(declared(model, "matmul_params")(model))
 
 
 def encoder_decoder_flops(cfg: ModelConfig, source_len: int, target_len: int) -> int:
@@ -198,24 +206,19 @@ def encoder_decoder_flops(cfg: ModelConfig, source_len: int, target_len: int) ->
       + T (2 n (W + 2 D H hd) + 4 n T d_attn      decoder self-attention, FFN, cross q and o,
            + 4 n S d_attn + 2 V D)                 cross-attention scores over S keys, LM head
 
-    Raises LmlabError without vocab_size."""
-    if cfg.vocab_size is None:
-        raise LmlabError("model.vocab_size must be set to count FLOPs")
-    s, t, L, n = source_len, target_len, cfg.n_layers, decoder_layers(cfg)
-    d, hd, h, k = cfg.d_model, cfg.head_dim, cfg.attention.n_heads, cfg.n_kv_heads
-    w, d_attn = _layer_matmul(cfg), h * hd
-    encoder = s * (2 * L * w + 4 * L * s * d_attn)
-    cross_kv = s * 2 * n * (2 * d * k * hd)
-    decoder = t * (2 * n * (w + 2 * d * h * hd) + 4 * n * (t + s) * d_attn)
-    head = t * 2 * cfg.vocab_size * d
-    return encoder + cross_kv + decoder + head
+    (:meth:`lmlab.models.encoder_decoder.EncoderDecoderLM.flops_per_pair` on the meta-built
+    model). Raises LmlabError without vocab_size or for a model kind without source and
+    target."""
+    model = _counted(cfg)
+    return int(declared(model, "flops_per_pair")(model, source_len, target_len))
 
 
 def flops_per_token(
     cfg: ModelConfig, seq_len: int, train: bool = False, mask_prob: float = 0.15
 ) -> int:
     """FLOPs per token of a forward pass over ``seq_len`` tokens (``train=True``: forward +
-    backward = 3 x forward): 2 N + 4 L T (H hd), Kaplan et al. 2020 / PaLM (module docstring).
+    backward = 3 x forward): 2 N + 4 L T (H hd), Kaplan et al. 2020 / PaLM (module docstring),
+    as the model kind counts it (its ``flops_per_token``, which the trainer's MFU uses too).
 
     An encoder: the MLM head at every position forward, at ``mask_prob`` of them in training
     (3 (2 N_layers + 4 L T d_attn) + 3 mask_prob 2 N_head). An encoder-decoder: per source +
@@ -223,25 +226,17 @@ def flops_per_token(
     Raises LmlabError when seq_len < 1 or the vocabulary is unknown."""
     if seq_len < 1:
         raise LmlabError(f"seq_len must be >= 1 token, got {seq_len}")
-    if cfg.kind == "encoder_decoder":
-        fwd = encoder_decoder_flops(cfg, seq_len, seq_len) // (2 * seq_len)
-        return 3 * fwd if train else fwd
-    d_attn = cfg.attention.n_heads * cfg.head_dim
-    fwd = 2 * matmul_params(cfg) + 4 * cfg.n_layers * seq_len * d_attn
-    if cfg.kind == "encoder" and train:
-        head = 2 * _mlm_head_matmul(cfg)
-        return 3 * (fwd - head) + round(3 * mask_prob * head)
-    return 3 * fwd if train else fwd
+    model = _counted(cfg)
+    return int(declared(model, "flops_per_token")(model, seq_len, train, mask_prob))
 
 
 def active_params(cfg: ModelConfig) -> int:
-    """Parameters a token uses (tied weights once): the total, less the experts an MoE layer
-    leaves idle, (n_experts - top_k) per layer. Mixtral-8x7B: 12.9B of 46.7B."""
-    total = count_params(cfg)["total"]
-    f = cfg.ffn
-    if f.kind != "moe":
-        return total
-    return total - cfg.n_layers * (f.n_experts - f.top_k) * expert_params(cfg)
+    """Parameters a token uses (tied weights once): the total, less what the MoE layers leave
+    idle, (n_experts - top_k) experts per layer (:meth:`lmlab.nn.moe.MoE.active_params`).
+    Mixtral-8x7B: 12.9B of 46.7B. Raises ValueError without vocab_size."""
+    if cfg.vocab_size is None:
+        raise ValueError("model.vocab_size must be set to count parameters")
+    return _active_params(meta_model(cfg))
 
 
 def training_memory(

@@ -1,9 +1,10 @@
 """``lmlab inspect``: parameters per component, FLOPs per token, KV cache and training memory.
 
-Everything is computed in closed form from a :class:`~lmlab.config.ModelConfig`
-(:mod:`lmlab.analysis.params`, :mod:`lmlab.analysis.costs`, :mod:`lmlab.training.memory`), so a
-config file or run folder is inspected without building the model, even at a size far beyond
-the machine. Conventions: docs/inspect.md.
+Everything is counted from the model built on the meta device, which has every parameter's shape
+and no storage (:func:`lmlab.models.counting.meta_model`, :mod:`lmlab.analysis.params`,
+:mod:`lmlab.analysis.costs`, :mod:`lmlab.training.memory`), so a config file or run folder is
+inspected without allocating the model, even at a size far beyond the machine. Conventions:
+docs/inspect.md.
 """
 
 from __future__ import annotations
@@ -12,12 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from lmlab.analysis import costs
-from lmlab.analysis.params import attention_params_by_part, count_params, expert_params
+from lmlab.analysis.params import count_params
 from lmlab.config import ModelConfig, RunConfig, load_config
 from lmlab.errors import LmlabError
+from lmlab.models.counting import meta_model, moe_summary, params_by_part
 from lmlab.training.memory import format_bytes
-
-SUPPORTED_KINDS = ("decoder", "encoder", "encoder_decoder")
 
 
 def resolve_config(
@@ -69,31 +69,9 @@ def components(cfg: ModelConfig) -> dict[str, int]:
 
     An encoder (BERT) adds token_type (the segment table), pooler (dense + bias on [CLS]) and
     has mlm_head instead of lm_head (dense + LayerNorm + output bias, + the V x D projection
-    when untied). An encoder-decoder adds cross_attention_q/k/v/o (the decoder's n layers)."""
-    parts = count_params(cfg)
-    attn = attention_params_by_part(cfg)
-    L = cfg.n_layers
-    n = costs.decoder_layers(cfg) if cfg.kind == "encoder_decoder" else 0
-    self_layers = L + n  # every stack's self-attention
-    out = {
-        "embedding": parts["embedding"],
-        "position": parts["position"],
-        "attention_q": self_layers * attn["q"],
-        "attention_k": self_layers * attn["k"],
-        "attention_v": self_layers * attn["v"],
-        "attention_o": self_layers * attn["o"],
-    }
-    if n:
-        out.update({f"cross_attention_{p}": n * attn[p] for p in ("q", "k", "v", "o")})
-    out["attention_norms"] = (self_layers + n) * attn["norms"]
-    out.update({"ffn": parts["ffn"], "norms": parts["norms"]})
-    if cfg.kind == "encoder":
-        out.update(
-            token_type=parts["token_type"], pooler=parts["pooler"], mlm_head=parts["lm_head"]
-        )
-    else:
-        out["lm_head"] = parts["lm_head"]
-    return out
+    when untied). An encoder-decoder adds cross_attention_q/k/v/o (the decoder's n layers).
+    Read from the meta-built model (:func:`lmlab.models.counting.params_by_part`)."""
+    return params_by_part(meta_model(cfg))
 
 
 def inspect_model(
@@ -120,9 +98,10 @@ def inspect_model(
     """
     name, run_cfg, param_bytes, note = resolve_config(path, overrides)
     cfg = run_cfg.model
-    if cfg.kind not in SUPPORTED_KINDS:
+    model = meta_model(cfg)
+    if not all(callable(getattr(model, m, None)) for m in ("flops_per_token", "cache_attention")):
         raise LmlabError(
-            f"inspect counts model.kind {', '.join(SUPPORTED_KINDS)} in closed form; "
+            f"inspect counts a model kind that declares flops_per_token() and cache_attention(); "
             f"{name} is {cfg.kind!r}"
         )
     seq = cfg.max_seq_len if seq_len is None else seq_len
@@ -134,25 +113,12 @@ def inspect_model(
     kv_dtype = dtype or {4: "float32", 2: "bfloat16/float16", 1: "int8"}.get(param_bytes, "?")
 
     parts = count_params(cfg)
-    L = cfg.n_layers
-    f = cfg.ffn
-    moe = None
-    if f.kind == "moe":
-        e = expert_params(cfg)
-        moe = {
-            "n_experts": f.n_experts,
-            "top_k": f.top_k,
-            "shared_expert": f.shared_expert,
-            "params_per_expert": e,
-            "params_router": L * cfg.d_model * f.n_experts,
-            "params_experts": L * e * (f.n_experts + int(f.shared_expert)),
-        }
+    moe = moe_summary(model)
     n_dec = costs.decoder_layers(cfg)  # layers with a KV cache: 0 for an encoder
     per_token = costs.kv_cache_bytes_per_token(cfg, kv_bytes)
     per_layer_token = 0 if n_dec == 0 else per_token // n_dec
     total_kv = costs.kv_cache_bytes(cfg, batch, ctx, kv_bytes)
     cross_kv = batch * ctx * costs.cross_cache_bytes_per_source_token(cfg, kv_bytes)
-    linear = cfg.attention.kind == "linear"
     mem = costs.training_memory(cfg, batch, seq, run_cfg.train)
     mask_prob = run_cfg.train.mask_prob
     return {
@@ -167,7 +133,7 @@ def inspect_model(
         "components": components(cfg),
         "moe": moe,
         "flops_seq_len": seq,
-        "flops_convention": FLOP_CONVENTIONS[cfg.kind],
+        "flops_convention": str(getattr(model, "flops_convention", "")),
         "flops_per_token_forward": costs.flops_per_token(cfg, seq),
         "flops_per_token_train": costs.flops_per_token(cfg, seq, True, mask_prob),
         "flops_matmul_params": costs.matmul_params(cfg),
@@ -180,11 +146,11 @@ def inspect_model(
         ),
         "kv_cache_batch": batch,
         "kv_cache_context": ctx,
-        "kv_cache_tokens_held": 0 if linear or not n_dec else costs.cached_tokens(cfg, ctx),
+        "kv_cache_tokens_held": costs.cached_tokens(cfg, ctx),
         "kv_cache_bytes": total_kv,
         "kv_cache_cross_bytes": cross_kv,
         "kv_cache_bytes_per_layer": 0 if n_dec == 0 else total_kv // n_dec,
-        "kv_cache_bounded": bool(n_dec) and (linear or cfg.attention.mask == "sliding_window"),
+        "kv_cache_bounded": costs.kv_cache_bounded(cfg),
         "training_memory": {
             "batch": batch,
             "seq_len": seq,
@@ -197,20 +163,6 @@ def inspect_model(
             "total": mem.total,
         },
     }
-
-
-# What "per token" means in flops_per_token_* (docs/inspect.md), by model.kind.
-FLOP_CONVENTIONS = {
-    "decoder": "per token of a seq_len-token sequence: 2 N + 4 L T d_attn; training = 3 x forward",
-    "encoder": (
-        "per token of a seq_len-token sequence: 2 N + 4 L T d_attn, the MLM head at every "
-        "position; training = 3 x (layers + the head at train.mask_prob of the positions)"
-    ),
-    "encoder_decoder": (
-        "per source + target token: the FLOPs of a (source, target) pair of seq_len tokens "
-        "each, divided by 2 seq_len; training = 3 x forward"
-    ),
-}
 
 
 def _si(n: float) -> str:
@@ -251,7 +203,7 @@ def format_inspection(info: dict[str, Any]) -> str:
         f"(N = {int(info['flops_matmul_params']):,}; {info['flops_convention']})"
     )
     b, ctx = info["kv_cache_batch"], info["kv_cache_context"]
-    if info["kind"] == "encoder":
+    if not info["kv_cache_bytes"] and not info["kv_cache_bounded"]:  # no decoding layer
         kv = "KV cache: none (an encoder reads its input in one pass; it does not decode)"
     else:
         kv = (
@@ -261,7 +213,7 @@ def format_inspection(info: dict[str, Any]) -> str:
             f"batch {b} x {ctx} tokens: {format_bytes(info['kv_cache_bytes'])} "
             f"({format_bytes(info['kv_cache_bytes_per_layer'])} per layer)"
         )
-    if info["kind"] == "encoder_decoder":
+    if info["kv_cache_cross_bytes_per_source_token"]:
         kv += (
             f", of which the cross-attention cache of a {ctx}-token source, computed once: "
             f"{format_bytes(info['kv_cache_cross_bytes'])} "

@@ -1,46 +1,37 @@
-"""Parameter counts from a config alone, without building the model.
+"""Parameter counts of a config, read from the model built on the meta device.
 
 So the real sizes of the presets (GPT-2 small, Llama-3-8B, Mixtral-8x7B ...) can be inspected on
-a laptop: the counts are closed-form in d_model (D), n_layers (L), n_heads (H), n_kv_heads (K),
-head_dim (hd), d_ff (F), vocab_size (V) and n_experts (E), and tests check them against
-``sum(p.numel())`` of built models for every registered variant. Tied weights count once.
+a laptop: :func:`lmlab.models.counting.meta_model` builds the model with shapes and no storage
+(nothing is allocated, however large), and the counts are the built modules' parameters,
+classified by module type (:func:`lmlab.models.counting.params_by_part`). Tied weights count
+once. Legend: D d_model, L n_layers, H heads, K kv heads, hd head_dim, F d_ff, V vocab_size.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
+
 from lmlab.config import ModelConfig
-
-
-def _linear(n_in: int, n_out: int, bias: bool) -> int:
-    return n_in * n_out + (n_out if bias else 0)
-
-
-def _norm(cfg: ModelConfig, dim: int | None = None) -> int:
-    d = dim or cfg.d_model
-    return 2 * d if cfg.norm.kind == "layernorm" and cfg.norm.bias else d
-
-
-def _dense_ffn(cfg: ModelConfig, kind: str) -> int:
-    d, f, bias = cfg.d_model, cfg.d_ff, cfg.ffn.bias
-    if kind == "mlp":
-        return _linear(d, f, bias) + _linear(f, d, bias)
-    return 2 * _linear(d, f, bias) + _linear(f, d, bias)  # swiglu / geglu: gate, up, down
+from lmlab.errors import LmlabError
+from lmlab.models.counting import meta_model, num_params, params_by_part, variant_types
 
 
 def attention_params_by_part(cfg: ModelConfig) -> dict[str, int]:
-    """One layer's attention by part: ``q``, ``k``, ``v``, ``o`` (weights + biases) and ``norms``
-    (QK-norm / V-norm RMSNorm weights over head_dim; HybridNorm turns both on)."""
-    a, d, hd = cfg.attention, cfg.d_model, cfg.head_dim
-    h, k = a.n_heads, cfg.n_kv_heads
-    out_bias = a.bias if a.out_bias is None else a.out_bias
-    hybrid = cfg.block.kind == "hybrid"
-    return {
-        "q": _linear(d, h * hd, a.bias),
-        "k": _linear(d, k * hd, a.bias),
-        "v": _linear(d, k * hd, a.bias),
-        "o": _linear(h * hd, d, out_bias),
-        "norms": (2 * hd if (a.qk_norm or hybrid) else 0) + (hd if (a.v_norm or hybrid) else 0),
-    }
+    """One layer's self-attention by part: ``q``, ``k``, ``v``, ``o`` (weights + biases) and
+    ``norms`` (QK-norm / V-norm RMSNorm weights over head_dim; HybridNorm turns both on), read
+    from the first attention module of the built model."""
+    from lmlab.nn.attention import ATTENTION, Attention
+
+    model = meta_model(dataclasses.replace(cfg, vocab_size=cfg.vocab_size or 1))
+    types = variant_types(ATTENTION, Attention)
+    attn = next((m for m in model.modules() if isinstance(m, types)), None)
+    if attn is None:
+        raise LmlabError(f"model.kind={cfg.kind} builds no attention module to count")
+    out = {p: num_params(getattr(attn, f"{p}_proj")) for p in "qkvo"}
+    out["norms"] = num_params(attn) - sum(out.values())
+    return out
 
 
 def attention_params(cfg: ModelConfig) -> int:
@@ -48,60 +39,53 @@ def attention_params(cfg: ModelConfig) -> int:
     return sum(attention_params_by_part(cfg).values())
 
 
+def _ffn_module(cfg: ModelConfig, kind: str) -> torch.nn.Module:
+    from lmlab.nn.ffn import FFN
+
+    sub = dataclasses.replace(cfg, ffn=dataclasses.replace(cfg.ffn, kind=kind))
+    with torch.device("meta"):
+        return FFN.get(kind, "model.ffn.kind")(sub)
+
+
 def expert_params(cfg: ModelConfig) -> int:
-    """One MoE expert (the dense FFN named by ``model.ffn.expert``, d_ff wide)."""
-    return _dense_ffn(cfg, cfg.ffn.expert)
+    """One MoE expert: the FFN named by ``model.ffn.expert``, d_ff wide, built on meta."""
+    return num_params(_ffn_module(cfg, cfg.ffn.expert))
 
 
 def ffn_params(cfg: ModelConfig) -> int:
     """One layer's FFN; for MoE all experts, the router and the shared expert."""
-    f = cfg.ffn
-    if f.kind != "moe":
-        return _dense_ffn(cfg, f.kind)
-    return cfg.d_model * f.n_experts + expert_params(cfg) * (f.n_experts + int(f.shared_expert))
+    return num_params(_ffn_module(cfg, cfg.ffn.kind))
 
 
 def position_params(cfg: ModelConfig) -> int:
     """One position module: a learned (max_seq_len + offset, D) table or T5's (buckets, H)."""
-    if cfg.position.kind == "learned":
-        return (cfg.max_seq_len + cfg.position.offset) * cfg.d_model
-    if cfg.position.kind == "t5_relative":
-        return cfg.position.num_buckets * cfg.attention.n_heads
-    return 0
+    from lmlab.nn.position import POSITION
+
+    with torch.device("meta"):
+        return num_params(POSITION.get(cfg.position.kind, "model.position.kind")(cfg))
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:
-    """Parameters by component, plus ``total`` and ``non_embedding`` (total minus the token
-    embedding; a tied LM head is the same matrix). Raises ValueError without vocab_size."""
+    """Parameters by component of the model ``cfg`` builds (on the meta device: nothing is
+    allocated): embedding, position, attention (self- and cross-attention q/k/v/o with biases
+    and QK/V-norms), ffn, norms, lm_head (the output head, 0 when tied; an encoder's MLM head:
+    dense, LayerNorm, output bias and the V x D projection when untied), then the model's own
+    parts (an encoder's token_type and pooler), plus ``total`` and ``non_embedding`` (total
+    minus the token embedding; a tied LM head is the same matrix). Raises ValueError without
+    vocab_size."""
     if cfg.vocab_size is None:
         raise ValueError("model.vocab_size must be set to count parameters")
-    L, d, v = cfg.n_layers, cfg.d_model, cfg.vocab_size
-    norms_per_layer = 1 if cfg.block.kind == "hybrid" else 2
+    fine = params_by_part(meta_model(cfg))
+    attention = sum(fine.pop(k) for k in list(fine) if k.startswith(("attention_", "cross_")))
     parts = {
-        "embedding": v * d,
-        "position": position_params(cfg),
-        "attention": L * attention_params(cfg),
-        "ffn": L * ffn_params(cfg),
-        "norms": L * norms_per_layer * _norm(cfg) + (_norm(cfg) if cfg.final_norm else 0),
-        "lm_head": 0 if cfg.tie_embeddings else v * d,
+        "embedding": fine.pop("embedding"),
+        "position": fine.pop("position"),
+        "attention": attention,
+        "ffn": fine.pop("ffn"),
+        "norms": fine.pop("norms"),
+        "lm_head": fine.pop("lm_head", 0) + fine.pop("mlm_head", 0),
     }
-    if cfg.kind == "encoder_decoder":  # T5 / BART: a second stack with cross-attention
-        s, n = cfg.seq2seq, cfg.seq2seq.n_decoder_layers or L
-        stack_norms = 2 * (_norm(cfg) if s.embed_norm else 0) + 2 * (
-            _norm(cfg) if cfg.final_norm else 0
-        )
-        parts["position"] *= 2  # the encoder's table and the decoder's
-        parts["attention"] += 2 * n * attention_params(cfg)  # self- and cross-attention
-        parts["ffn"] += n * ffn_params(cfg)
-        parts["norms"] = (2 * L + 3 * n) * _norm(cfg) + stack_norms
-    if cfg.kind == "encoder":  # BERT: segments, embedding norm, pooler, MLM head (Devlin 2019)
-        post = cfg.block.kind == "post"
-        final = _norm(cfg) if cfg.final_norm and not post else 0
-        parts["norms"] = L * norms_per_layer * _norm(cfg) + _norm(cfg) + final
-        parts["token_type"] = cfg.type_vocab_size * d
-        parts["pooler"] = _linear(d, d, True) if cfg.pooler else 0
-        head = _linear(d, d, True) + _norm(cfg) + v if cfg.mlm_head else 0
-        parts["lm_head"] = head + (v * d if cfg.mlm_head and not cfg.tie_embeddings else 0)
+    parts.update(fine)  # the model's own parts: token_type, pooler (an encoder), other
     parts["total"] = sum(parts.values())
     parts["non_embedding"] = parts["total"] - parts["embedding"]
     return parts

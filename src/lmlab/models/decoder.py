@@ -12,7 +12,7 @@ from torch import nn
 
 from lmlab.config import ModelConfig
 from lmlab.errors import LmlabError
-from lmlab.models.counting import num_params
+from lmlab.models.counting import matmul_params, num_params, score_flops
 from lmlab.models.init import INIT
 from lmlab.models.output import ModelOutput
 from lmlab.models.stack import LayerStack, padding_mask
@@ -125,3 +125,24 @@ class DecoderLM(TiedEmbeddingsModule):
         """Distinct parameters (tied weights counted once); ``non_embedding`` leaves out the
         token embedding (and a tied LM head, which is the same matrix)."""
         return num_params(self, non_embedding)
+
+    # ------------------------------------------------------------------ what it costs
+    flops_convention = (
+        "per token of a seq_len-token sequence: 2 N + 4 L T d_attn; training = 3 x forward"
+    )
+
+    def cache_attention(self) -> list[nn.Module]:
+        """The attention modules whose decoding state :meth:`new_cache` holds: every layer's."""
+        return [layer.attn for layer in self.layers]  # type: ignore[misc]
+
+    def matmul_params(self) -> int:
+        """N of the FLOP count: every nn.Linear weight a token meets, the LM head counted even
+        when tied (of an MoE layer the router, top_k and shared experts)."""
+        return matmul_params(self)
+
+    def flops_per_token(self, seq_len: int, train: bool = False, mask_prob: float = 0.15) -> int:
+        """FLOPs per token of a ``seq_len``-token forward pass, 2 N + the score FLOPs each
+        attention declares (4 L T d_attn for softmax; Kaplan et al. 2020, PaLM); ``train``:
+        3 x forward. ``mask_prob`` is unused (a causal LM scores every position)."""
+        fwd = 2 * self.matmul_params() + score_flops(self.cache_attention(), self.cfg, seq_len)
+        return 3 * fwd if train else fwd

@@ -17,7 +17,7 @@ from torch import nn
 from lmlab.checks import positive
 from lmlab.config import ModelConfig
 from lmlab.errors import ConfigError, LmlabError
-from lmlab.models.counting import num_params
+from lmlab.models.counting import matmul_params, num_params, score_flops
 from lmlab.models.init import INIT
 from lmlab.models.output import ModelOutput
 from lmlab.models.stack import LayerStack
@@ -152,3 +152,38 @@ class EncoderLM(TiedEmbeddingsModule):
         """Distinct parameters (tied weights counted once); ``non_embedding`` leaves out the
         token embedding (and a tied MLM decoder, which is the same matrix)."""
         return num_params(self, non_embedding)
+
+    # ------------------------------------------------------------------ what it costs
+    flops_convention = (
+        "per token of a seq_len-token sequence: 2 N + 4 L T d_attn, the MLM head at every "
+        "position; training = 3 x (layers + the head at train.mask_prob of the positions)"
+    )
+
+    def param_parts(self) -> dict[str, str]:
+        """Top-level module -> parameter part (lmlab.models.counting.params_by_part)."""
+        head = "mlm_head"
+        return {"embed": "embedding", "token_type": "token_type", "pooler": "pooler",
+                "mlm_dense": head, "mlm_norm": head, "lm_head": head}  # fmt: skip
+
+    def cache_attention(self) -> list[nn.Module]:
+        """None: an encoder reads its input in one pass and does not decode."""
+        return []
+
+    def mlm_head_matmul_params(self) -> int:
+        """The masked-LM head's matmul weights, dense D x D + the V x D projection (0 without
+        a head)."""
+        return sum(matmul_params(m) for m in (self.mlm_dense, self.lm_head) if m is not None)
+
+    def matmul_params(self) -> int:
+        """N of the FLOP count: the layers' matmul weights and the MLM head's; the pooler runs
+        once per sequence on [CLS] and is left out."""
+        return matmul_params(self.layers) + self.mlm_head_matmul_params()
+
+    def flops_per_token(self, seq_len: int, train: bool = False, mask_prob: float = 0.15) -> int:
+        """FLOPs per token of a ``seq_len``-token pass: 2 N + 4 L T d_attn with the MLM head at
+        every position (inference: fill-mask). ``train``: the head runs on the ``mask_prob``
+        share of masked positions only, 3 (2 N_layers + 4 L T d_attn) + 3 mask_prob 2 N_head."""
+        attns = [layer.attn for layer in self.layers]
+        head = 2 * self.mlm_head_matmul_params()
+        fwd = 2 * self.matmul_params() + score_flops(attns, self.cfg, seq_len)  # type: ignore[arg-type]
+        return 3 * (fwd - head) + round(3 * mask_prob * head) if train else fwd

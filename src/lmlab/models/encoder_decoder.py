@@ -27,7 +27,7 @@ from torch import nn
 from lmlab.checks import choice, positive
 from lmlab.config import ModelConfig
 from lmlab.errors import ConfigError, LmlabError
-from lmlab.models.counting import num_params
+from lmlab.models.counting import matmul_params, num_params, score_flops
 from lmlab.models.init import INIT
 from lmlab.models.output import ModelOutput
 from lmlab.models.stack import LayerStack, StackOutput, padding_mask
@@ -319,3 +319,42 @@ class EncoderDecoderLM(TiedEmbeddingsModule):
         """Distinct parameters (tied weights counted once); ``non_embedding`` leaves out the
         token embedding (and a tied LM head, which is the same matrix)."""
         return num_params(self, non_embedding)
+
+    # ------------------------------------------------------------------ what it costs
+    flops_convention = (
+        "per source + target token: the FLOPs of a (source, target) pair of seq_len tokens "
+        "each, divided by 2 seq_len; training = 3 x forward"
+    )
+
+    def cache_attention(self) -> list[nn.Module]:
+        """The decoder's self-attention modules, whose state :meth:`new_cache` holds."""
+        return [layer.attn for layer in self.decoder.layers]  # type: ignore[misc]
+
+    def cross_cache_attention(self) -> list[nn.Module]:
+        """The decoder's cross-attention modules (their cache grows with the source)."""
+        return [layer.cross_attn for layer in self.decoder.layers]  # type: ignore[misc]
+
+    def matmul_params(self) -> int:
+        """N: every matmul weight, L encoder + n decoder layers (with cross-attention) + V D."""
+        return matmul_params(self)
+
+    def flops_per_pair(self, source_len: int, target_len: int) -> int:
+        """Forward FLOPs of one (source, target) pair, S and T tokens: the encoder over S
+        tokens with S keys, the cross-attention K/V of the encoder output (once per source
+        token), the decoder over T tokens (self-attention over T keys, cross-attention over S)
+        and the LM head (lmlab.analysis.costs.encoder_decoder_flops)."""
+        s, t, cfg = source_len, target_len, self.cfg
+        cross = self.cross_cache_attention()
+        memory_w = sum(c.memory_matmul_params() for c in cross)  # type: ignore[operator]
+        enc_attns = [layer.attn for layer in self.encoder.layers]
+        encoder = s * (2 * matmul_params(self.encoder) + score_flops(enc_attns, cfg, s))  # type: ignore[arg-type]
+        self_scores = score_flops(self.cache_attention(), cfg, t)
+        decoder = 2 * (matmul_params(self.decoder) - memory_w) + self_scores
+        decoder += score_flops(cross, cfg, s)
+        return encoder + s * 2 * memory_w + t * (decoder + 2 * matmul_params(self.lm_head))
+
+    def flops_per_token(self, seq_len: int, train: bool = False, mask_prob: float = 0.15) -> int:
+        """FLOPs per source + target token of a pair with S = T = ``seq_len``:
+        :meth:`flops_per_pair` / (S + T); ``train``: 3 x forward (``mask_prob`` unused)."""
+        fwd = self.flops_per_pair(seq_len, seq_len) // (2 * seq_len)
+        return 3 * fwd if train else fwd

@@ -160,6 +160,26 @@ class Attention(nn.Module):
         b, _, t, _ = y.shape
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
+    # ------------------------------------------------------------------ declared costs
+    # What a module cannot show by its weights, per layer, for a ModelConfig (read by
+    # lmlab.analysis.costs; parameters and matmul FLOPs are counted from the module itself).
+    # Every kind here computes QK^T and AV and caches a key and a value per token unless it
+    # says otherwise; a kind also declares kv_cache_bytes (and cached_tokens) for its cache.
+
+    @classmethod
+    def kv_cache_bytes_per_token(cls, cfg: ModelConfig, dtype_bytes: int = 4) -> int:
+        """Bytes one token adds to this layer's cache: its key and value, 2 K hd dtype_bytes
+        (with a sliding window, until the cache holds the window)."""
+        return 2 * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
+
+    @classmethod
+    def score_flops_per_token(cls, cfg: ModelConfig, seq_len: int) -> int:
+        """FLOPs per query token and layer besides the weights: QK^T and AV against ``seq_len``
+        keys, 4 T H hd (2 per multiply-add; PaLM, Chowdhery et al. 2022, app. B). Every T x T
+        score is computed and then masked, so the mask does not change it (linear attention's
+        parallel form: phi(Q) phi(K)^T and its product with V, the same count)."""
+        return 4 * seq_len * cfg.attention.n_heads * cfg.head_dim
+
 
 @ATTENTION.register("softmax")
 class SoftmaxAttention(Attention):
@@ -201,6 +221,35 @@ class SoftmaxAttention(Attention):
         bias = position.score_bias(positions, k.shape[2])  # (H, T, S) or None
         y, w = self.attend(q, k, v, self.mask_fn, key_mask, bias, need_weights)
         return AttentionOutput(self.merge_heads(y), w)
+
+    # ------------------------------------------------------------------ declared costs
+    # What the module cannot show by its weights: per layer, for a ModelConfig (see
+    # lmlab.analysis.costs). Parameters and matmul FLOPs are counted from the module itself.
+
+    @classmethod
+    def cached_tokens(cls, cfg: ModelConfig, context: int) -> int:
+        """Tokens the cache holds while decoding token ``context``: all of them, or at most
+        ``window`` with a sliding window (window - 1 kept between steps + the new one)."""
+        window = cfg.attention.window if cfg.attention.mask == "sliding_window" else None
+        return context if window is None else min(context, window)
+
+    @classmethod
+    def kv_cache_bytes(
+        cls, cfg: ModelConfig, batch: int, context: int, dtype_bytes: int = 4
+    ) -> int:
+        """Bytes this layer's cache holds for ``batch`` sequences while decoding token
+        ``context``: batch * :meth:`cached_tokens` * :meth:`kv_cache_bytes_per_token` (the
+        dynamic cache, or the sliding-window one bounded at ``window`` tokens)."""
+        return (
+            batch * cls.cached_tokens(cfg, context) * cls.kv_cache_bytes_per_token(cfg, dtype_bytes)
+        )
+
+    @classmethod
+    def saved_score_elements(cls, cfg: ModelConfig, seq_len: int) -> int:
+        """Score elements per query token and layer that autograd keeps for backward: the
+        scores and probabilities, 2 H T, on the ``math`` backend; 0 for ``sdpa`` (its fused
+        kernels keep one log-sum-exp per row). See :mod:`lmlab.training.memory`."""
+        return 2 * cfg.attention.n_heads * seq_len if cfg.attention.backend == "math" else 0
 
 
 def elu_feature_map(x: torch.Tensor) -> torch.Tensor:
@@ -299,3 +348,30 @@ class LinearAttention(Attention):
         if cache is not None:
             cache.update(fk, v)
         return AttentionOutput(self.merge_heads(y), w if need_weights else None)
+
+    # ------------------------------------------------------------------ declared costs
+
+    @classmethod
+    def cached_tokens(cls, cfg: ModelConfig, context: int) -> int:
+        """Tokens held: none, the recurrent state keeps no per-token keys or values."""
+        return 0
+
+    @classmethod
+    def kv_cache_bytes_per_token(cls, cfg: ModelConfig, dtype_bytes: int = 4) -> int:
+        """Bytes one token adds: 0, the state has a constant size."""
+        return 0
+
+    @classmethod
+    def kv_cache_bytes(
+        cls, cfg: ModelConfig, batch: int, context: int, dtype_bytes: int = 4
+    ) -> int:
+        """Bytes of this layer's recurrent state for ``batch`` sequences, whatever ``context``:
+        sum phi(k) v^T and sum phi(k), K (hd hd + hd) numbers per sequence (Katharopoulos et
+        al. 2020, eq. 10-12)."""
+        hd = cfg.head_dim
+        return batch * cfg.n_kv_heads * (hd * hd + hd) * dtype_bytes
+
+    @classmethod
+    def saved_score_elements(cls, cfg: ModelConfig, seq_len: int) -> int:
+        """0: the memory estimate counts no score tensors for linear attention."""
+        return 0

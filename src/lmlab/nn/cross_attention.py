@@ -11,11 +11,16 @@ The projections, QK-norm, backends and GQA are those of :mod:`lmlab.nn.attention
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from lmlab.errors import LmlabError
 from lmlab.nn.attention import Attention, AttentionOutput
 from lmlab.nn.kv_cache import CrossAttentionCache
+
+if TYPE_CHECKING:
+    from lmlab.config import ModelConfig
 
 
 class CrossAttention(Attention):
@@ -65,3 +70,20 @@ class CrossAttention(Attention):
         key_mask = None if memory_mask is None else memory_mask.bool()
         y, w = self.attend(q, k, v, None, key_mask, None, need_weights)  # no structural mask
         return AttentionOutput(self.merge_heads(y), w)
+
+    # ------------------------------------------------------------------ declared costs
+    # Per decoder layer (lmlab.analysis.costs); kv_cache_bytes_per_token (2 K hd bytes, here per
+    # *source* token) and score_flops_per_token (4 S H hd against S source keys) are inherited.
+
+    @classmethod
+    def kv_cache_bytes(
+        cls, cfg: ModelConfig, batch: int, context: int, dtype_bytes: int = 4
+    ) -> int:
+        """Bytes this layer's cross cache holds for ``batch`` sources of ``context`` tokens: the
+        key and value of the encoder output, computed once before decoding."""
+        return batch * context * cls.kv_cache_bytes_per_token(cfg, dtype_bytes)
+
+    def memory_matmul_params(self) -> int:
+        """Weights applied once per source token rather than per decoder token: k_proj and
+        v_proj on the encoder output (their result is cached)."""
+        return self.k_proj.weight.numel() + self.v_proj.weight.numel()

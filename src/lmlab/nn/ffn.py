@@ -63,6 +63,11 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.up_proj(x)))
 
+    def saved_activation_bytes(self, act_bytes: int) -> int:
+        """Bytes per token autograd keeps of the hidden activations for backward: up(x) and
+        act(up(x)), 2 F elements of ``act_bytes`` each (:mod:`lmlab.training.memory`)."""
+        return 2 * self.up_proj.out_features * act_bytes
+
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): a gated linear unit (Shazeer 2020, "GLU Variants Improve
@@ -81,6 +86,11 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+    def saved_activation_bytes(self, act_bytes: int) -> int:
+        """Bytes per token autograd keeps for backward: gate(x), up(x), act(gate(x)) and the
+        product, 4 F elements of ``act_bytes`` each (:mod:`lmlab.training.memory`)."""
+        return 4 * self.up_proj.out_features * act_bytes
 
 
 @FFN.register("swiglu")

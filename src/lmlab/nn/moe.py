@@ -190,6 +190,34 @@ class MoE(nn.Module):
             self.expert_counts = (idx[..., None] == experts).sum((0, 1))  # (E,) int64
         return out.reshape(shape).to(x.dtype)
 
+    # ------------------------------------------------------------------ what a token uses
+    # Only the layer knows its routing: these answer for it in the parameter and FLOP counts
+    # (lmlab.models.counting) and the memory estimate (lmlab.training.memory).
+
+    def active_params(self) -> int:
+        """Parameters one token uses: the router, top_k routed experts and the shared expert
+        (all parameters less the n_experts - top_k idle experts)."""
+        per_expert = sum(p.numel() for p in self.experts[0].parameters())
+        total = sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+        return total - (self.n_experts - self.top_k) * per_expert
+
+    def matmul_params_per_token(self) -> int:
+        """Matmul weights one token is multiplied by: the router (D x E), top_k routed experts
+        and the shared expert (biases left out)."""
+
+        def linear(module: nn.Module) -> int:
+            return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+
+        shared = linear(self.shared_expert) if self.shared_expert is not None else 0
+        return self.router.weight.numel() + self.top_k * linear(self.experts[0]) + shared
+
+    def saved_activation_bytes(self, act_bytes: int) -> int:
+        """Bytes per token autograd keeps for backward: the hidden activations of the top_k
+        (+ shared) experts it visits and the float32 router logits (4 E)."""
+        used = self.top_k + int(self.shared_expert is not None)
+        expert = self.experts[0].saved_activation_bytes(act_bytes)  # type: ignore[operator]
+        return used * expert + 4 * self.n_experts
+
 
 def moe_losses(
     module: nn.Module, token_mask: torch.Tensor | None = None

@@ -6,6 +6,10 @@ forward  = 2 N + 4 L T d_attn      (N: parameters taking part in matmuls, i.e. a
                                      T: the training sequence length; d_attn = n_heads * head_dim;
                                      the QK^T and AV products over the full T, causal mask ignored)
 training = 3 x forward              (backward costs twice the forward)
+
+The count is the model kind's own (``flops_per_token`` on lmlab's model classes, built from
+:mod:`lmlab.models.counting`), so the trainer's MFU and :func:`lmlab.analysis.costs.flops_per_token`
+(``lmlab inspect``) are one number.
 """
 
 from __future__ import annotations
@@ -13,31 +17,24 @@ from __future__ import annotations
 from torch import nn
 
 from lmlab.config import ModelConfig
-from lmlab.nn.moe import MoE
+from lmlab.models import counting
 
 
 def matmul_params(model: nn.Module) -> int:
     """Parameters of every nn.Linear a token passes through (LM head included, counted even when
     tied): of an MoE layer's n_experts routed experts, only top_k count."""
-    n = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
-    for moe in (m for m in model.modules() if isinstance(m, MoE)):
-        n -= (moe.n_experts - moe.top_k) * matmul_params(moe.experts[0])
-    return n
+    return counting.matmul_params(model)
 
 
 def flops_per_token(
     model: nn.Module, cfg: ModelConfig, seq_len: int, train: bool = True, mask_prob: float = 0.15
 ) -> float:
-    """FLOPs per token of one forward (``train=False``) or forward + backward pass.
-
-    An encoder (BERT) is counted by :func:`lmlab.analysis.costs.flops_per_token`: its pooler
-    runs once per sequence (left out) and in training its MLM head runs on the ``mask_prob``
-    share of masked positions only (lmlab.models.encoder). An encoder-decoder too: per source +
-    target token (what the seq2seq objectives count as tokens), of a pair with S = T = seq_len."""
-    if cfg.kind in ("encoder", "encoder_decoder"):
-        from lmlab.analysis.costs import flops_per_token as closed_form
-
-        return float(closed_form(cfg, seq_len, train, mask_prob))
-    d_attn = cfg.attention.n_heads * cfg.head_dim
-    fwd = 2 * matmul_params(model) + 4 * cfg.n_layers * seq_len * d_attn
-    return 3.0 * fwd if train else float(fwd)
+    """FLOPs per token of one forward (``train=False``) or forward + backward pass, as the model
+    kind counts them (its ``flops_per_token``): a decoder 2 N + 4 L T d_attn; an encoder (BERT)
+    leaves out its pooler (once per sequence) and in training runs its MLM head on the
+    ``mask_prob`` share of masked positions only (lmlab.models.encoder); an encoder-decoder
+    counts per source + target token, of a pair with S = T = seq_len. ``cfg`` is the model's
+    config (kept for the signature; the model carries its own). Raises LmlabError for a model
+    class that declares no ``flops_per_token``."""
+    method = counting.declared(model, "flops_per_token")
+    return float(method(model, seq_len, train, mask_prob))

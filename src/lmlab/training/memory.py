@@ -41,13 +41,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from lmlab.config import RunConfig
 from lmlab.errors import LmlabError
-
-GATED_FFNS = ("swiglu", "geglu", "gated")
 
 
 @dataclass
@@ -68,27 +67,43 @@ class MemoryEstimate:
 
 def count_parameters(cfg: RunConfig) -> int:
     """Exact parameter count of ``cfg.model`` (vocab_size set), built on the meta device."""
-    from lmlab.models.build import build_model
+    from lmlab.models.counting import meta_model, num_params
 
-    with torch.device("meta"):
-        model = build_model(cfg.model)
-    return sum(p.numel() for p in model.parameters())
+    return num_params(meta_model(cfg.model))
+
+
+def _first(model: torch.nn.Module, family: Any) -> torch.nn.Module | None:
+    """The first module of ``model`` (in module order) that is a variant of ``family``."""
+    from lmlab.models.counting import variant_types
+
+    types = variant_types(family)
+    return next((m for m in model.modules() if isinstance(m, types)), None)
 
 
 def estimate_training_memory(cfg: RunConfig) -> MemoryEstimate:
-    """Peak bytes of training ``cfg`` (model.vocab_size must be set); nothing is allocated."""
+    """Peak bytes of training ``cfg`` (model.vocab_size must be set); nothing is allocated.
+
+    The FFN's hidden activations (c k F a, and an MoE layer's router logits) are what the FFN
+    module declares (``saved_activation_bytes``; 2 F a for an FFN that declares nothing), the
+    attention's score tensors (s) what its class declares (``saved_score_elements``; 0 when
+    it declares nothing)."""
+    from lmlab.models.counting import meta_model, num_params
+    from lmlab.nn.attention import ATTENTION
+    from lmlab.nn.ffn import FFN
+
     m, t = cfg.model, cfg.train
-    p = count_parameters(cfg)
+    model = meta_model(m)
+    p = num_params(model)
     a = 2 if t.precision == "bf16" else 4
     seq = t.seq_len or m.max_seq_len
     hd, h, kv = m.head_dim, m.attention.n_heads, m.n_kv_heads
-    moe = m.ffn.kind == "moe"
-    c = 4 if (m.ffn.expert if moe else m.ffn.kind) in GATED_FFNS else 2
-    k = m.ffn.top_k + int(m.ffn.shared_expert) if moe else 1
-    s = 2 * h * seq if m.attention.backend == "math" and m.attention.kind == "softmax" else 0
+    ffn, attn = _first(model, FFN), _first(model, ATTENTION)
+    saved_ffn = getattr(ffn, "saved_activation_bytes", None)
+    hidden = saved_ffn(a) if callable(saved_ffn) else 2 * m.d_ff * a
+    saved_scores = getattr(type(attn), "saved_score_elements", None)
+    s = saved_scores(m, seq) if saved_scores is not None else 0
     d = m.d_model
-    per_layer = 8 * d + a * (2 * d + (3 * h + 2 * kv) * hd + c * k * m.d_ff + s)
-    per_layer += 4 * m.ffn.n_experts if moe else 0
+    per_layer = 8 * d + a * (2 * d + (3 * h + 2 * kv) * hd + s) + hidden
     per_token = m.n_layers * per_layer + (4 + a) * d + (a + 8) * (m.vocab_size or 0)
     activations = t.batch_size * seq * per_token
     return MemoryEstimate(p, 4 * p, 4 * p, 8 * p, 2 * p if a == 2 else 0, activations)
