@@ -597,7 +597,7 @@ def test_no_checkpoint_hint_trains_the_folders_own_config(tmp_path: Path, capsys
     from lmlab.config import save_config
     from lmlab.run import load_run
     from lmlab.runlock import LOCK_FILE
-    from tests.conftest import tiny_config
+    from tests.helpers import tiny_config
 
     cfg = tiny_config(model={"d_model": 24, "n_layers": 1}, train={"max_steps": 2})
     # A folder lmlab made (its marker) is trained in place; a user's folder holding a config is

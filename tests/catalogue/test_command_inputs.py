@@ -193,7 +193,7 @@ def tiny_gguf(tmp_path_factory) -> Path:
     pytest.importorskip("gguf")
     import torch
 
-    from tests.gguf_tiny import write_llama_gguf
+    from tests.helpers import write_llama_gguf
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(

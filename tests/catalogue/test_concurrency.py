@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from catalogue_helpers import assert_one_error, assert_unchanged, run_cli, snapshot
 
 from lmlab.training.metrics import read_metrics
+from tests.helpers import assert_one_error, assert_unchanged, run_cli, snapshot
 
 LOCK_FILE = ".lmlab-run"  # lmlab.runlock.LOCK_FILE
 

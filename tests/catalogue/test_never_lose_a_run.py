@@ -22,7 +22,7 @@ import lmlab.training.trainer as trainer
 from lmlab.cli import main
 from lmlab.training.metrics import read_metrics
 from lmlab.training.trainer import train
-from tests.conftest import tiny_config
+from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_SET = [

@@ -186,7 +186,7 @@ def _legacy_sharded_checkpoint(ckpt: Path, marker: Path, keep_optimizer: bool) -
 def test_a_crafted_sharded_checkpoint_is_never_unpickled(tiny_run: Path, tmp_path: Path, capsys):
     """The old DCP layout with a matching manifest: resume refuses it in one line, unchanged;
     eval reads only model.safetensors. The .metadata payload never runs."""
-    from catalogue_helpers import assert_one_error, assert_unchanged, snapshot
+    from tests.helpers import assert_one_error, assert_unchanged, snapshot
 
     run, marker = tmp_path / "run", tmp_path / "pwned"
     shutil.copytree(tiny_run, run)

@@ -7,10 +7,9 @@ import os
 import signal
 from pathlib import Path
 
-from catalogue_helpers import run_cli
-
 import lmlab.training.objectives as objectives
 import lmlab.training.trainer as trainer
+from tests.helpers import run_cli
 
 TINY = [
     *("--set", "model.d_model=32", "--set", "model.n_layers=2", "--set", "model.max_seq_len=32"),

@@ -7,11 +7,11 @@ import math
 from pathlib import Path
 
 import pytest
-from tests_helpers_encoder import encoder_run_config
 
 from lmlab.cli import main
 from lmlab.training.metrics import read_metrics
 from lmlab.training.trainer import train
+from tests.helpers import encoder_run_config
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:

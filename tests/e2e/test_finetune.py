@@ -27,7 +27,7 @@ from lmlab.run import load_run  # noqa: E402
 from lmlab.training.checkpoint import latest_checkpoint  # noqa: E402
 from lmlab.training.metrics import read_metrics  # noqa: E402
 from lmlab.training.trainer import train  # noqa: E402
-from tests.conftest import tiny_config  # noqa: E402
+from tests.helpers import tiny_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""GGUF loading, chat and eval on tiny GGUF files (tests/gguf_tiny.py), and their bad inputs:
-one clear ``error: ...`` line each, never a traceback."""
+"""GGUF loading, chat and eval on tiny GGUF files (tests/helpers/gguf_files.py), and their bad
+inputs: one clear ``error: ...`` line each, never a traceback."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from lmlab.generation.chat import (  # noqa: E402
     render_chat,
 )
 from lmlab.generation.generate import SamplingParams  # noqa: E402
-from tests.gguf_tiny import CHATML, write_llama_gguf  # noqa: E402
+from tests.helpers import CHATML, write_llama_gguf  # noqa: E402
 
 
 @pytest.fixture(scope="module")

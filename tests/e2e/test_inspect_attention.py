@@ -11,7 +11,7 @@ import pytest
 from lmlab.analysis import costs
 from lmlab.cli import main
 from lmlab.config import load_config
-from tests.conftest import tiny_config
+from tests.helpers import tiny_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 CJK_TEXT = "满纸荒唐言，一把辛酸泪！都云作者痴，谁解其中味？\n" * 40

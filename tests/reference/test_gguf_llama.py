@@ -1,8 +1,8 @@
 """GGUF files of a Llama model load into lmlab with the reference model's logits.
 
 A tiny random Hugging Face ``LlamaForCausalLM`` is written to a GGUF file the way llama.cpp's
-converter writes one (q/k rows permuted to interleaved RoPE order, tests/gguf_tiny.py); lmlab
-reads it back through ``lmlab.load``. Nothing is downloaded.
+converter writes one (q/k rows permuted to interleaved RoPE order, tests/helpers/gguf_files.py);
+lmlab reads it back through ``lmlab.load``. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -24,8 +24,11 @@ from lmlab.interop.rope_layout import (  # noqa: E402
     interleaved_to_half_split,
 )
 from lmlab.models import build_model  # noqa: E402
-from tests.conftest import tiny_model_config  # noqa: E402
-from tests.gguf_tiny import llama_cpp_permute, write_llama_gguf  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    llama_cpp_permute,
+    tiny_model_config,  # noqa: E402
+    write_llama_gguf,
+)
 
 VOCAB = 258  # 256 byte tokens + <|im_start|> + <|im_end|>
 

@@ -27,7 +27,7 @@ from lmlab.interop.export import export_model, verify_hf_folder  # noqa: E402
 from lmlab.interop.importer import import_model, write_run  # noqa: E402
 from lmlab.models import build_model  # noqa: E402
 from lmlab.run import load_run  # noqa: E402
-from tests.conftest import tiny_model_config  # noqa: E402
+from tests.helpers import tiny_model_config  # noqa: E402
 
 VOCAB = 61
 CHARS = [chr(0x21 + i) for i in range(VOCAB)]  # '!' .. ']'

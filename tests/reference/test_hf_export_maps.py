@@ -31,7 +31,7 @@ from lmlab.interop.hf_neox import (  # noqa: E402
     split_neox_qkv,
 )
 from lmlab.models import build_model  # noqa: E402
-from tests.conftest import tiny_model_config  # noqa: E402
+from tests.helpers import tiny_model_config  # noqa: E402
 
 VOCAB = 61
 

@@ -260,7 +260,7 @@ VERIFY_CONFIGS = {
 @pytest.mark.parametrize("family", list(VERIFY_CONFIGS))
 def test_lmlab_verify_passes_on_encoder_decoder_configs_with_a_reference(family):
     from lmlab.analysis.verify import verify_config
-    from tests.conftest import TINY, tiny_config
+    from tests.helpers import TINY, tiny_config
 
     cfg = tiny_config(model={**TINY["model"], **VERIFY_CONFIGS[family]})
     checks = {c.name: c for c in verify_config(cfg, family)}

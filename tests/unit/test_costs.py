@@ -13,7 +13,7 @@ from lmlab.analysis.params import count_params
 from lmlab.config import AttentionConfig, FFNConfig, ModelConfig, load_config
 from lmlab.models import build_model
 from lmlab.training import flops as train_flops
-from tests.conftest import tiny_model_config
+from tests.helpers import tiny_model_config
 from tests.unit.test_model import IDS, VARIANTS
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -8,7 +8,7 @@ from safetensors.torch import load_model, save_model
 
 from lmlab.models import build_model
 from lmlab.nn import ATTENTION, BLOCK, FFN, NORM, POSITION
-from tests.conftest import tiny_model_config
+from tests.helpers import tiny_model_config
 
 VARIANTS = (
     [{"position": {"kind": k}} for k in POSITION.names()]
@@ -196,7 +196,7 @@ def test_config_round_trips_through_yaml(variant, tmp_path):
 
 
 def _tied_models():
-    from tests_helpers_encoder import encoder_config
+    from tests.helpers import encoder_config
 
     seq2seq = tiny_model_config(vocab_size=50, kind="encoder_decoder", position={"kind": "learned"})
     return {

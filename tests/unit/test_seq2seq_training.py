@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from tests_helpers_seq2seq import seq2seq_run_config, write_reverse_tsv
 
 from lmlab.config import ModelConfig
 from lmlab.data.dataset import batch_rng
@@ -24,6 +23,7 @@ from lmlab.training.objectives import (
     random_segmentation,
     span_corrupt,
 )
+from tests.helpers import seq2seq_run_config, write_reverse_tsv
 
 
 @pytest.fixture(autouse=True)

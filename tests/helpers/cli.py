@@ -1,4 +1,4 @@
-"""Shared helpers of the bad-input catalogue (tests/catalogue/) and the end-to-end tests.
+"""Running the CLI in-process and checking its promise for bad input (tests/catalogue/, e2e).
 
 Every catalogue case runs the CLI in-process and asserts lmlab's promise for bad input: exit code
 2, exactly one ``error:`` line that names the cause, no traceback, no ``error: unexpected``, and
