@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from lmlab.cli import main
+from tests.helpers import MODEL_KEYS, tiny_set
 
 # ---------------------------------------------------------------------------- the table
 
@@ -32,18 +33,7 @@ class Case:
     setup: Callable[[Path, Path], None] | None = None  # (tmp, copy) -> None: writes the inputs
 
 
-TINY = (
-    "--set",
-    "model.d_model=32",
-    "--set",
-    "model.n_layers=2",
-    "--set",
-    "model.max_seq_len=32",
-    "--set",
-    "train.batch_size=4",
-    "--set",
-    "train.precision=fp32",
-)
+TINY = tuple(tiny_set(*MODEL_KEYS, "train.batch_size", "train.precision"))
 
 
 def train(*extra: str) -> tuple[str, ...]:

@@ -9,13 +9,7 @@ from pathlib import Path
 
 import lmlab.training.objectives as objectives
 import lmlab.training.trainer as trainer
-from tests.helpers import run_cli
-
-TINY = [
-    *("--set", "model.d_model=32", "--set", "model.n_layers=2", "--set", "model.max_seq_len=32"),
-    *("--set", "train.batch_size=4", "--set", "train.eval_batches=2", "--set", "train.log_every=1"),
-    *("--set", "train.precision=fp32", "--set", "train.warmup_steps=3", "--no-progress"),
-]
+from tests.helpers import TRAIN_SET, run_cli
 
 
 def signal_during(monkeypatch, call: int, *signals: int) -> None:
@@ -38,7 +32,7 @@ def test_a_double_ctrl_c_before_the_first_checkpoint_keeps_the_folder_and_says_s
 ):
     signal_during(monkeypatch, 3, signal.SIGINT, signal.SIGINT)  # twice during step 1
     out = tmp_path / "run"
-    argv = ["train", "--out", str(out), "--max-steps", "4", *TINY]
+    argv = ["train", "--out", str(out), "--max-steps", "4", *TRAIN_SET]
     code, _, err = run_cli(capsys, *argv)
     assert code == 130
     line = err.strip()
@@ -62,7 +56,7 @@ def test_ctrl_c_while_the_token_cache_is_built_says_what_is_kept(
 
     monkeypatch.setattr(trainer, "build_token_cache", interrupted)
     out = tmp_path / "run"
-    code, _, err = run_cli(capsys, "train", "--out", str(out), "--max-steps", "4", *TINY)
+    code, _, err = run_cli(capsys, "train", "--out", str(out), "--max-steps", "4", *TRAIN_SET)
     assert code == 130
     assert err.strip() == (
         f"interrupted before the first checkpoint; {out} keeps what was written so far (no "

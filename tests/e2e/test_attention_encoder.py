@@ -20,7 +20,8 @@ from lmlab.analysis.attention_maps import (
 )
 from lmlab.interop.load import load
 from lmlab.nn.masks import bidirectional_mask, causal_mask
-from tests.e2e.test_inspect_attention import png_size, run_cli
+from tests.e2e.test_inspect_attention import png_size
+from tests.helpers import run_cli
 
 
 @pytest.fixture(autouse=True)

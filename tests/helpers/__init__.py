@@ -13,6 +13,7 @@ Fixtures stay in tests/conftest.py.
 from tests.helpers.cli import assert_one_error, assert_unchanged, run_cli, snapshot, within
 from tests.helpers.configs import (
     ENCODER,
+    MODEL_KEYS,
     SEQ2SEQ,
     TINY,
     TINY_SET,
@@ -43,6 +44,7 @@ from tests.helpers.hf_models import (
 __all__ = [
     "CHATML",
     "ENCODER",
+    "MODEL_KEYS",
     "SEQ2SEQ",
     "TINY",
     "TINY_SET",
