@@ -25,8 +25,9 @@ from lmlab.interop.rope_layout import (  # noqa: E402
 )
 from lmlab.models import build_model  # noqa: E402
 from tests.helpers import (  # noqa: E402
+    hf_config,
     llama_cpp_permute,
-    tiny_model_config,  # noqa: E402
+    tiny_model_config,
     write_llama_gguf,
 )
 
@@ -35,16 +36,11 @@ VOCAB = 258  # 256 byte tokens + <|im_start|> + <|im_end|>
 
 def hf_llama(n_kv_heads: int = 2, tied: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
+    cfg = hf_config(
+        "llama",
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
         num_key_value_heads=n_kv_heads,
-        max_position_embeddings=64,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=tied,
     )
     model = transformers.LlamaForCausalLM(cfg).eval()
