@@ -26,6 +26,15 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def one_thread():
+    """Run the test on one torch thread (float sums in a fixed order), then restore the count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run trained for 30 steps on tinyshakespeare (shared; do not modify it)."""

@@ -17,11 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import lmlab.training.objectives as objectives
 import lmlab.training.trainer as trainer
 from lmlab.training.metrics import read_metrics
 from lmlab.training.trainer import train
-from tests.helpers import TRAIN_SET, run_cli, tiny_config
+from tests.helpers import TRAIN_SET, run_cli, signal_during, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,21 +74,6 @@ def test_resume_with_dropout_is_bit_identical(tmp_path: Path):
 
 
 # ---------------------------------------------------------------------------- SIGTERM
-
-
-def signal_during(monkeypatch, call: int, *signals: int) -> None:
-    """Send ``signals`` to this process from inside the ``call``-th batch draw (the step-0
-    evaluation draws 2 batches first, so call 7 is step 5's batch)."""
-    real, calls = objectives.sample_batch, []
-
-    def sample_batch(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == call:
-            for sig in signals:
-                os.kill(os.getpid(), sig)  # the handler runs right here
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(objectives, "sample_batch", sample_batch)
 
 
 @pytest.mark.parametrize(

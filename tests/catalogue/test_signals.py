@@ -3,28 +3,11 @@ silently; the message says what happened and what is kept."""
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 
-import lmlab.training.objectives as objectives
 import lmlab.training.trainer as trainer
-from tests.helpers import TRAIN_SET, run_cli
-
-
-def signal_during(monkeypatch, call: int, *signals: int) -> None:
-    """Send ``signals`` to this process from inside the ``call``-th batch draw (the step-0
-    evaluation draws 2 batches first, so call 3 is step 1's batch)."""
-    real, calls = objectives.sample_batch, []
-
-    def sample_batch(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == call:
-            for sig in signals:
-                os.kill(os.getpid(), sig)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(objectives, "sample_batch", sample_batch)
+from tests.helpers import TRAIN_SET, run_cli, signal_during
 
 
 def test_a_double_ctrl_c_before_the_first_checkpoint_keeps_the_folder_and_says_so(

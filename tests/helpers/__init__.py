@@ -10,7 +10,14 @@
 Fixtures stay in tests/conftest.py.
 """
 
-from tests.helpers.cli import assert_one_error, assert_unchanged, run_cli, snapshot, within
+from tests.helpers.cli import (
+    assert_one_error,
+    assert_unchanged,
+    run_cli,
+    signal_during,
+    snapshot,
+    within,
+)
 from tests.helpers.configs import (
     ENCODER,
     MODEL_KEYS,
@@ -60,6 +67,7 @@ __all__ = [
     "redraw",
     "run_cli",
     "seq2seq_run_config",
+    "signal_during",
     "snapshot",
     "tiny_config",
     "tiny_llama_hf",

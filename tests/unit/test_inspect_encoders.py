@@ -21,13 +21,7 @@ from lmlab.models import build_model
 from tests.helpers import encoder_config
 from tests.unit.test_seq2seq import STYLES, V, make
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _bert(**model: object):

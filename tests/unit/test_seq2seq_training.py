@@ -25,13 +25,7 @@ from lmlab.training.objectives import (
 )
 from tests.helpers import seq2seq_run_config, write_reverse_tsv
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_registry_has_seq2seq_and_span_corruption():
