@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from lmlab.cli import main
+from tests.helpers import MODEL_KEYS, tiny_set
 
 # ---------------------------------------------------------------------------- the table
 
@@ -32,18 +33,7 @@ class Case:
     setup: Callable[[Path, Path], None] | None = None  # (tmp, copy) -> None: writes the inputs
 
 
-TINY = (
-    "--set",
-    "model.d_model=32",
-    "--set",
-    "model.n_layers=2",
-    "--set",
-    "model.max_seq_len=32",
-    "--set",
-    "train.batch_size=4",
-    "--set",
-    "train.precision=fp32",
-)
+TINY = tuple(tiny_set(*MODEL_KEYS, "train.batch_size", "train.precision"))
 
 
 def train(*extra: str) -> tuple[str, ...]:
@@ -597,7 +587,7 @@ def test_no_checkpoint_hint_trains_the_folders_own_config(tmp_path: Path, capsys
     from lmlab.config import save_config
     from lmlab.run import load_run
     from lmlab.runlock import LOCK_FILE
-    from tests.conftest import tiny_config
+    from tests.helpers import tiny_config
 
     cfg = tiny_config(model={"d_model": 24, "n_layers": 1}, train={"max_steps": 2})
     # A folder lmlab made (its marker) is trained in place; a user's folder holding a config is

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from catalogue_helpers import assert_one_error, run_cli
-from conftest import TINY
+
+from tests.helpers import TINY, assert_one_error, run_cli
 
 # sampling values
 # Checked before the model is read, so MODEL need not exist; generate and chat share the check

@@ -10,25 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lmlab.cli import main
-
-
-def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_error(code: int, err: str, *needles: str) -> None:
-    lines = [line for line in err.strip().splitlines() if line.startswith("error")]
-    assert code == 2, err
-    assert len(lines) == 1 and "unexpected" not in lines[0] and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in lines[0], err
-
+from tests.helpers import assert_one_error, run_cli, write_tiny_gguf
 
 # ------------------------------------------------------------------ eval --lengths
 
@@ -38,8 +20,15 @@ def test_eval_lengths_plot_without_png_name_is_refused_not_renamed(tiny_run, tmp
     folder = tmp_path / "maps"
     folder.mkdir()
     code, _, err = run_cli(
-        ["eval", str(tiny_run), "--lengths", "16", "--max-tokens", "200", "--plot", str(folder)],
         capsys,
+        "eval",
+        str(tiny_run),
+        "--lengths",
+        "16",
+        "--max-tokens",
+        "200",
+        "--plot",
+        str(folder),
     )
     assert_one_error(code, err, "--plot", ".png")
     assert not (tmp_path / "maps.png").exists()
@@ -49,25 +38,25 @@ def test_eval_lengths_plot_under_a_file_is_one_error(tiny_run, tmp_path, capsys)
     a_file = tmp_path / "notes.txt"
     a_file.write_text("x")
     code, _, err = run_cli(
-        ["eval", str(tiny_run), "--lengths", "16", "--max-tokens", "200"]
-        + ["--plot", str(a_file / "x.png")],
         capsys,
+        *["eval", str(tiny_run), "--lengths", "16", "--max-tokens", "200"]
+        + ["--plot", str(a_file / "x.png")],
     )
     assert_one_error(code, err, "cannot write plot")
 
 
 def test_eval_empty_lengths_is_refused_not_ignored(tiny_run, capsys):
     # --lengths "" used to fall through to a plain (full-corpus) eval
-    code, _, err = run_cli(["eval", str(tiny_run), "--lengths", ""], capsys)
+    code, _, err = run_cli(capsys, "eval", str(tiny_run), "--lengths", "")
     assert_one_error(code, err, "--lengths")
 
 
 def test_eval_lengths_refuses_an_encoder(encoder_run, tmp_path, capsys):
     # a bidirectional encoder was scored as a causal LM (it sees the token it "predicts")
     code, _, err = run_cli(
-        ["eval", str(encoder_run), "--lengths", "16", "--max-tokens", "200"]
-        + ["--plot", str(tmp_path / "l.png")],
         capsys,
+        *["eval", str(encoder_run), "--lengths", "16", "--max-tokens", "200"]
+        + ["--plot", str(tmp_path / "l.png")],
     )
     assert_one_error(code, err, "decoder", "encoder")
     assert not (tmp_path / "l.png").exists()
@@ -79,9 +68,9 @@ def test_eval_lengths_refuses_an_encoder(encoder_run, tmp_path, capsys):
 def test_generate_seed_beyond_64_bits_is_one_error_before_any_output(tiny_run, capsys):
     # was "unexpected ValueError: Overflow when unpacking long long" after printing the prompt
     code, out, err = run_cli(
-        ["generate", str(tiny_run), "--prompt", "hi", "--max-new-tokens", "2"]
-        + ["--seed", str(2**70)],
         capsys,
+        *["generate", str(tiny_run), "--prompt", "hi", "--max-new-tokens", "2"]
+        + ["--seed", str(2**70)],
     )
     assert_one_error(code, err, "--seed")
     assert out == ""
@@ -89,8 +78,7 @@ def test_generate_seed_beyond_64_bits_is_one_error_before_any_output(tiny_run, c
 
 def test_generate_negative_seed_still_samples(tiny_run, capsys):
     code, out, _ = run_cli(
-        ["generate", str(tiny_run), "--prompt", "hi", "--max-new-tokens", "2", "--seed", "-1"],
-        capsys,
+        capsys, "generate", str(tiny_run), "--prompt", "hi", "--max-new-tokens", "2", "--seed", "-1"
     )
     assert code == 0 and out.startswith("hi")
 
@@ -100,7 +88,7 @@ def test_chat_on_an_encoder_says_it_needs_a_decoder(encoder_run, capsys, monkeyp
     import io
 
     monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
-    code, _, err = run_cli(["chat", str(encoder_run)], capsys)
+    code, _, err = run_cli(capsys, "chat", str(encoder_run))
     assert_one_error(code, err, "decoder", "model.kind=encoder")
 
 
@@ -119,19 +107,19 @@ def _minilm() -> Path:
 def test_import_of_a_wordpiece_bert_folder_writes_a_run(tmp_path, capsys):
     # was "data.tokenizer.kind: unknown tokenizer kind 'hf'": no WordPiece model could be imported
     out = tmp_path / "minilm"
-    code, stdout, err = run_cli(["import", str(_minilm()), "--out", str(out)], capsys)
+    code, stdout, err = run_cli(capsys, "import", str(_minilm()), "--out", str(out))
     assert code == 0, err
     assert "hf tokenizer of 30522 tokens" in stdout
     assert "kind: hf" in (out / "config.yaml").read_text()
-    code, stdout, err = run_cli(["embed", str(out), "--text", "a guitar", "--json"], capsys)
+    code, stdout, err = run_cli(capsys, "embed", str(out), "--text", "a guitar", "--json")
     assert code == 0, err
 
 
 def test_a_new_run_with_the_hf_tokenizer_kind_is_one_error(tmp_path, capsys):
     code, _, err = run_cli(
-        ["train", "--config", "configs/tiny.yaml", "--set", "data.tokenizer.kind=hf"]
-        + ["--out", str(tmp_path / "run"), "--max-steps", "2"],
         capsys,
+        *["train", "--config", "configs/tiny.yaml", "--set", "data.tokenizer.kind=hf"]
+        + ["--out", str(tmp_path / "run"), "--max-steps", "2"],
     )
     assert_one_error(code, err, "data.tokenizer.kind=hf", "--init-from")
 
@@ -145,9 +133,9 @@ def test_train_seed_out_of_range_is_one_error_before_the_run_folder(seed, tmp_pa
     # long" -- both after the run folder had been started
     out = tmp_path / "run"
     code, _, err = run_cli(
-        ["train", "--config", "configs/tiny.yaml", "--set", f"train.seed={seed}"]
-        + ["--out", str(out), "--max-steps", "1", "--no-progress"],
         capsys,
+        *["train", "--config", "configs/tiny.yaml", "--set", f"train.seed={seed}"]
+        + ["--out", str(out), "--max-steps", "1", "--no-progress"],
     )
     assert_one_error(code, err, "train.seed", "0..4294967295")
     assert not out.exists()
@@ -178,7 +166,7 @@ def test_compare_refuses_seeds_and_overrides_the_experiment_would_ignore(
     # silently overwritten by the seeds / budget
     path = tmp_path / "exp.yaml"
     path.write_text(EXPERIMENT.format(variant=variant, seeds=seeds, budget=budget))
-    code, _, err = run_cli(["compare", str(path), "--smoke", "--out", str(tmp_path / "o")], capsys)
+    code, _, err = run_cli(capsys, "compare", str(path), "--smoke", "--out", str(tmp_path / "o"))
     assert_one_error(code, err, *needles)
     assert not (tmp_path / "o").exists()
 
@@ -189,25 +177,9 @@ def test_compare_refuses_seeds_and_overrides_the_experiment_would_ignore(
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> Path:
     """A random 2-layer Llama with a 64-token context and a ChatML template, as a GGUF file."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("gguf")
-    import torch
-
-    from tests.gguf_tiny import write_llama_gguf
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=258,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    return write_llama_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", model)
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf"))
 
 
 def test_chat_too_long_message_keeps_the_session_and_its_history(tiny_gguf, capsys, monkeypatch):
@@ -227,7 +199,7 @@ def test_chat_too_long_message_keeps_the_session_and_its_history(tiny_gguf, caps
 
     monkeypatch.setattr("sys.stdin", io.StringIO("hi\n" + "x " * 200 + "\nhi again\n"))
     code, out, err = run_cli(
-        ["chat", str(tiny_gguf), "--max-new-tokens", "3", "--temperature", "0"], capsys
+        capsys, "chat", str(tiny_gguf), "--max-new-tokens", "3", "--temperature", "0"
     )
     assert code == 2  # a message was refused
     assert err.count("error:") == 1 and "more than the" in err
@@ -238,7 +210,7 @@ def test_chat_system_message_too_long_fails_at_start(tiny_gguf, capsys, monkeypa
     import io
 
     monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
-    code, out, err = run_cli(["chat", str(tiny_gguf), "--system", "x " * 200], capsys)
+    code, out, err = run_cli(capsys, "chat", str(tiny_gguf), "--system", "x " * 200)
     assert_one_error(code, err, "--system is too long")
     assert out == "" and "> " not in err
 
@@ -288,7 +260,7 @@ def test_encoder_decoder_on_commands_it_cannot_serve(tiny_t5, argv, needles, tmp
     text = tmp_path / "t.txt"
     text.write_text("hello world. " * 20)
     argv = [a.format(m=tiny_t5, text=text) for a in argv]
-    code, _, err = run_cli(argv, capsys)
+    code, _, err = run_cli(capsys, *argv)
     assert_one_error(code, err, *needles)
 
 
@@ -307,7 +279,7 @@ def test_out_that_would_replace_the_source_model_is_refused(
     shutil.copytree(tiny_run, run)
     before = sorted(p.relative_to(run) for p in run.rglob("*"))
     out = run if onto == "itself" else tmp_path
-    code, _, err = run_cli([command, str(run), "--out", str(out), "--force"], capsys)
+    code, _, err = run_cli(capsys, command, str(run), "--out", str(out), "--force")
     assert_one_error(code, err, "would replace the model it reads")
     assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
 
@@ -323,7 +295,7 @@ def test_compare_into_a_non_empty_folder_that_is_no_comparison_is_refused(
     before = sorted(p.relative_to(run) for p in run.rglob("*"))
     path = tmp_path / "exp.yaml"
     path.write_text(EXPERIMENT.format(variant="{}", seeds="[1]", budget="{steps: 2}"))
-    code, _, err = run_cli(["compare", str(path), "--smoke", "--out", str(run)], capsys)
+    code, _, err = run_cli(capsys, "compare", str(path), "--smoke", "--out", str(run))
     assert_one_error(code, err, "not empty", "comparison.json")
     assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
 
@@ -358,7 +330,7 @@ def _minilm_copy(tmp_path: Path, replace: dict[str, str]) -> Path:
 
 def test_hf_config_json_that_is_not_an_object_is_one_error(tmp_path, capsys):
     folder = _minilm_copy(tmp_path, {"config.json": "[1, 2]"})  # was AttributeError on .get
-    code, _, err = run_cli(["embed", str(folder), "--text", "hi"], capsys)
+    code, _, err = run_cli(capsys, "embed", str(folder), "--text", "hi")
     assert_one_error(code, err, "config.json must hold a JSON object")
 
 
@@ -368,14 +340,14 @@ def test_hf_config_json_whose_shapes_differ_from_the_weights_is_one_error(tmp_pa
     cfg = json.loads((_minilm() / "config.json").read_text())
     cfg["hidden_size"] = 96  # was "unexpected RuntimeError: Error(s) in loading state_dict"
     folder = _minilm_copy(tmp_path, {"config.json": json.dumps(cfg)})
-    code, _, err = run_cli(["embed", str(folder), "--text", "hi"], capsys)
+    code, _, err = run_cli(capsys, "embed", str(folder), "--text", "hi")
     assert_one_error(code, err, "does not fit its config.json", "size mismatch")
 
 
 def test_pooling_config_that_is_not_an_object_is_one_error(tmp_path, capsys):
     pooling = {"1_Pooling/config.json": "[]"}  # was AttributeError: 'list' has no 'get'
     folder = _minilm_copy(tmp_path, pooling)
-    code, _, err = run_cli(["embed", str(folder), "--text", "hi"], capsys)
+    code, _, err = run_cli(capsys, "embed", str(folder), "--text", "hi")
     assert_one_error(code, err, "sentence-transformers files")
 
 
@@ -393,7 +365,7 @@ def test_text_flags_with_bytes_that_are_not_utf8_are_one_error(
 ):
     # was "unexpected TypeError: TextInputSequence must be str" from the tokenizers library
     model = tiny_run if command == "generate" else encoder_run
-    code, out, err = run_cli([command, str(model), flag, NOT_UTF8 + " [MASK]"], capsys)
+    code, out, err = run_cli(capsys, command, str(model), flag, NOT_UTF8 + " [MASK]")
     assert_one_error(code, err, f"{flag} is not UTF-8 text", "0xe9")
     assert out == ""
 
@@ -405,7 +377,7 @@ def test_chat_message_with_bytes_that_are_not_utf8_is_refused_and_the_chat_goes_
 
     monkeypatch.setattr("sys.stdin", io.StringIO(f"hi\n{NOT_UTF8}\nok\n"))
     code, _, err = run_cli(
-        ["chat", str(tiny_gguf), "--max-new-tokens", "2", "--temperature", "0"], capsys
+        capsys, "chat", str(tiny_gguf), "--max-new-tokens", "2", "--temperature", "0"
     )
     assert code == 2 and "Traceback" not in err and "unexpected" not in err
     assert err.count("error:") == 1 and "not UTF-8 text" in err
@@ -427,9 +399,9 @@ def test_train_init_from_that_fails_before_a_checkpoint_leaves_no_folder(
     text.write_text(data, encoding="utf-8")
     out = tmp_path / "ft"
     code, _, err = run_cli(
-        ["train", "--init-from", str(tiny_run), "--config", "configs/tiny.yaml"]
-        + ["--data", str(text), "--out", str(out), "--max-steps", "1", "--no-progress"],
         capsys,
+        *["train", "--init-from", str(tiny_run), "--config", "configs/tiny.yaml"]
+        + ["--data", str(text), "--out", str(out), "--max-steps", "1", "--no-progress"],
     )
     assert_one_error(code, err, needle)
     assert not out.exists()
@@ -440,9 +412,9 @@ def test_a_failed_run_into_an_existing_folder_keeps_the_folder(tmp_path, capsys)
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
     code, _, err = run_cli(
-        ["train", "--config", "configs/tiny.yaml", "--data", str(tmp_path / "missing.txt")]
-        + ["--out", str(out), "--max-steps", "1", "--no-progress"],
         capsys,
+        *["train", "--config", "configs/tiny.yaml", "--data", str(tmp_path / "missing.txt")]
+        + ["--out", str(out), "--max-steps", "1", "--no-progress"],
     )
     assert_one_error(code, err, "not an lmlab run folder")  # refused before the corpus is read
     assert (out / "notes.txt").read_text() == "keep me"
@@ -452,10 +424,10 @@ def test_a_failed_run_into_an_existing_folder_keeps_the_folder(tmp_path, capsys)
 def test_eval_scaling_factor_nan_or_inf_is_one_error(factor, tiny_run, tmp_path, capsys):
     # was accepted and printed a NaN loss
     code, _, err = run_cli(
-        ["eval", str(tiny_run), "--max-tokens", "200", "--plot", str(tmp_path / "l.png")]
+        capsys,
+        *["eval", str(tiny_run), "--max-tokens", "200", "--plot", str(tmp_path / "l.png")]
         + ["--set", "model.position.scaling.kind=linear"]
         + ["--set", f"model.position.scaling.factor={factor}"],
-        capsys,
     )
     assert_one_error(code, err, "scaling.factor must be >= 1 and finite")
 
@@ -463,9 +435,9 @@ def test_eval_scaling_factor_nan_or_inf_is_one_error(factor, tiny_run, tmp_path,
 def test_a_nan_config_number_is_one_error(tmp_path, capsys):
     out = tmp_path / "run"
     code, _, err = run_cli(
-        ["train", "--config", "configs/tiny.yaml", "--set", "train.lr=nan"]
-        + ["--out", str(out), "--max-steps", "1"],
         capsys,
+        *["train", "--config", "configs/tiny.yaml", "--set", "train.lr=nan"]
+        + ["--out", str(out), "--max-steps", "1"],
     )
     assert_one_error(code, err, "train.lr must be a number, got nan")
     assert not out.exists()

@@ -12,19 +12,14 @@ import time
 from pathlib import Path
 
 import pytest
-from catalogue_helpers import assert_one_error, assert_unchanged, run_cli, snapshot
 
 from lmlab.training.metrics import read_metrics
+from tests.helpers import TRAIN_SET, assert_one_error, assert_unchanged, run_cli, snapshot
 
 LOCK_FILE = ".lmlab-run"  # lmlab.runlock.LOCK_FILE
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
-TINY = [
-    *("--set", "model.d_model=32", "--set", "model.n_layers=2", "--set", "model.max_seq_len=32"),
-    *("--set", "train.batch_size=4", "--set", "train.eval_batches=2", "--set", "train.log_every=1"),
-    *("--set", "train.precision=fp32", "--set", "train.warmup_steps=3", "--no-progress"),
-]
 HOLD = (
     "import sys; from lmlab.runlock import lock_folder, lock_beside; from pathlib import Path; "
     "lock = (lock_beside if sys.argv[2] == 'beside' else lock_folder)(Path(sys.argv[1])); "
@@ -68,7 +63,7 @@ def test_two_trains_into_one_folder_the_second_is_refused_and_the_first_finishes
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "lmlab", "train", "--out", str(out), "--max-steps", "100000"]
     with open(tmp_path / "stderr", "w") as stderr:
-        first = subprocess.Popen([*cmd, *TINY], env=ENV, stderr=stderr)
+        first = subprocess.Popen([*cmd, *TRAIN_SET], env=ENV, stderr=stderr)
         try:
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline and not any(
@@ -76,7 +71,7 @@ def test_two_trains_into_one_folder_the_second_is_refused_and_the_first_finishes
             ):
                 time.sleep(0.05)
             assert first.poll() is None, (tmp_path / "stderr").read_text()
-            for argv in (["--out", str(out), *TINY], ["--resume", str(out)]):
+            for argv in (["--out", str(out), *TRAIN_SET], ["--resume", str(out)]):
                 code, _, err = run_cli(capsys, "train", *argv, "--max-steps", "5")
                 assert_one_error(code, err, str(out), f"pid {first.pid}", "another lmlab process")
             assert (out / "config.yaml").is_file() and (out / "tokenizer.json").is_file()
@@ -102,7 +97,7 @@ def test_a_second_writer_of_a_locked_run_folder_is_refused(
         "resume": ["train", "--resume", str(run), "--max-steps", "31"],
         "import": ["import", str(source), "--out", str(run), "--force"],
         "export": ["export", str(source), "--out", str(run), "--force"],
-        "overwrite": ["train", "--out", str(run), "--overwrite", "--max-steps", "2", *TINY],
+        "overwrite": ["train", "--out", str(run), "--overwrite", "--max-steps", "2", *TRAIN_SET],
     }[command]
     with Holder(run) as holder:
         code, _, err = run_cli(capsys, *argv)
@@ -133,7 +128,7 @@ def test_a_lock_left_by_a_killed_process_is_taken_over(run: Path, tmp_path: Path
     fresh = tmp_path / "fresh"
     fresh.mkdir()
     (fresh / LOCK_FILE).write_text(f"{dead_pid()}\n")  # an lmlab attempt killed at once
-    code, _, err = run_cli(capsys, "train", "--out", str(fresh), "--max-steps", "2", *TINY)
+    code, _, err = run_cli(capsys, "train", "--out", str(fresh), "--max-steps", "2", *TRAIN_SET)
     assert code == 0, err
     assert (fresh / "checkpoints" / "latest").is_file()
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from catalogue_helpers import assert_one_error, run_cli, within
-from conftest import TINY
+
+from tests.helpers import TINY, assert_one_error, run_cli, within
 
 # hints
 

@@ -15,7 +15,7 @@ from lmlab.data.tokenizer import CharTokenizer
 from lmlab.interop.families import NotRepresentable, match_family
 from lmlab.interop.importer import write_run
 from lmlab.models import build_model
-from tests.conftest import tiny_model_config
+from tests.helpers import tiny_model_config
 
 VOCAB = 40
 CHARS = [chr(0x30 + i) for i in range(VOCAB)]

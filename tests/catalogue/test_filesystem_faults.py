@@ -10,11 +10,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from catalogue_helpers import assert_one_error, assert_unchanged, run_cli, snapshot
 
 import lmlab.data.dataset as dataset
 import lmlab.fsutil as fsutil
 import lmlab.training.checkpoint as checkpoint
+from tests.helpers import assert_one_error, assert_unchanged, run_cli, snapshot
 
 TINY = [
     *("--set", "model.d_model=32", "--set", "model.n_layers=2", "--set", "model.max_seq_len=32"),
@@ -102,7 +102,7 @@ def test_checkpoint_bytes_counts_tied_weights_once_and_the_optimizer_state():
     import torch
 
     from lmlab.models.build import build_model
-    from tests.conftest import tiny_model_config
+    from tests.helpers import tiny_model_config
 
     model = build_model(tiny_model_config(vocab_size=50, tie_embeddings=True))
     weights = {t.data_ptr(): t.numel() * 4 for t in model.state_dict().values()}

@@ -8,14 +8,12 @@ from typing import Any
 
 import pytest
 import torch
-from catalogue_helpers import assert_one_error, run_cli, within
 
 from lmlab.training import memory
+from tests.helpers import assert_one_error, run_cli, tiny_llama_hf, within, write_llama_gguf
 
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
-
-from tests.gguf_tiny import tiny_llama_hf, write_llama_gguf  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-from catalogue_helpers import assert_one_error, run_cli, within
 from safetensors.torch import save_file
 
 from lmlab.errors import LmlabError
@@ -19,7 +18,7 @@ from lmlab.interop.families import hf_config_json, match_family
 from lmlab.interop.load import load
 from lmlab.models import build_model
 from lmlab.training import memory
-from tests.conftest import tiny_model_config
+from tests.helpers import assert_one_error, run_cli, tiny_model_config, within
 
 LLAMA = {
     "norm": {"kind": "rmsnorm"},

@@ -17,25 +17,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import lmlab.training.objectives as objectives
 import lmlab.training.trainer as trainer
-from lmlab.cli import main
 from lmlab.training.metrics import read_metrics
 from lmlab.training.trainer import train
-from tests.conftest import tiny_config
+from tests.helpers import TRAIN_SET, run_cli, signal_during, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY_SET = [
-    *("--set", "model.d_model=32", "--set", "model.n_layers=2", "--set", "model.max_seq_len=32"),
-    *("--set", "train.batch_size=4", "--set", "train.eval_batches=2", "--set", "train.log_every=1"),
-    *("--set", "train.precision=fp32", "--set", "train.warmup_steps=3", "--no-progress"),
-]
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def losses(run: Path) -> dict[int, float]:
@@ -89,21 +76,6 @@ def test_resume_with_dropout_is_bit_identical(tmp_path: Path):
 # ---------------------------------------------------------------------------- SIGTERM
 
 
-def signal_during(monkeypatch, call: int, *signals: int) -> None:
-    """Send ``signals`` to this process from inside the ``call``-th batch draw (the step-0
-    evaluation draws 2 batches first, so call 7 is step 5's batch)."""
-    real, calls = objectives.sample_batch, []
-
-    def sample_batch(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == call:
-            for sig in signals:
-                os.kill(os.getpid(), sig)  # the handler runs right here
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(objectives, "sample_batch", sample_batch)
-
-
 @pytest.mark.parametrize(
     "sig, code, what",
     [(signal.SIGTERM, 143, "terminated (SIGTERM)"), (signal.SIGINT, 130, "interrupted")],
@@ -115,7 +87,7 @@ def test_a_stop_signal_finishes_the_step_then_checkpoints(
     signal_during(monkeypatch, 7, sig)  # during step 5
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     out = tmp_path / "run"
-    got, _, err = run_cli(capsys, "train", "--out", str(out), "--max-steps", "20", *TINY_SET)
+    got, _, err = run_cli(capsys, "train", "--out", str(out), "--max-steps", "20", *TRAIN_SET)
     assert got == code  # 128 + the signal number
     assert err.strip() == (
         f"{what} at step 5; checkpoint saved. Continue with: lmlab train --resume {out}"
@@ -127,14 +99,14 @@ def test_a_stop_signal_finishes_the_step_then_checkpoints(
     assert run_cli(capsys, "train", "--resume", str(out), "--max-steps", "7")[0] == 0
     ref = tmp_path / "uninterrupted"  # the same schedule (decay over 20 steps), never stopped
     argv = ["train", "--out", str(ref), "--max-steps", "7", "--set", "train.lr_decay_steps=20"]
-    assert run_cli(capsys, *argv, *TINY_SET)[0] == 0
+    assert run_cli(capsys, *argv, *TRAIN_SET)[0] == 0
     assert losses(out) == losses(ref)  # bit-identical, steps 1-7
 
 
 def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path: Path, capsys, monkeypatch):
     signal_during(monkeypatch, 7, signal.SIGINT, signal.SIGINT)  # twice during step 5
     out = tmp_path / "run"
-    argv = ["train", "--out", str(out), "--max-steps", "20", *TINY_SET]
+    argv = ["train", "--out", str(out), "--max-steps", "20", *TRAIN_SET]
     code, _, err = run_cli(capsys, *argv, "--set", "train.checkpoint_every=2")
     assert code == 130
     assert err.strip() == (
@@ -149,7 +121,7 @@ def test_sigterm_from_another_process(tmp_path: Path):
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "lmlab", "train", "--out", str(out), "--max-steps", "100000"]
     with open(tmp_path / "stderr", "w") as stderr:  # a file: a full pipe cannot block it
-        proc = subprocess.Popen([*cmd, *TINY_SET], env=env, stderr=stderr)
+        proc = subprocess.Popen([*cmd, *TRAIN_SET], env=env, stderr=stderr)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and max(losses(out), default=0) < 3:
             time.sleep(0.05)
@@ -265,7 +237,7 @@ def test_too_many_non_finite_steps_stop_with_the_last_good_state_saved(
 ):
     inject(monkeypatch, at_steps=set(range(4, 100)))  # broken from step 4 on
     run = tmp_path / "run"
-    argv = ["train", "--out", str(run), "--max-steps", "20", *TINY_SET]
+    argv = ["train", "--out", str(run), "--max-steps", "20", *TRAIN_SET]
     argv += ["--set", "train.max_skipped_steps=2", "--set", "train.checkpoint_every=3"]
     code, out, err = run_cli(capsys, *argv)
     assert code == 2

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tests_helpers_seq2seq import seq2seq_run_config
 
 from lmlab.cli import main
 from lmlab.data.pairs import load_pairs
 from lmlab.errors import LmlabError
+from tests.helpers import seq2seq_run_config
 
 
 def one_error(capsys, *argv: str) -> str:

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import lmlab
-from lmlab.cli import main
 from lmlab.errors import LmlabError
+from tests.helpers import run_cli
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "lmlab"
 CKPT = "checkpoints/step-000030"
@@ -42,11 +42,6 @@ def plant(path: Path, marker: Path, fmt: str) -> None:
         path.write_bytes(pickle.dumps(Payload(marker)))
     else:
         torch.save({"state": Payload(marker)}, path)
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str]:
-    code = main(list(argv))
-    return code, capsys.readouterr().err
 
 
 def test_the_payload_is_live(tmp_path: Path):
@@ -119,7 +114,7 @@ def test_a_pickle_in_place_of_a_run_file_is_refused(
     argv = {"train": ["train", "--resume", str(run), "--max-steps", "31"]}.get(
         command, [command, str(run)]
     )
-    code, err = run_cli(capsys, *argv)
+    code, _, err = run_cli(capsys, *argv)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not marker.exists()
 
@@ -131,7 +126,7 @@ def test_a_hugging_face_folder_with_only_a_pickled_checkpoint_is_refused(tmp_pat
     plant(hf / "pytorch_model.bin", marker, "torch")
     with pytest.raises(LmlabError, match="no model.safetensors .pytorch_model.bin is a pickle"):
         lmlab.load(hf)
-    code, err = run_cli(capsys, "generate", str(hf))
+    code, _, err = run_cli(capsys, "generate", str(hf))
     assert code == 2 and "pytorch_model.bin is a pickle, which lmlab never loads" in err
     assert not marker.exists()
 
@@ -186,13 +181,13 @@ def _legacy_sharded_checkpoint(ckpt: Path, marker: Path, keep_optimizer: bool) -
 def test_a_crafted_sharded_checkpoint_is_never_unpickled(tiny_run: Path, tmp_path: Path, capsys):
     """The old DCP layout with a matching manifest: resume refuses it in one line, unchanged;
     eval reads only model.safetensors. The .metadata payload never runs."""
-    from catalogue_helpers import assert_one_error, assert_unchanged, snapshot
+    from tests.helpers import assert_one_error, assert_unchanged, snapshot
 
     run, marker = tmp_path / "run", tmp_path / "pwned"
     shutil.copytree(tiny_run, run)
     _legacy_sharded_checkpoint(run / CKPT, marker, keep_optimizer=False)
     before = snapshot(run)
-    code, err = run_cli(capsys, "train", "--resume", str(run), "--max-steps", "31")
+    code, _, err = run_cli(capsys, "train", "--resume", str(run), "--max-steps", "31")
     assert_one_error(code, err, f"{run / CKPT} keeps its optimizer state in sharded/", "pickle")
     assert_unchanged(run, before)
     assert run_cli(capsys, "eval", str(run), "--max-tokens", "200")[0] == 0

@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from catalogue_helpers import assert_one_error, assert_unchanged, run_cli, snapshot, within
 from safetensors.torch import load_file, save_file
+
+from tests.helpers import assert_one_error, assert_unchanged, run_cli, snapshot, within
 
 CKPT = "checkpoints/step-000030"
 STATE = f"{CKPT}/trainer_state.json"

@@ -3,35 +3,11 @@ silently; the message says what happened and what is kept."""
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 
-from catalogue_helpers import run_cli
-
-import lmlab.training.objectives as objectives
 import lmlab.training.trainer as trainer
-
-TINY = [
-    *("--set", "model.d_model=32", "--set", "model.n_layers=2", "--set", "model.max_seq_len=32"),
-    *("--set", "train.batch_size=4", "--set", "train.eval_batches=2", "--set", "train.log_every=1"),
-    *("--set", "train.precision=fp32", "--set", "train.warmup_steps=3", "--no-progress"),
-]
-
-
-def signal_during(monkeypatch, call: int, *signals: int) -> None:
-    """Send ``signals`` to this process from inside the ``call``-th batch draw (the step-0
-    evaluation draws 2 batches first, so call 3 is step 1's batch)."""
-    real, calls = objectives.sample_batch, []
-
-    def sample_batch(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == call:
-            for sig in signals:
-                os.kill(os.getpid(), sig)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(objectives, "sample_batch", sample_batch)
+from tests.helpers import TRAIN_SET, run_cli, signal_during
 
 
 def test_a_double_ctrl_c_before_the_first_checkpoint_keeps_the_folder_and_says_so(
@@ -39,7 +15,7 @@ def test_a_double_ctrl_c_before_the_first_checkpoint_keeps_the_folder_and_says_s
 ):
     signal_during(monkeypatch, 3, signal.SIGINT, signal.SIGINT)  # twice during step 1
     out = tmp_path / "run"
-    argv = ["train", "--out", str(out), "--max-steps", "4", *TINY]
+    argv = ["train", "--out", str(out), "--max-steps", "4", *TRAIN_SET]
     code, _, err = run_cli(capsys, *argv)
     assert code == 130
     line = err.strip()
@@ -63,7 +39,7 @@ def test_ctrl_c_while_the_token_cache_is_built_says_what_is_kept(
 
     monkeypatch.setattr(trainer, "build_token_cache", interrupted)
     out = tmp_path / "run"
-    code, _, err = run_cli(capsys, "train", "--out", str(out), "--max-steps", "4", *TINY)
+    code, _, err = run_cli(capsys, "train", "--out", str(out), "--max-steps", "4", *TRAIN_SET)
     assert code == 130
     assert err.strip() == (
         f"interrupted before the first checkpoint; {out} keeps what was written so far (no "

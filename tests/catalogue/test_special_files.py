@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from catalogue_helpers import assert_one_error, run_cli, within
-from conftest import TINY
+
+from tests.helpers import TINY, assert_one_error, run_cli, within
 
 GUARD_S = 30  # far above what a refusal takes; only a hang reaches it
 HUGE = 100 << 30  # bytes: a sparse file of this size uses no disk

@@ -13,15 +13,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from catalogue_helpers import assert_one_error, assert_unchanged, run_cli, snapshot, within
 
 import lmlab.generation.chat_template as chat_template
 from lmlab.cli import main
+from tests.helpers import (
+    assert_one_error,
+    assert_unchanged,
+    run_cli,
+    snapshot,
+    tiny_llama_hf,
+    within,
+    write_llama_gguf,
+)
 
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
-
-from tests.gguf_tiny import tiny_llama_hf, write_llama_gguf  # noqa: E402
 
 
 @pytest.fixture(scope="module")

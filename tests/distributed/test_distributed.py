@@ -31,8 +31,8 @@ from lmlab.errors import LmlabError
 from lmlab.run import load_run
 from lmlab.training.distributed import Parallel, launch
 from lmlab.training.trainer import train
-from tests.conftest import tiny_config
 from tests.distributed._uneven import patch_uneven_clm
+from tests.helpers import tiny_config
 
 WORKER = Path(__file__).with_name("_worker.py")
 TOL = 1e-6

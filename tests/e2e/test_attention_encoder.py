@@ -20,15 +20,10 @@ from lmlab.analysis.attention_maps import (
 )
 from lmlab.interop.load import load
 from lmlab.nn.masks import bidirectional_mask, causal_mask
-from tests.e2e.test_inspect_attention import png_size, run_cli
+from tests.e2e.test_inspect_attention import png_size
+from tests.helpers import run_cli
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_a_bidirectional_head_is_judged_against_ln_t_not_the_causal_maximum():

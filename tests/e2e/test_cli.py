@@ -12,37 +12,7 @@ import yaml
 
 from lmlab.cli import main
 from lmlab.training.metrics import read_metrics
-
-TINY_SET = [
-    "--set",
-    "model.d_model=32",
-    "--set",
-    "model.n_layers=2",
-    "--set",
-    "model.max_seq_len=32",
-    "--set",
-    "model.attention.n_heads=4",
-    "--set",
-    "train.batch_size=4",
-    "--set",
-    "train.eval_every=10",
-    "--set",
-    "train.eval_batches=2",
-    "--set",
-    "train.log_every=1",
-    "--set",
-    "train.warmup_steps=3",
-    "--set",
-    "train.lr=3e-3",
-    "--set",
-    "train.precision=fp32",
-]
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
+from tests.helpers import TINY_SET, run_cli
 
 
 def test_trained_run_folder_has_everything(tiny_run: Path):

@@ -20,7 +20,7 @@ from lmlab.experiments.spec import experiment_from_dict
 from lmlab.training import trainer
 from lmlab.training.checkpoint import latest_checkpoint, read_trainer_state
 from lmlab.training.metrics import read_metrics
-from tests.conftest import TINY
+from tests.helpers import TINY
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -7,17 +7,10 @@ import math
 from pathlib import Path
 
 import pytest
-from tests_helpers_encoder import encoder_run_config
 
-from lmlab.cli import main
 from lmlab.training.metrics import read_metrics
 from lmlab.training.trainer import train
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
+from tests.helpers import encoder_run_config, run_cli
 
 
 def test_mlm_training_lowers_the_masked_loss(encoder_run: Path):

@@ -20,7 +20,7 @@ from lmlab.evaluation.lengths import (
 )
 from lmlab.models.build import build_model
 from lmlab.training.trainer import train
-from tests.conftest import tiny_config, tiny_model_config
+from tests.helpers import tiny_config, tiny_model_config
 
 
 @pytest.fixture(scope="module")

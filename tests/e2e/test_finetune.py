@@ -27,7 +27,7 @@ from lmlab.run import load_run  # noqa: E402
 from lmlab.training.checkpoint import latest_checkpoint  # noqa: E402
 from lmlab.training.metrics import read_metrics  # noqa: E402
 from lmlab.training.trainer import train  # noqa: E402
-from tests.conftest import tiny_config  # noqa: E402
+from tests.helpers import tiny_config, write_hf_folder  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +62,7 @@ def _hf_folder(tmp_path: Path, corpus: Path, family: str) -> tuple[Path, torch.n
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     folder = tmp_path / f"hf-{family}"
-    hf.save_pretrained(str(folder))
-    CharTokenizer(chars).save(folder / "tokenizer.json")
-    return folder, hf
+    return write_hf_folder(folder, hf, CharTokenizer(chars)), hf
 
 
 def _config(corpus: Path, max_steps: int):

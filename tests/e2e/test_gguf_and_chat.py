@@ -1,5 +1,5 @@
-"""GGUF loading, chat and eval on tiny GGUF files (tests/gguf_tiny.py), and their bad inputs:
-one clear ``error: ...`` line each, never a traceback."""
+"""GGUF loading, chat and eval on tiny GGUF files (tests/helpers/gguf_files.py), and their bad
+inputs: one clear ``error: ...`` line each, never a traceback."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 import lmlab.interop.load as lmlab_load  # noqa: E402
-from lmlab.cli import main  # noqa: E402
 from lmlab.errors import LmlabError  # noqa: E402
 from lmlab.generation.chat import (  # noqa: E402
     ChatSession,
@@ -22,37 +21,17 @@ from lmlab.generation.chat import (  # noqa: E402
     render_chat,
 )
 from lmlab.generation.generate import SamplingParams  # noqa: E402
-from tests.gguf_tiny import CHATML, write_llama_gguf  # noqa: E402
+from tests.helpers import CHATML, run_cli, tiny_llama_hf, write_llama_gguf  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def hf_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=258,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return tiny_llama_hf(n_layers=2)
 
 
 @pytest.fixture(scope="module")
 def tiny_gguf(hf_model, tmp_path_factory) -> Path:
     return write_llama_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", hf_model)
-
-
-def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # ------------------------------------------------------------------ working paths
@@ -117,21 +96,19 @@ def test_chat_repl_reads_stdin_keeps_history_resets_and_exits(tiny_gguf):
 def test_cli_chat_and_generate_chat_on_gguf(tiny_gguf, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
     code, out, err = run_cli(
-        ["chat", str(tiny_gguf), "--temperature", "0", "--max-new-tokens", "3"], capsys
+        capsys, "chat", str(tiny_gguf), "--temperature", "0", "--max-new-tokens", "3"
     )
     assert code == 0 and "/reset" in err
     code, out2, _ = run_cli(
-        [
-            "generate",
-            str(tiny_gguf),
-            "--chat",
-            "hello",
-            "--temperature",
-            "0",
-            "--max-new-tokens",
-            "3",
-        ],
         capsys,
+        "generate",
+        str(tiny_gguf),
+        "--chat",
+        "hello",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "3",
     )
     assert code == 0 and out2 == out  # the same greedy reply to the same first message
 
@@ -140,7 +117,7 @@ def test_cli_eval_gguf_prints_perplexity(tiny_gguf, tmp_path, capsys):
     text = tmp_path / "t.txt"
     text.write_text("hello there, general kenobi. " * 5)
     code, out, _ = run_cli(
-        ["eval", str(tiny_gguf), "--data", str(text), "--max-tokens", "100"], capsys
+        capsys, "eval", str(tiny_gguf), "--data", str(text), "--max-tokens", "100"
     )
     assert code == 0
     ppl = float(out.split("perplexity: ")[1].split()[0])
@@ -216,7 +193,7 @@ def test_bad_gguf_inputs_give_one_error_line(name, hf_model, tmp_path, capsys):
     argv = ["generate", str(path), "--max-new-tokens", "2"]
     if name == "no-chat-template":
         argv += ["--chat", "hi"]
-    code, out, err = run_cli(argv, capsys)
+    code, out, err = run_cli(capsys, *argv)
     assert code == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
@@ -232,18 +209,18 @@ def test_bad_gguf_inputs_give_one_error_line(name, hf_model, tmp_path, capsys):
     ],
 )
 def test_bad_chat_flags(tiny_gguf, capsys, argv, message):
-    code, _, err = run_cli(["generate", str(tiny_gguf), *argv], capsys)
+    code, _, err = run_cli(capsys, "generate", str(tiny_gguf), *argv)
     assert code == 2 and message in err
 
 
 def test_chat_message_too_long_for_budget(tiny_gguf, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("x" * 200 + "\n"))
-    code, _, err = run_cli(["chat", str(tiny_gguf), "--max-context", "32"], capsys)
+    code, _, err = run_cli(capsys, "chat", str(tiny_gguf), "--max-context", "32")
     assert code == 2 and "more than the" in err and "--max-context" in err
 
 
 def test_eval_split_needs_a_run_folder(tiny_gguf, capsys):
-    code, _, err = run_cli(["eval", str(tiny_gguf)], capsys)
+    code, _, err = run_cli(capsys, "eval", str(tiny_gguf))
     assert code == 2 and "is not an lmlab run folder, so it has no corpus split: give --data" in err
 
 
@@ -252,8 +229,15 @@ def test_eval_split_needs_a_run_folder(tiny_gguf, capsys):
 
 def _greedy_chat(path: Path, capsys) -> str:
     code, out, err = run_cli(
-        ["generate", str(path), "--chat", "hello", "--temperature", "0", "--max-new-tokens", "4"],
         capsys,
+        "generate",
+        str(path),
+        "--chat",
+        "hello",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "4",
     )
     assert code == 0, err
     return out
@@ -264,7 +248,7 @@ def test_chat_template_survives_import_init_from_and_export(tiny_gguf, tmp_path,
     a --init-from run keeps them; export writes them where transformers reads them."""
     reply = _greedy_chat(tiny_gguf, capsys)
     run = tmp_path / "imported"
-    assert run_cli(["import", str(tiny_gguf), "--out", str(run)], capsys)[0] == 0
+    assert run_cli(capsys, "import", str(tiny_gguf), "--out", str(run))[0] == 0
     _, tok = lmlab_load.load(run)
     assert (tok.chat_template, tok.eos_id, tok.bos_id, tok.stop_ids) == (CHATML, 257, 256, {257})
     assert _greedy_chat(run, capsys) == reply  # the same prompt ids, the same stop token
@@ -274,13 +258,13 @@ def test_chat_template_survives_import_init_from_and_export(tiny_gguf, tmp_path,
     argv = ["train", "--init-from", str(run), "--data", str(corpus), "--out", str(tuned)]
     argv += ["--max-steps", "1", "--no-progress", "--set", "train.batch_size=2"]
     argv += ["--set", "train.seq_len=32", "--set", "train.device=cpu"]
-    code, _, err = run_cli(argv, capsys)
+    code, _, err = run_cli(capsys, *argv)
     assert code == 0, err
     _, tuned_tok = lmlab_load.load(tuned)
     assert (tuned_tok.chat_template, tuned_tok.eos_id) == (CHATML, 257)
     _greedy_chat(tuned, capsys)  # a template: no "has no chat template" refusal
     folder = tmp_path / "hf"
-    code, _, err = run_cli(["export", str(run), "--out", str(folder)], capsys)
+    code, _, err = run_cli(capsys, "export", str(run), "--out", str(folder))
     assert code == 0, err
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(folder))
     messages = [{"role": "user", "content": "hello"}]

@@ -9,18 +9,11 @@ from pathlib import Path
 import pytest
 
 from lmlab.analysis import costs
-from lmlab.cli import main
 from lmlab.config import load_config
-from tests.conftest import tiny_config
+from tests.helpers import run_cli, tiny_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 CJK_TEXT = "满纸荒唐言，一把辛酸泪！都云作者痴，谁解其中味？\n" * 40
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def png_size(path: Path) -> tuple[int, int]:

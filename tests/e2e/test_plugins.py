@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from catalogue_helpers import assert_one_error, run_cli
 
 from lmlab.nn import ATTENTION, POSITION
+from tests.helpers import assert_one_error, run_cli
 
 PLUGINS = Path(__file__).resolve().parents[2] / "examples" / "plugins"
 FILES = sorted(PLUGINS.glob("*.py"))

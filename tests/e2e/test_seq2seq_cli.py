@@ -9,14 +9,8 @@ from pathlib import Path
 import torch
 
 from lmlab.analysis.attention_maps import seq2seq_attention_maps
-from lmlab.cli import main
 from lmlab.interop.load import load
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
+from tests.helpers import run_cli
 
 
 def test_eval_prints_exact_match_token_accuracy_and_loss(seq2seq_run: Path, capsys):

@@ -1,8 +1,8 @@
 """GGUF files of a Llama model load into lmlab with the reference model's logits.
 
 A tiny random Hugging Face ``LlamaForCausalLM`` is written to a GGUF file the way llama.cpp's
-converter writes one (q/k rows permuted to interleaved RoPE order, tests/gguf_tiny.py); lmlab
-reads it back through ``lmlab.load``. Nothing is downloaded.
+converter writes one (q/k rows permuted to interleaved RoPE order, tests/helpers/gguf_files.py);
+lmlab reads it back through ``lmlab.load``. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -24,24 +24,23 @@ from lmlab.interop.rope_layout import (  # noqa: E402
     interleaved_to_half_split,
 )
 from lmlab.models import build_model  # noqa: E402
-from tests.conftest import tiny_model_config  # noqa: E402
-from tests.gguf_tiny import llama_cpp_permute, write_llama_gguf  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    hf_config,
+    llama_cpp_permute,
+    tiny_model_config,
+    write_llama_gguf,
+)
 
 VOCAB = 258  # 256 byte tokens + <|im_start|> + <|im_end|>
 
 
 def hf_llama(n_kv_heads: int = 2, tied: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
+    cfg = hf_config(
+        "llama",
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
         num_key_value_heads=n_kv_heads,
-        max_position_embeddings=64,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=tied,
     )
     model = transformers.LlamaForCausalLM(cfg).eval()

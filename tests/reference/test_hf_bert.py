@@ -24,34 +24,15 @@ from lmlab.interop.hf_bert import (  # noqa: E402
 )
 from lmlab.interop.load import load  # noqa: E402
 from lmlab.models import build_model  # noqa: E402
+from tests.helpers import hf_config, perturb_vectors  # noqa: E402
 
 VOCAB = 61
-
-
-def _bert_config(**kw) -> transformers.BertConfig:
-    args = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=48,
-        max_position_embeddings=24,
-        type_vocab_size=2,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    args.update(kw)
-    return transformers.BertConfig(**args)
 
 
 def _randomise(model: torch.nn.Module) -> torch.nn.Module:
     """Move norm weights and biases off their 1 / 0 initial values, so a swapped or missing
     norm or bias would show."""
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model.eval()
+    return perturb_vectors(model).eval()
 
 
 def _convert(hf_model: torch.nn.Module) -> torch.nn.Module:
@@ -74,7 +55,7 @@ def _padded_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("act", ["gelu", "gelu_new"])
 def test_bert_for_masked_lm_hidden_states_and_logits_match(act: str):
-    hf_model = _randomise(transformers.BertForMaskedLM(_bert_config(hidden_act=act)))
+    hf_model = _randomise(transformers.BertForMaskedLM(hf_config("bert", hidden_act=act)))
     ours = _convert(hf_model)
     assert ours.pooler is None and ours.lm_head is not None  # BertForMaskedLM: no pooler
     x, mask, types = _padded_batch()
@@ -92,7 +73,7 @@ def test_bert_for_masked_lm_hidden_states_and_logits_match(act: str):
 
 
 def test_bert_model_hidden_states_and_pooler_match():
-    hf_model = _randomise(transformers.BertModel(_bert_config()))
+    hf_model = _randomise(transformers.BertModel(hf_config("bert")))
     ours = _convert(hf_model)
     assert ours.lm_head is None and ours.pooler is not None  # BertModel: pooler, no MLM head
     x, mask, types = _padded_batch()
@@ -105,7 +86,7 @@ def test_bert_model_hidden_states_and_pooler_match():
 
 @pytest.mark.parametrize("cls_name", ["BertForMaskedLM", "BertModel"])
 def test_bert_state_dict_round_trip_is_bit_exact(cls_name: str):
-    hf_model = _randomise(getattr(transformers, cls_name)(_bert_config()))
+    hf_model = _randomise(getattr(transformers, cls_name)(hf_config("bert")))
     sd = hf_model.state_dict()
     ours = _convert(hf_model)
     prefix = "bert." if cls_name == "BertForMaskedLM" else ""
@@ -117,7 +98,7 @@ def test_bert_state_dict_round_trip_is_bit_exact(cls_name: str):
 
 def test_load_reads_a_bert_folder(tmp_path: Path):
     """lmlab.load on a HF BERT folder (config.json + model.safetensors) gives the same logits."""
-    hf_model = _randomise(transformers.BertForMaskedLM(_bert_config()))
+    hf_model = _randomise(transformers.BertForMaskedLM(hf_config("bert")))
     sd = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
     sd.pop("cls.predictions.decoder.weight")  # tied: HF saves shared tensors once
     sd.pop("cls.predictions.decoder.bias")

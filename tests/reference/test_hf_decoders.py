@@ -19,6 +19,7 @@ from lmlab.interop.hf import (  # noqa: E402
     llama_state_dict,
 )
 from lmlab.models import build_model  # noqa: E402
+from tests.helpers import hf_config, perturb_all, perturb_vectors  # noqa: E402
 
 
 def _compare(hf_model: torch.nn.Module, ours: torch.nn.Module, vocab: int) -> None:
@@ -53,45 +54,19 @@ def _compare(hf_model: torch.nn.Module, ours: torch.nn.Module, vocab: int) -> No
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("n_kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
 def test_llama_logits_match(n_kv_heads: int, tied: bool):
-    cfg = transformers.LlamaConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=n_kv_heads,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=tied,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-    )
+    cfg = hf_config("llama", num_key_value_heads=n_kv_heads, tie_word_embeddings=tied)
     torch.manual_seed(0)
-    hf_model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():  # RMSNorm weights start at 1: move them too
-        for p in hf_model.parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn_like(p) * 0.1)
+    hf_model = perturb_vectors(transformers.LlamaForCausalLM(cfg))  # RMSNorm weights start at 1
     ours = build_model(llama_model_config(cfg))
     ours.load_state_dict(llama_state_dict(hf_model.state_dict(), tied), strict=True)
     _compare(hf_model, ours, 97)
 
 
 def test_gpt2_logits_match():
-    cfg = transformers.GPT2Config(
-        vocab_size=101,
-        n_positions=64,
-        n_embd=48,
-        n_layer=2,
-        n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
+    cfg = hf_config("gpt2")
     torch.manual_seed(0)
-    hf_model = transformers.GPT2LMHeadModel(cfg)
-    with torch.no_grad():
-        for p in hf_model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)  # biases and norm weights away from 0 / 1
+    # biases and norm weights away from 0 / 1
+    hf_model = perturb_all(transformers.GPT2LMHeadModel(cfg), 0.05)
     ours = build_model(gpt2_model_config(cfg))
     ours.load_state_dict(gpt2_state_dict(hf_model.state_dict(), 48), strict=True)
     _compare(hf_model, ours, 101)

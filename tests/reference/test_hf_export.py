@@ -27,7 +27,7 @@ from lmlab.interop.export import export_model, verify_hf_folder  # noqa: E402
 from lmlab.interop.importer import import_model, write_run  # noqa: E402
 from lmlab.models import build_model  # noqa: E402
 from lmlab.run import load_run  # noqa: E402
-from tests.conftest import tiny_model_config  # noqa: E402
+from tests.helpers import perturb_all, tiny_model_config, write_hf_folder  # noqa: E402
 
 VOCAB = 61
 CHARS = [chr(0x21 + i) for i in range(VOCAB)]  # '!' .. ']'
@@ -65,10 +65,7 @@ FAMILIES = {  # model_type -> tiny lmlab model settings it must export to
 
 
 def _randomise(model: torch.nn.Module) -> torch.nn.Module:
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return model.eval()
+    return perturb_all(model).eval()
 
 
 def _lmlab_run(tmp_path: Path, **model_settings) -> tuple[Path, torch.nn.Module]:
@@ -195,9 +192,7 @@ def _hf_folder(tmp_path: Path, model_type: str) -> tuple[Path, torch.nn.Module]:
     torch.manual_seed(0)
     hf = _randomise(transformers.AutoModelForCausalLM.from_config(configs[model_type]))
     folder = tmp_path / f"hf-{model_type}"
-    hf.save_pretrained(str(folder))
-    CharTokenizer(CHARS).save(folder / "tokenizer.json")
-    return folder, hf
+    return write_hf_folder(folder, hf, CharTokenizer(CHARS)), hf
 
 
 @pytest.mark.parametrize(

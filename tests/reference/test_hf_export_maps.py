@@ -31,17 +31,14 @@ from lmlab.interop.hf_neox import (  # noqa: E402
     split_neox_qkv,
 )
 from lmlab.models import build_model  # noqa: E402
-from tests.conftest import tiny_model_config  # noqa: E402
+from tests.helpers import perturb_all, tiny_model_config  # noqa: E402
 
 VOCAB = 61
 
 
 def _randomise(model: torch.nn.Module) -> torch.nn.Module:
     """Move every parameter (norm weights start at 1, biases at 0) so no map can hide."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return model.eval()
+    return perturb_all(model).eval()
 
 
 def _persistent_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

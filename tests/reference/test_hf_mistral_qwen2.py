@@ -22,19 +22,11 @@ from lmlab.interop.hf_mistral import (  # noqa: E402
 )
 from lmlab.models import build_model  # noqa: E402
 from lmlab.nn.masks import position_ids_from_attention_mask  # noqa: E402
+from tests.helpers import hf_config, perturb_vectors  # noqa: E402
 
 VOCAB, T = 97, 17
-TINY = dict(
+TINY = dict(  # over tests.helpers.hf_models.LLAMA
     vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    rope_parameters={"rope_type": "default", "rope_theta": 500.0},
     bos_token_id=None,
     eos_token_id=None,  # never stop generation early
     pad_token_id=0,
@@ -43,35 +35,29 @@ TINY = dict(
 
 def _pair(hf_cls, hf_cfg, to_cfg):
     torch.manual_seed(0)
-    hf_model = hf_cls(hf_cfg).eval()
-    with torch.no_grad():  # norm weights start at 1 and biases at 0: move them too
-        for p in hf_model.parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn_like(p) * 0.1)
+    hf_model = perturb_vectors(hf_cls(hf_cfg).eval())  # norm weights 1, biases 0 at init
     ours = build_model(to_cfg(hf_cfg)).eval()
     ours.load_state_dict(hf_state_dict(hf_model.state_dict(), tied=False), strict=True)
     return hf_model, ours
 
 
 def mistral():
-    cfg = transformers.MistralConfig(**TINY, sliding_window=5)  # window 5 < 17 tokens
+    cfg = hf_config("mistral", **TINY, sliding_window=5)  # window 5 < 17 tokens
     return _pair(transformers.MistralForCausalLM, cfg, mistral_model_config)
 
 
 def qwen2():
-    cfg = transformers.Qwen2Config(**TINY)
+    cfg = hf_config("qwen2", **TINY)
     return _pair(transformers.Qwen2ForCausalLM, cfg, qwen2_model_config)
 
 
 def qwen2_sliding():
-    cfg = transformers.Qwen2Config(
-        **TINY, use_sliding_window=True, sliding_window=6, max_window_layers=0
-    )
+    cfg = hf_config("qwen2", **TINY, use_sliding_window=True, sliding_window=6, max_window_layers=0)
     return _pair(transformers.Qwen2ForCausalLM, cfg, qwen2_model_config)
 
 
 def qwen3():
-    cfg = transformers.Qwen3Config(**TINY, head_dim=16)
+    cfg = hf_config("qwen3", **TINY, head_dim=16)
     return _pair(transformers.Qwen3ForCausalLM, cfg, qwen3_model_config)
 
 

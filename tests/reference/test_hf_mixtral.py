@@ -21,34 +21,26 @@ from lmlab.interop.hf_mixtral import (  # noqa: E402
 )
 from lmlab.models import build_model  # noqa: E402
 from lmlab.nn.moe import load_balancing_loss  # noqa: E402
+from tests.helpers import hf_config, perturb_vectors  # noqa: E402
 
 VOCAB = 97
 
 
 def tiny_mixtral(tied: bool = False, top_k: int = 2, window: int | None = None) -> torch.nn.Module:
-    cfg = transformers.MixtralConfig(
+    cfg = hf_config(
+        "mixtral",
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         num_local_experts=4,
         num_experts_per_tok=top_k,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-6,
         tie_word_embeddings=tied,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
         eos_token_id=None,
         sliding_window=window,
     )
     torch.manual_seed(0)
-    model = transformers.MixtralForCausalLM(cfg)
+    model = perturb_vectors(transformers.MixtralForCausalLM(cfg))  # RMSNorm weights start at 1
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim == 1:  # RMSNorm weights start at 1: move them too
-                p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith("mlp.gate.weight"):  # a spread-out router: no near-ties in top-k
+            if name.endswith("mlp.gate.weight"):  # a spread-out router: no near-ties in top-k
                 p.mul_(5.0)
     return model.eval()
 

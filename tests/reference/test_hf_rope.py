@@ -16,15 +16,9 @@ from lmlab.generation.generate import SamplingParams, generate_ids  # noqa: E402
 from lmlab.interop.hf import llama_model_config, llama_state_dict, rope_position_config  # noqa: E402
 from lmlab.interop.hf_neox import neox_model_config, neox_state_dict  # noqa: E402
 from lmlab.models import build_model  # noqa: E402
+from tests.helpers import hf_config, perturb_vectors  # noqa: E402
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
-
-
-def _perturb(model: torch.nn.Module, scale: float) -> None:
-    with torch.no_grad():  # norm weights start at 1 and biases at 0: move them too
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn_like(p) * scale)
 
 
 def _hf_cached(hf_model: torch.nn.Module, x: torch.Tensor, prefill: int) -> torch.Tensor:
@@ -45,21 +39,10 @@ def _ours_cached(model: torch.nn.Module, x: torch.Tensor, prefill: int) -> torch
 
 
 def _llama_pair(rope_parameters: dict, max_pos: int) -> tuple[torch.nn.Module, torch.nn.Module]:
-    cfg = transformers.LlamaConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_pos,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        rope_parameters=dict(rope_parameters),
-    )
+    cfg = hf_config("llama", max_position_embeddings=max_pos, rope_parameters=dict(rope_parameters))
     torch.manual_seed(0)
     hf_model = transformers.LlamaForCausalLM(cfg).eval()
-    _perturb(hf_model, 0.1)
+    perturb_vectors(hf_model, 0.1)
     ours = build_model(llama_model_config(cfg)).eval()
     ours.load_state_dict(llama_state_dict(hf_model.state_dict(), False), strict=True)
     return hf_model, ours
@@ -156,20 +139,7 @@ def test_old_rope_scaling_and_rope_theta_attributes_map_like_rope_parameters():
 
 
 def _neox_config(**kw: object):
-    base = dict(
-        vocab_size=97,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        max_position_embeddings=64,
-        rotary_pct=0.25,
-        rotary_emb_base=500,
-        use_parallel_residual=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    return transformers.GPTNeoXConfig(**{**base, **kw})
+    return hf_config("gpt_neox", **kw)
 
 
 @pytest.mark.parametrize("parallel", [False, True], ids=["sequential", "parallel"])
@@ -178,7 +148,7 @@ def test_gpt_neox_partial_rotary_matches_hf_full_and_cached(attention_bias: bool
     cfg = _neox_config(attention_bias=attention_bias, use_parallel_residual=parallel)
     torch.manual_seed(0)
     hf_model = transformers.GPTNeoXForCausalLM(cfg).eval()
-    _perturb(hf_model, 0.05)
+    perturb_vectors(hf_model, 0.05)
     mc = neox_model_config(cfg)
     assert (mc.position.partial_rotary_factor, mc.position.rope_theta) == (0.25, 500.0)
     assert (mc.norm.kind, mc.ffn.activation, mc.tie_embeddings) == ("layernorm", "gelu", False)

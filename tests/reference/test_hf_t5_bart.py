@@ -25,77 +25,25 @@ from lmlab.interop.hf_t5 import t5_hf_state_dict, t5_model_config, t5_state_dict
 from lmlab.interop.load import load  # noqa: E402
 from lmlab.models import build_model  # noqa: E402
 from lmlab.nn.position import relative_position_bucket  # noqa: E402
+from tests.helpers import hf_config, redraw  # noqa: E402
 
 VOCAB = 61
-T5_TINY = dict(
-    vocab_size=VOCAB,
-    d_model=32,
-    d_kv=8,
-    d_ff=48,
-    num_layers=2,
-    num_decoder_layers=2,  # transformers 5.24's generate sizes T5's cache by num_layers
-    num_heads=4,
-    relative_attention_num_buckets=8,  # few buckets, short max distance: the log buckets are used
-    relative_attention_max_distance=12,
-    dropout_rate=0.0,
-    pad_token_id=0,
-    eos_token_id=1,
-    decoder_start_token_id=0,
-)
-BART_TINY = dict(
-    vocab_size=VOCAB,
-    d_model=32,
-    encoder_layers=2,
-    decoder_layers=3,
-    encoder_attention_heads=4,
-    decoder_attention_heads=4,
-    encoder_ffn_dim=48,
-    decoder_ffn_dim=48,
-    max_position_embeddings=40,
-    scale_embedding=True,
-    dropout=0.0,
-    attention_dropout=0.0,
-    activation_dropout=0.0,
-    pad_token_id=1,
-    bos_token_id=0,
-    eos_token_id=2,
-    decoder_start_token_id=2,
-    forced_eos_token_id=None,
-)
-
-
-def _randomise(model: torch.nn.Module) -> torch.nn.Module:
-    """Redraw every matrix N(0, 0.2) (HF's init gives near-constant greedy outputs: the same
-    token over and over, or an immediate EOS) and move norm weights and biases (1 / 0 at init,
-    final_logits_bias included) by N(0, 0.1), so no map can hide behind an initial value."""
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-            else:
-                p.normal_(0.0, 0.2)
-        for name, buf in model.named_buffers():
-            if name == "final_logits_bias":
-                buf.add_(torch.randn_like(buf) * 0.1)
-    return model.eval()
 
 
 def t5_relu():
     # tie_word_embeddings: the decoder output is scaled by d_model**-0.5
-    cfg = transformers.T5Config(**T5_TINY, feed_forward_proj="relu", tie_word_embeddings=True)
+    cfg = hf_config("t5", feed_forward_proj="relu", tie_word_embeddings=True)
     return transformers.T5ForConditionalGeneration, cfg, t5_model_config, t5_state_dict
 
 
 def t5_gated():
     # tie_word_embeddings=False: transformers 5 still ties the head but drops the scaling
-    cfg = transformers.T5Config(
-        **T5_TINY, feed_forward_proj="gated-gelu", tie_word_embeddings=False
-    )
+    cfg = hf_config("t5", feed_forward_proj="gated-gelu", tie_word_embeddings=False)
     return transformers.T5ForConditionalGeneration, cfg, t5_model_config, t5_state_dict
 
 
 def bart():
-    cfg = transformers.BartConfig(**BART_TINY)
+    cfg = hf_config("bart")
     return transformers.BartForConditionalGeneration, cfg, bart_model_config, bart_state_dict
 
 
@@ -107,7 +55,7 @@ TO_HF = {"t5_relu": t5_hf_state_dict, "t5_gated_gelu": t5_hf_state_dict, "bart":
 def pair(request):
     hf_cls, hf_cfg, to_cfg, to_state = FAMILIES[request.param]()
     torch.manual_seed(0)
-    hf_model = _randomise(hf_cls(hf_cfg))
+    hf_model = redraw(hf_cls(hf_cfg))
     cfg = to_cfg(hf_cfg)
     ours = build_model(cfg).eval()
     ours.load_state_dict(to_state(hf_model.state_dict(), cfg), strict=True)
@@ -260,7 +208,7 @@ VERIFY_CONFIGS = {
 @pytest.mark.parametrize("family", list(VERIFY_CONFIGS))
 def test_lmlab_verify_passes_on_encoder_decoder_configs_with_a_reference(family):
     from lmlab.analysis.verify import verify_config
-    from tests.conftest import TINY, tiny_config
+    from tests.helpers import TINY, tiny_config
 
     cfg = tiny_config(model={**TINY["model"], **VERIFY_CONFIGS[family]})
     checks = {c.name: c for c in verify_config(cfg, family)}

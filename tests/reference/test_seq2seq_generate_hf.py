@@ -15,6 +15,7 @@ from tokenizers import Regex, decoders, models, pre_tokenizers  # noqa: E402
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
 
 from lmlab.cli import main  # noqa: E402
+from tests.helpers import hf_config, redraw  # noqa: E402
 
 SYMBOLS = string.ascii_letters + "0123456"  # 59 characters + <pad> + </s> = 61 tokens
 
@@ -29,11 +30,9 @@ def _tokenizer() -> HFTokenizer:
 
 
 def test_generate_source_on_a_t5_folder_equals_hf_generate(tmp_path, capsys):
-    from test_hf_t5_bart import T5_TINY, _randomise
-
     torch.manual_seed(0)
-    cfg = transformers.T5Config(**T5_TINY, feed_forward_proj="relu", tie_word_embeddings=True)
-    hf_model = _randomise(transformers.T5ForConditionalGeneration(cfg))
+    cfg = hf_config("t5", feed_forward_proj="relu", tie_word_embeddings=True)
+    hf_model = redraw(transformers.T5ForConditionalGeneration(cfg))
     hf_model.save_pretrained(tmp_path)
     _tokenizer().save(str(tmp_path / "tokenizer.json"))
     for source in ("abcXYZ", "Hello0123"):

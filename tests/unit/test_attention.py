@@ -6,7 +6,7 @@ import torch
 from lmlab.nn.attention import SoftmaxAttention, attention_math, attention_sdpa, repeat_kv
 from lmlab.nn.masks import causal_mask
 from lmlab.nn.position import NoPosition
-from tests.conftest import tiny_model_config
+from tests.helpers import tiny_model_config
 
 
 def test_three_token_hand_example():

@@ -17,7 +17,7 @@ from lmlab.nn.attention_core import (
 )
 from lmlab.nn.ffn import ACTIVATIONS, MLP
 from lmlab.nn.masks import causal_mask, sliding_window_mask
-from tests.conftest import tiny_model_config
+from tests.helpers import tiny_model_config
 
 V = 41
 

@@ -25,7 +25,7 @@ from lmlab.analysis.attention_plot import (
 from lmlab.data.tokenizer import CharTokenizer
 from lmlab.models import build_model
 from lmlab.nn.masks import causal_mask
-from tests.conftest import tiny_model_config
+from tests.helpers import tiny_model_config
 
 
 @pytest.mark.parametrize("n", [2, 3, 7, 100])

@@ -21,7 +21,7 @@ from lmlab.nn.masks import (
     sliding_window_mask,
 )
 from lmlab.nn.position import POSITION, NoPosition, PositionEncoding, sinusoidal_table
-from tests.conftest import tiny_model_config
+from tests.helpers import tiny_model_config
 
 V = 37
 

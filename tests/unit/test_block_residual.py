@@ -9,7 +9,7 @@ from lmlab.interop.families import NotRepresentable, family_for
 from lmlab.models.build import build_model
 from lmlab.nn.block import BLOCK
 from lmlab.nn.position import POSITION
-from tests.conftest import tiny_model_config
+from tests.helpers import tiny_model_config
 
 
 @pytest.mark.parametrize("kind", ["pre", "post"])

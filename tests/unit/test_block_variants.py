@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from lmlab.models import build_model
-from tests.conftest import tiny_model_config
+from tests.helpers import tiny_model_config
 
 
 def _rms(v: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import time
 
 import pytest
-from catalogue_helpers import within
 
 from lmlab.errors import LmlabError
 from lmlab.generation import chat_template
 from lmlab.generation.chat import render_chat
-from tests.gguf_tiny import CHATML
+from tests.helpers import CHATML, within
 
 
 def test_the_deadline_fires_again_after_a_swallowed_timeout():

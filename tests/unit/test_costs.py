@@ -16,7 +16,7 @@ from lmlab.errors import ConfigError
 from lmlab.models import build_model
 from lmlab.nn import ATTENTION, MASKS
 from lmlab.training import flops as train_flops
-from tests.conftest import tiny_model_config
+from tests.helpers import tiny_model_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 MiB = 2**20

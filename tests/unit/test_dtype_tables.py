@@ -10,7 +10,7 @@ import torch
 
 from lmlab.models import build_model
 from lmlab.nn.position import alibi_slopes, sinusoidal_table
-from tests.conftest import tiny_model_config
+from tests.helpers import tiny_model_config
 
 LONG = torch.arange(4000, 4096)  # positions far past the tiny context
 

@@ -13,7 +13,7 @@ from lmlab.config import AttentionConfig, ConfigError, ModelConfig, PositionConf
 from lmlab.interop.families import NotRepresentable, match_family
 from lmlab.models.build import build_model
 from lmlab.nn.position import sinusoidal_table
-from tests.conftest import tiny_config, tiny_model_config
+from tests.helpers import tiny_config, tiny_model_config
 
 
 @torch.no_grad()

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tests_helpers_encoder import ENCODER, encoder_config
 
 from lmlab.analysis.params import count_params
 from lmlab.config import ConfigError, config_from_dict
 from lmlab.models import build_model
+from tests.helpers import ENCODER, encoder_config
 
 
 def test_encoder_is_bidirectional_a_later_token_changes_earlier_outputs():

@@ -22,7 +22,7 @@ from lmlab.generation.sampling import (
 from lmlab.generation.stream import StopStrings, Utf8Stream, unescape
 from lmlab.models import ModelOutput, build_model
 from lmlab.nn.kv_cache import KVCache
-from tests.conftest import tiny_model_config
+from tests.helpers import tiny_model_config
 
 
 def test_top_k_keeps_exactly_k():

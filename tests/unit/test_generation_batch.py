@@ -18,7 +18,7 @@ from lmlab.generation.generate import (
     generate_texts,
 )
 from lmlab.models import build_model
-from tests.conftest import tiny_model_config
+from tests.helpers import tiny_model_config
 
 VOCAB = 50
 # prompt lengths 3, 9 and 6: rows 0 and 2 are left-padded by 6 and 3 slots

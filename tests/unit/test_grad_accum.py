@@ -13,8 +13,8 @@ from lmlab.models.build import build_model
 from lmlab.run import read_run_config
 from lmlab.training import loop, trainer
 from lmlab.training.objectives import CausalLM
-from tests.conftest import tiny_config
 from tests.distributed._uneven import patch_uneven_clm
+from tests.helpers import tiny_config
 
 
 def train_capturing(monkeypatch, out: Path, **train_fields: object) -> list[dict]:

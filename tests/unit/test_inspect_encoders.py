@@ -13,21 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests_helpers_encoder import encoder_config
 
 from lmlab.analysis import costs
 from lmlab.analysis.inspection import components, format_inspection, inspect_model
 from lmlab.analysis.params import count_params
 from lmlab.models import build_model
+from tests.helpers import encoder_config
 from tests.unit.test_seq2seq import STYLES, V, make
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _bert(**model: object):

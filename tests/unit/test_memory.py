@@ -19,7 +19,7 @@ from lmlab.training.memory import (
     estimate_training_memory,
     format_bytes,
 )
-from tests.conftest import tiny_config
+from tests.helpers import tiny_config
 
 CPU = torch.device("cpu")
 

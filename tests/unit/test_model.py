@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from lmlab.models import build_model
-from tests.conftest import tiny_model_config
+from tests.helpers import tiny_model_config
 
 
 def make(variant: dict) -> torch.nn.Module:
@@ -99,7 +99,7 @@ def test_parallel_needs_pre_norm():
 
 
 def _tied_models():
-    from tests_helpers_encoder import encoder_config
+    from tests.helpers import encoder_config
 
     seq2seq = tiny_model_config(vocab_size=50, kind="encoder_decoder", position={"kind": "learned"})
     return {

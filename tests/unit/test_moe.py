@@ -12,7 +12,7 @@ from lmlab.nn.moe import load_balancing_loss, router_z_loss, softmax_topk, topk_
 from lmlab.training.flops import matmul_params
 from lmlab.training.metrics import read_metrics
 from lmlab.training.trainer import train
-from tests.conftest import tiny_config, tiny_model_config
+from tests.helpers import tiny_config, tiny_model_config
 
 
 def moe_cfg(**ffn: object):

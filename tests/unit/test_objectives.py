@@ -6,14 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_config
-from tests_helpers_encoder import encoder_run_config
 
 from lmlab.config import TokenizerConfig
 from lmlab.data.dataset import batch_rng, sample_batch
 from lmlab.data.tokenizer import train_tokenizer
 from lmlab.errors import LmlabError
 from lmlab.training.objectives import OBJECTIVES, CausalLM, MaskedLM, build_objective
+from tests.helpers import encoder_run_config, tiny_config
 
 TEXT = (
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"

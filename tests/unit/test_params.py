@@ -8,7 +8,7 @@ from lmlab.analysis.contract import cases
 from lmlab.analysis.params import count_params
 from lmlab.config import load_config
 from lmlab.models import build_model
-from tests.conftest import tiny_model_config
+from tests.helpers import tiny_model_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -11,7 +11,7 @@ from lmlab.nn.position import (
     rope_inv_freq,
     sinusoidal_table,
 )
-from tests.conftest import tiny_model_config
+from tests.helpers import tiny_model_config
 
 
 def test_rope_score_depends_only_on_offset():

@@ -19,7 +19,7 @@ from lmlab.nn.rope_scaling import (
     rope_inv_freq,
     yarn_scaling,
 )
-from tests.conftest import tiny_model_config
+from tests.helpers import tiny_model_config
 
 # ----------------------------------------------------------------------------- ALiBi
 

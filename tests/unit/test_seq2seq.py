@@ -14,7 +14,7 @@ from lmlab.generation.seq2seq import generate_seq2seq
 from lmlab.models import build_model
 from lmlab.nn.ffn import FFN
 from lmlab.nn.position import relative_position_bucket
-from tests.conftest import tiny_model_config
+from tests.helpers import tiny_model_config
 
 V = 37
 T5_STYLE = dict(

@@ -12,7 +12,7 @@ from lmlab.generation.seq2seq import generate_seq2seq
 from lmlab.interop.hf_bart import bart_model_config
 from lmlab.interop.hf_t5 import t5_model_config, t5_state_dict
 from lmlab.models import build_model
-from tests.conftest import TINY, tiny_config, tiny_model_config
+from tests.helpers import TINY, tiny_config, tiny_model_config
 
 
 def seq2seq(**seq2seq_fields):

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from tests_helpers_seq2seq import seq2seq_run_config, write_reverse_tsv
 
 from lmlab.config import ModelConfig
 from lmlab.data.dataset import batch_rng
@@ -24,14 +23,9 @@ from lmlab.training.objectives import (
     random_segmentation,
     span_corrupt,
 )
+from tests.helpers import seq2seq_run_config, write_reverse_tsv
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_registry_has_seq2seq_and_span_corruption():

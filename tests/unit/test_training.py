@@ -15,7 +15,7 @@ from lmlab.training import loop
 from lmlab.training import trainer as trainer_module
 from lmlab.training.flops import flops_per_token, matmul_params
 from lmlab.training.optim import build_optimizer, lr_at, param_groups
-from tests.conftest import tiny_config, tiny_model_config
+from tests.helpers import tiny_config, tiny_model_config
 
 
 def test_lr_schedule_warms_up_linearly_then_follows_the_cosine():
@@ -242,7 +242,7 @@ def _train_on_a_pty(tmp_path: Path, monkeypatch) -> str:
     import threading
 
     from lmlab.training.trainer import train
-    from tests.conftest import tiny_config
+    from tests.helpers import tiny_config
 
     master, slave = pty.openpty()  # a new pty: 0 rows, 0 columns
     assert os.get_terminal_size(slave).columns == 0

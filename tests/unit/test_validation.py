@@ -24,7 +24,7 @@ from lmlab.errors import ConfigError
 from lmlab.models.build import build_model
 from lmlab.nn.position import POSITION, PositionEncoding, sinusoidal_table
 from lmlab.validation import config_families, default_of, section_of
-from tests.conftest import TINY, tiny_config, tiny_model_config
+from tests.helpers import TINY, tiny_config, tiny_model_config
 
 # ----------------------------------------------------------------------------- the generic rule
 

@@ -1,4 +1,4 @@
-"""Shared helpers of the bad-input catalogue (tests/catalogue/) and the end-to-end tests.
+"""Running the CLI in-process and checking its promise for bad input (tests/catalogue/, e2e).
 
 Every catalogue case runs the CLI in-process and asserts lmlab's promise for bad input: exit code
 2, exactly one ``error:`` line that names the cause, no traceback, no ``error: unexpected``, and
@@ -8,6 +8,7 @@ Every catalogue case runs the CLI in-process and asserts lmlab's promise for bad
 from __future__ import annotations
 
 import hashlib
+import os
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -74,3 +75,21 @@ def within(seconds: int) -> Iterator[None]:
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+
+
+def signal_during(monkeypatch, call: int, *signals: int) -> None:
+    """Send ``signals`` to this process from inside the ``call``-th batch draw of training
+    (lmlab.training.objectives.sample_batch; the step-0 evaluation of TRAIN_SET draws 2 batches
+    first, so call 3 is step 1's batch and call 7 step 5's)."""
+    import lmlab.training.objectives as objectives
+
+    real, calls = objectives.sample_batch, []
+
+    def sample_batch(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            for sig in signals:
+                os.kill(os.getpid(), sig)  # the handler runs right here
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(objectives, "sample_batch", sample_batch)

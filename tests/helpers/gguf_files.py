@@ -1,4 +1,4 @@
-"""Write tiny Llama GGUF files for tests: a Hugging Face ``LlamaForCausalLM`` state dict stored
+"""Tiny Llama GGUF files for tests: a Hugging Face ``LlamaForCausalLM`` state dict stored
 the way llama.cpp's converter stores it (q/k rows permuted to interleaved RoPE order), with a
 byte-level vocabulary of the 256 byte tokens plus ``<|im_start|>`` / ``<|im_end|>``.
 
@@ -151,3 +151,9 @@ def tiny_llama_hf(n_layers: int = 1) -> Any:
         tie_word_embeddings=True,
     )
     return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def write_tiny_gguf(folder: Path, n_layers: int = 2) -> Path:
+    """:func:`tiny_llama_hf` with ``n_layers`` layers (64-token context, ChatML template) written
+    as ``folder/tiny.gguf``. Needs transformers and gguf."""
+    return write_llama_gguf(Path(folder) / "tiny.gguf", tiny_llama_hf(n_layers))
