@@ -2,8 +2,9 @@
 Transformer", sec. 3.2), as one lmlab plugin file.
 
 Channel pair i of q at position m is scaled by zeta_i^(m / B) and of k at position n by
-zeta_i^(-n / B), zeta_i = (2i / r + gamma) / (1 + gamma), gamma = 0.4, B = 512 (the paper's and
-torchscale's values), so q_m . k_n gains the factor zeta_i^((m - n) / B): it still depends on
+zeta_i^(-n / B), zeta_i = (2i / r + gamma) / (1 + gamma), gamma = 0.4, B =
+``model.position.scale_base`` (a field this file declares; default 512, the paper's and
+torchscale's value), so q_m . k_n gains the factor zeta_i^((m - n) / B): it still depends on
 the offset only (cached decoding and left padding keep working) and decays with distance.
 
     lmlab verify --plugin examples/plugins/xpos.py --config examples/plugins/xpos.yaml
@@ -16,7 +17,7 @@ import torch
 from lmlab.errors import ConfigError
 from lmlab.nn.position import POSITION, RotaryPosition
 
-GAMMA, SCALE_BASE = 0.4, 512.0  # zeta's offset; positions per e-fold of the scale
+GAMMA = 0.4  # zeta's offset
 MAX_KEY_SCALE = 1e4  # keys are divided by zeta^(n / B): keep that well inside fp16 / bf16
 
 
@@ -29,18 +30,29 @@ class XPosPosition(RotaryPosition):
         {},
         {"attention": {"n_kv_heads": 1}},
         {"attention": {"mask": "sliding_window", "window": 4}},
+        {"position": {"interleaved": True, "scale_base": 64.0}},
     )
     options = ("rope_theta", "interleaved", "partial_rotary_factor", "scaling")
+    fields = {"scale_base": (float, 512.0)}  # B: positions per factor-zeta change of the scale
 
     @classmethod
     def check(cls, cfg) -> None:
-        """Refuse a context whose key scale 1 / zeta_0^(n / B) passes MAX_KEY_SCALE."""
-        limit = int(SCALE_BASE * math.log(MAX_KEY_SCALE) / math.log((1 + GAMMA) / GAMMA))
+        """RoPE's checks; scale_base > 0; refuse a context whose key scale 1 / zeta_0^(n / B)
+        passes MAX_KEY_SCALE."""
+        RotaryPosition.check(cfg)
+        base = cfg.position.scale_base
+        if not 0 < base < float("inf"):
+            raise ConfigError(f"model.position.scale_base must be > 0 and finite, got {base}")
+        limit = int(base * math.log(MAX_KEY_SCALE) / math.log((1 + GAMMA) / GAMMA))
         if cfg.max_seq_len > limit:
             raise ConfigError(
                 f"model.max_seq_len ({cfg.max_seq_len}) must be <= {limit} for "
                 f"model.position.kind=xpos: its key scale would pass {MAX_KEY_SCALE:g}"
             )
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.scale_base = cfg.position.scale_base
 
     def decay(self, positions: torch.Tensor) -> torch.Tensor:
         """(T,) or (B, T) positions -> zeta^(position / B), (T, hd) or (B, T, hd) float32, laid
@@ -48,7 +60,7 @@ class XPosPosition(RotaryPosition):
         r = self.rotary_dim
         zeta = (torch.arange(0, r, 2, device=positions.device) / r + GAMMA) / (1 + GAMMA)
         zeta = zeta.repeat_interleave(2) if self.interleaved else torch.cat((zeta, zeta))
-        scale = zeta ** (positions.float().unsqueeze(-1) / SCALE_BASE)  # (..., T, r)
+        scale = zeta ** (positions.float().unsqueeze(-1) / self.scale_base)  # (..., T, r)
         ones = scale.new_ones(*scale.shape[:-1], self.head_dim - r)
         return torch.cat((scale, ones), dim=-1)
 

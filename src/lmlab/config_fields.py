@@ -54,6 +54,15 @@ class VariantSection:
     _path: ClassVar[str] = ""
     _extra: dict[str, Any]
 
+    def __post_init__(self) -> None:
+        """A variant field set to the selected kind's declared default is the same config as
+        one left unset: drop it, so equality and the YAML round trip see one value."""
+        extra = self.__dict__.get("_extra")
+        if extra:
+            declared = _kind_fields(self)
+            for name in [n for n, v in extra.items() if n in declared and v == declared[n][1]]:
+                del extra[name]
+
     def to_dict(self) -> dict[str, Any]:
         """This section as nested plain dicts, its variant fields included (:func:`section_dict`;
         ``dataclasses.asdict`` would give the raw ``_extra`` mapping instead)."""

@@ -206,8 +206,12 @@ def test_a_variant_field_round_trips_through_yaml_and_is_read_by_the_model(scale
     again = config_from_dict(yaml.safe_load(text)).validate()
     assert again == cfg and again.model.position.amplitude == 2.5
     assert "amplitude" not in config_to_yaml(RunConfig())  # written for the kind declaring it
-    unset = config_to_yaml(_with_position({"kind": scaled_sinusoidal}))
+    unset_cfg = _with_position({"kind": scaled_sinusoidal})
+    unset = config_to_yaml(unset_cfg)
     assert "amplitude: 1.0" in unset
+    # unset and written-out default are one config (the contract's YAML round trip)
+    assert config_from_dict(yaml.safe_load(unset)) == unset_cfg
+    assert _with_position({"kind": scaled_sinusoidal, "amplitude": 1.0}) == unset_cfg
     cfg.model.vocab_size = 50
     x = torch.zeros(1, 4, 32)
     pos = build_model(cfg.model).position

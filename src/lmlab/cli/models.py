@@ -157,7 +157,7 @@ INSPECT = Command(
     description="Parameters per component (tied weights counted once; MoE total and active), "
     "FLOPs per token (2 N + 4 L T d_attn forward, Kaplan et al. 2020 / PaLM; training = 3 x "
     "forward), KV-cache bytes per token and for BATCH x CONTEXT, and the training-memory "
-    "estimate, in closed form: a config file or run folder is not built, so real sizes "
+    "estimate, from the model built on the meta device (no storage allocated), so real sizes "
     "(configs/llama.yaml with the overrides in its header) are inspected on a laptop. Any "
     "other path is loaded (HF folder). Encoders (BERT) and encoder-decoders (T5/BART) "
     "too: their FLOP and KV-cache conventions are in docs/inspect.md.",
