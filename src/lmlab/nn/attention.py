@@ -160,6 +160,14 @@ class Attention(nn.Module):
         b, _, t, _ = y.shape
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
+    def saved_norm_elements(self) -> int:
+        """Elements per token autograd keeps for the head norms this layer has (QK-norm,
+        V-norm, HybridNorm's QKV-norm): each norm's output, H hd for q and K hd for k and v
+        (lmlab.training.memory; 0 without them)."""
+        sizes = [(self.q_norm, self.n_heads), (self.k_norm, self.n_kv_heads)]
+        sizes.append((self.v_norm, self.n_kv_heads))
+        return sum(n * self.head_dim for norm, n in sizes if not isinstance(norm, nn.Identity))
+
     # ------------------------------------------------------------------ declared costs
     # What a module cannot show by its weights, per layer, for a ModelConfig (read by
     # lmlab.analysis.costs; parameters and matmul FLOPs are counted from the module itself).
@@ -373,5 +381,8 @@ class LinearAttention(Attention):
 
     @classmethod
     def saved_score_elements(cls, cfg: ModelConfig, seq_len: int) -> int:
-        """0: the memory estimate counts no score tensors for linear attention."""
-        return 0
+        """Elements per query token and layer autograd keeps of the parallel form: the masked
+        similarities phi(q) phi(k)^T and their normalised weights, 2 H T (the math backend's
+        count), plus the feature maps phi(q) and phi(k) (H + K) hd."""
+        a = cfg.attention
+        return 2 * a.n_heads * seq_len + (a.n_heads + cfg.n_kv_heads) * cfg.head_dim

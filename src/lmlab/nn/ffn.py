@@ -44,7 +44,18 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 ACTIVATIONS.register("gelu", "GELU, exact erf form (Hendrycks & Gimpel 2016).")(F.gelu)
 ACTIVATIONS.register("gelu_tanh", "GELU, tanh approximation (GPT-2).")(gelu_tanh)
-ACTIVATIONS.register("relu", "max(x, 0) (Nair & Hinton 2010).")(F.relu)
+
+
+def relu(x: torch.Tensor) -> torch.Tensor:
+    """max(x, 0); its backward needs only its output (``saves_input = False``)."""
+    return F.relu(x)
+
+
+# An activation whose backward reads only its output saves no copy of its input: the training-
+# memory declarations below count one F-wide tensor less for it (default: True).
+relu.saves_input = False  # type: ignore[attr-defined]
+
+ACTIVATIONS.register("relu", "max(x, 0) (Nair & Hinton 2010).")(relu)
 ACTIVATIONS.register("silu", "x * sigmoid(x), a.k.a. swish (Elfwing et al. 2018).")(F.silu)
 
 
@@ -65,8 +76,10 @@ class MLP(nn.Module):
 
     def saved_activation_bytes(self, act_bytes: int) -> int:
         """Bytes per token autograd keeps of the hidden activations for backward: up(x) and
-        act(up(x)), 2 F elements of ``act_bytes`` each (:mod:`lmlab.training.memory`)."""
-        return 2 * self.up_proj.out_features * act_bytes
+        act(up(x)), 2 F elements of ``act_bytes`` each (:mod:`lmlab.training.memory`); 1 F
+        when the activation's backward reads only its output (relu)."""
+        saved = 1 + int(getattr(self.act, "saves_input", True))
+        return saved * self.up_proj.out_features * act_bytes
 
 
 class GatedMLP(nn.Module):
@@ -89,8 +102,10 @@ class GatedMLP(nn.Module):
 
     def saved_activation_bytes(self, act_bytes: int) -> int:
         """Bytes per token autograd keeps for backward: gate(x), up(x), act(gate(x)) and the
-        product, 4 F elements of ``act_bytes`` each (:mod:`lmlab.training.memory`)."""
-        return 4 * self.up_proj.out_features * act_bytes
+        product, 4 F elements of ``act_bytes`` each (:mod:`lmlab.training.memory`); 3 F when
+        the activation's backward reads only its output (ReGLU)."""
+        saved = 3 + int(getattr(self.act, "saves_input", True))
+        return saved * self.up_proj.out_features * act_bytes
 
 
 @FFN.register("swiglu")

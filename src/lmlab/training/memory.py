@@ -9,19 +9,24 @@ D d_model, H heads, K kv heads, hd head_dim, F d_ff, V vocab, E experts, k exper
     gradients    4 P    fp32
     optimizer    8 P    AdamW's exp_avg and exp_avg_sq, fp32
     autocast     2 P    the bf16 weight copies autocast keeps for backward (bf16 only)
-    activations  B T [L (8 D + a (2 D + (3 H + 2 K) hd + c k F + s) + 4 E) + (4 + a) D + (a + 8) V]
+    activations  B T [L (8 D + a (2 D + (3 H + 2 K) hd + n + c k F + s) + 4 E) + (4 + a) D
+                 + (a + 8) V]
 
 Activations are what autograd keeps for the backward pass, per token: in each layer the two norm
 inputs (the residual stream, float32 even under autocast: 8 D) and, at a bytes each, the two norm
 outputs (2 D), q, k and v (after RoPE), the attention output and its reshaped copy that o_proj
-reads ((3 H + 2 K) hd), the FFN's hidden activations (c F per expert used: c = 2 for mlp, the up
-projection and its activation; c = 4 for swiglu/geglu, gate, up, act(gate) and the product), the
-attention scores and probabilities where they are materialised (s = 2 H T for
-``attention.backend: math``; 0 for sdpa, whose fused kernels keep one log-sum-exp per row, and for
-linear attention), and the float32 router logits of an MoE layer (4 E); then the final norm's
-input and output ((4 + a) D) and the logits with their float32 log-probabilities and gradient at
-the start of backward ((a + 8) V). This is the count of Korthikanti et al. 2022 ("Reducing
-Activation Recomputation in Large Transformer Models", sec. 4.1) for lmlab's components;
+reads ((3 H + 2 K) hd), the outputs of the head norms where there are any (n: H hd for QK-norm's
+q, K hd each for its k and V-norm's v; HybridNorm has all three), the FFN's hidden activations
+(c F per expert used: c = 2 for mlp, the up projection and its activation, c = 1 with relu,
+whose backward reads only its output; c = 4 for swiglu/geglu, gate, up, act(gate) and the
+product, 3 with relu), the attention scores and probabilities where they are materialised
+(s = 2 H T for ``attention.backend: math``; 0 for sdpa, whose fused kernels keep one log-sum-exp
+per row; linear attention's parallel form keeps its similarities, their normalised weights and
+the feature maps phi(q), phi(k): 2 H T + (H + K) hd), and the float32 router logits of an MoE
+layer (4 E); then the final norm's input and output ((4 + a) D) and the logits with their
+float32 log-probabilities and gradient at the start of backward ((a + 8) V). This is the count
+of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+sec. 4.1) for lmlab's components;
 tests/unit/test_memory.py checks it against the tensors autograd actually saves.
 
 Measured on CPU (the default Mini-GPT: batch 16 and 64, fp32 and bf16, sdpa and math), the
@@ -88,7 +93,7 @@ def estimate_training_memory(cfg: RunConfig) -> MemoryEstimate:
     attention's score tensors (s) what its class declares (``saved_score_elements``; 0 when
     it declares nothing)."""
     from lmlab.models.counting import meta_model, num_params
-    from lmlab.nn.attention import ATTENTION
+    from lmlab.nn.attention import ATTENTION, Attention
     from lmlab.nn.ffn import FFN
 
     m, t = cfg.model, cfg.train
@@ -103,7 +108,8 @@ def estimate_training_memory(cfg: RunConfig) -> MemoryEstimate:
     saved_scores = getattr(type(attn), "saved_score_elements", None)
     s = saved_scores(m, seq) if saved_scores is not None else 0
     d = m.d_model
-    per_layer = 8 * d + a * (2 * d + (3 * h + 2 * kv) * hd + s) + hidden
+    n = attn.saved_norm_elements() if isinstance(attn, Attention) else 0  # QK/V-norm outputs
+    per_layer = 8 * d + a * (2 * d + (3 * h + 2 * kv) * hd + n + s) + hidden
     per_token = m.n_layers * per_layer + (4 + a) * d + (a + 8) * (m.vocab_size or 0)
     activations = t.batch_size * seq * per_token
     return MemoryEstimate(p, 4 * p, 4 * p, 8 * p, 2 * p if a == 2 else 0, activations)
