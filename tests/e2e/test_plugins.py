@@ -81,3 +81,21 @@ def test_list_and_inspect_see_a_plugin_and_a_config_naming_it_needs_the_flag(cap
     assert code == 0 and "parameters" in out.lower()
     code, _, err = run_cli(capsys, "inspect", config)
     assert_one_error(code, err, "unknown position kind 'xpos'", "--plugin FILE.py")
+
+
+def test_a_plugin_field_is_read_checked_by_the_plugin_and_refused_on_other_kinds(capsys):
+    xpos, cfg = PLUGINS / "xpos.py", PLUGINS / "xpos.yaml"
+    code, out, _ = run_cli(
+        capsys, "inspect", cfg, "--plugin", xpos, "--set", "model.position.scale_base=64", "--json"
+    )
+    assert code == 0, out
+    code, _, err = run_cli(
+        capsys, "inspect", cfg, "--plugin", xpos, "--set", "model.position.scale_base=-1"
+    )
+    assert_one_error(code, err, "model.position.scale_base must be > 0")
+    code, _, err = run_cli(
+        capsys,
+        *("inspect", cfg, "--plugin", xpos, "--set", "model.position.kind=rope"),
+        *("--set", "model.position.scale_base=64"),
+    )
+    assert_one_error(code, err, "model.position.scale_base applies to kind=xpos only, not rope")
