@@ -62,7 +62,7 @@ def meta_model(cfg: ModelConfig) -> nn.Module:
     Raises what build_model raises (LmlabError without vocab_size, ConfigError for a bad kind)."""
     from lmlab.models.build import build_model
 
-    key = (repr(cfg), _registry_state())
+    key = (repr(cfg.to_dict()), _registry_state())  # to_dict: repr leaves variant fields out
     if key in _META_CACHE:
         _META_CACHE.move_to_end(key)
         return _META_CACHE[key]
