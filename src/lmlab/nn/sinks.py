@@ -194,6 +194,8 @@ class StreamingKVCache:
     kept slots does not matter: the mask is built from their positions (:attr:`key_positions`).
     """
 
+    streams = True  # bounded at any length: generation may run past max_seq_len on it
+
     def __init__(self, window: int, sink_tokens: int) -> None:
         if not 0 <= sink_tokens < window:
             raise ValueError(f"a streaming cache needs 0 <= sink_tokens < window, got {window}")
