@@ -27,8 +27,8 @@ def variant_fields(path: str) -> dict[str, tuple[type, Any]]:
     from lmlab.registry import families
 
     out: dict[str, tuple[type, Any]] = {}
-    for reg in families().values():
-        if reg.field == f"{path}.kind":
+    for reg in families().values():  # every family chosen in this section (kind, mask, ...)
+        if reg.field and reg.field.rsplit(".", 1)[0] == path:
             for kind in reg:
                 for name, spec in reg.contract(kind).fields.items():
                     out.setdefault(name, spec)
@@ -36,14 +36,16 @@ def variant_fields(path: str) -> dict[str, tuple[type, Any]]:
 
 
 def _kind_fields(section: VariantSection) -> dict[str, tuple[type, Any]]:
-    """The fields declared by the kind ``section`` selects (none if it is not registered)."""
+    """The fields declared by the kinds ``section`` selects (its ``kind``, and any other family
+    chosen by a field of the section, e.g. ``model.attention.mask``; none if unregistered)."""
     from lmlab.registry import families
 
-    kind = str(getattr(section, "kind", ""))
-    for reg in families().values():
-        if reg.field == f"{section._path}.kind" and kind in reg:
-            return dict(reg.contract(kind).fields)
-    return {}
+    out: dict[str, tuple[type, Any]] = {}
+    for reg in families().values():  # the selected kind of each family in this section
+        if reg.field and reg.field.rsplit(".", 1)[0] == section._path:
+            kind = str(getattr(section, reg.field.rsplit(".", 1)[1], ""))
+            out.update(reg.contract(kind).fields if kind in reg else {})
+    return out
 
 
 class VariantSection:

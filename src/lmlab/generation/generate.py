@@ -4,7 +4,8 @@ Legend: B prompts, S cached slots (padding included), V vocab. Several prompts d
 left-padded batch (:func:`generate_batch`): an attention mask hides the padding and positions
 come from the mask, so each row generates what it would alone; one prompt is a batch of one.
 When a row's context fills up, the cache is rebuilt from its last 3/4 of ``max_seq_len``
-tokens, so generation can run past the window without ever attending beyond it.
+tokens, so generation can run past the window without ever attending beyond it; a streaming
+cache (bounded, positions with no table limit) just keeps going.
 """
 
 from __future__ import annotations
@@ -129,13 +130,22 @@ def _decode(
         if all(done) or step == params.max_new_tokens - 1:
             return
         full = [not done[i] and fed[i] >= max_seq_len for i in range(b)]
-        if any(full):  # a row's window is full: rebuild the cache from recent tokens
+        if any(full) and not _streams(model, cache):  # rebuild from recent tokens
             cache, mask, fed = model.new_cache(), None, [0] * b  # type: ignore[operator]
             start = [max(0, len(hist[i]) - keep) if full[i] else start[i] for i in range(b)]
             chunks = [[] if done[i] else hist[i][start[i] :] for i in range(b)]
         else:
             chunks = [[] if done[i] else hist[i][-1:] for i in range(b)]
         logits = feed(chunks)
+
+
+def _streams(model: nn.Module, cache: object) -> bool:
+    """Whether decoding may run past ``max_seq_len`` with no rebuild: every layer's cache is
+    bounded and says so (``streams``: the StreamingLLM cache, :mod:`lmlab.nn.sinks`) and the
+    position encoding has no table that ends at max_seq_len (learned positions do)."""
+    layers = getattr(cache, "layers", None) or []
+    table = getattr(getattr(model, "position", None), "table_limit", False)
+    return bool(layers) and all(getattr(c, "streams", False) for c in layers) and not table
 
 
 def _check_ids(model: nn.Module, ids: list[int], what: str, max_seq_len: int) -> None:

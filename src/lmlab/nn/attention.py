@@ -95,6 +95,8 @@ class Attention(nn.Module):
         self.backend = a.backend  # the name; backend_fn is the function it selects
         self.backend_fn = ATTENTION_BACKENDS.get(a.backend, "model.attention.backend")
         self.mask_fn = MASKS.get(a.mask, "model.attention.mask")
+        if hasattr(self.mask_fn, "bind"):  # a mask with fields of its own binds them (streaming)
+            self.mask_fn = self.mask_fn.bind(cfg)
         self.window = a.window  # tokens a query sees (itself included); sliding_window only
         d, hd = cfg.d_model, self.head_dim
         out_bias = a.bias if a.out_bias is None else a.out_bias
@@ -203,7 +205,10 @@ class SoftmaxAttention(Attention):
     )
 
     def new_cache(self) -> LayerKVCache | SlidingWindowKVCache:
-        """A dynamic cache, or a bounded one when a sliding window limits what a query sees."""
+        """A dynamic cache, or a bounded one when a sliding window limits what a query sees (or
+        the mask kind's own cache, when it has one: streaming)."""
+        if hasattr(self.mask_fn, "new_cache"):
+            return self.mask_fn.new_cache()
         return LayerKVCache() if self.window is None else SlidingWindowKVCache(self.window)
 
     def forward(
@@ -224,10 +229,13 @@ class SoftmaxAttention(Attention):
         place. ``need_weights`` switches to the math backend for this call.
         """
         q, k, v = self.project(x, position, positions)
-        if cache is not None:
+        mask_fn = self.mask_fn
+        if hasattr(mask_fn, "keys"):  # a mask over token positions with its own cache (streaming)
+            k, v, mask_fn, key_mask = mask_fn.keys(k, v, positions, key_mask, cache)
+        elif cache is not None:
             k, v = cache.update(k, v)  # (B, K, S, hd)
         bias = position.score_bias(positions, k.shape[2])  # (H, T, S) or None
-        y, w = self.attend(q, k, v, self.mask_fn, key_mask, bias, need_weights)
+        y, w = self.attend(q, k, v, mask_fn, key_mask, bias, need_weights)
         return AttentionOutput(self.merge_heads(y), w)
 
     # ------------------------------------------------------------------ declared costs
@@ -238,6 +246,9 @@ class SoftmaxAttention(Attention):
     def cached_tokens(cls, cfg: ModelConfig, context: int) -> int:
         """Tokens the cache holds while decoding token ``context``: all of them, or at most
         ``window`` with a sliding window (window - 1 kept between steps + the new one)."""
+        own = getattr(MASKS.get(cfg.attention.mask), "cached_tokens", None)  # streaming
+        if own is not None:
+            return own(cfg, context)
         window = cfg.attention.window if cfg.attention.mask == "sliding_window" else None
         return context if window is None else min(context, window)
 

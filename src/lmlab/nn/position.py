@@ -132,6 +132,7 @@ class LearnedPosition(PositionEncoding):
     """A trained (max_seq_len, D) table added to the embeddings (GPT-2, Radford et al. 2019)."""
 
     options = ("offset",)
+    table_limit = True  # no row past max_seq_len: generation cannot stream past it
 
     @staticmethod
     def check(m: ModelConfig) -> None:
