@@ -27,8 +27,8 @@ def variant_fields(path: str) -> dict[str, tuple[type, Any]]:
     from lmlab.registry import families
 
     out: dict[str, tuple[type, Any]] = {}
-    for reg in families().values():
-        if reg.field == f"{path}.kind":
+    for reg in families().values():  # the section's kind and its other choices (mask)
+        if (reg.field or "").rpartition(".")[0] == path:
             for kind in reg:
                 for name, spec in reg.contract(kind).fields.items():
                     out.setdefault(name, spec)
@@ -36,14 +36,17 @@ def variant_fields(path: str) -> dict[str, tuple[type, Any]]:
 
 
 def _kind_fields(section: VariantSection) -> dict[str, tuple[type, Any]]:
-    """The fields declared by the kind ``section`` selects (none if it is not registered)."""
+    """The fields declared by the kinds ``section`` selects: its ``kind`` and any other choice
+    a registry names (``model.attention.mask``); none for a name not registered."""
     from lmlab.registry import families
 
-    kind = str(getattr(section, "kind", ""))
+    out: dict[str, tuple[type, Any]] = {}
     for reg in families().values():
-        if reg.field == f"{section._path}.kind" and kind in reg:
-            return dict(reg.contract(kind).fields)
-    return {}
+        parent, _, selector = (reg.field or "").rpartition(".")
+        kind = str(section.__dict__.get(selector, "")) if parent == section._path else ""
+        for name, spec in (reg.contract(kind).fields if kind in reg else {}).items():
+            out.setdefault(name, spec)
+    return out
 
 
 class VariantSection:
