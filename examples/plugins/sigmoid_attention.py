@@ -18,7 +18,7 @@ from lmlab.nn.attention import ATTENTION, AttentionOutput, SoftmaxAttention, rep
 from lmlab.nn.masks import combine_masks
 
 
-@ATTENTION.register("sigmoid")
+@ATTENTION.register("sigmoid_example")
 class SigmoidAttention(SoftmaxAttention):
     """Sigmoid attention, w = sigmoid(q.k / sqrt(d_k) - log(max_seq_len)) (Ramapuram et al.
     2024); MHA, GQA or MQA, any mask, ALiBi/T5 biases added to the scores."""

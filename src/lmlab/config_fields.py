@@ -29,6 +29,8 @@ def variant_fields(path: str) -> dict[str, tuple[type, Any]]:
     out: dict[str, tuple[type, Any]] = {}
     for reg in families().values():  # every family chosen in this section (kind, mask, ...)
         if reg.field and reg.field.rsplit(".", 1)[0] == path:
+    for reg in families().values():  # the section's kind and its other choices (mask)
+        if (reg.field or "").rpartition(".")[0] == path:
             for kind in reg:
                 for name, spec in reg.contract(kind).fields.items():
                     out.setdefault(name, spec)
@@ -45,6 +47,16 @@ def _kind_fields(section: VariantSection) -> dict[str, tuple[type, Any]]:
         if reg.field and reg.field.rsplit(".", 1)[0] == section._path:
             kind = str(getattr(section, reg.field.rsplit(".", 1)[1], ""))
             out.update(reg.contract(kind).fields if kind in reg else {})
+    """The fields declared by the kinds ``section`` selects: its ``kind`` and any other choice
+    a registry names (``model.attention.mask``); none for a name not registered."""
+    from lmlab.registry import families
+
+    out: dict[str, tuple[type, Any]] = {}
+    for reg in families().values():
+        parent, _, selector = (reg.field or "").rpartition(".")
+        kind = str(section.__dict__.get(selector, "")) if parent == section._path else ""
+        for name, spec in (reg.contract(kind).fields if kind in reg else {}).items():
+            out.setdefault(name, spec)
     return out
 
 

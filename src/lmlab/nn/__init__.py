@@ -1,5 +1,7 @@
 """Transformer components: one family per module, each family a :class:`Registry`."""
 
+import lmlab.nn.local_global  # noqa: F401  (registers mask local_global)
+import lmlab.nn.sigmoid_attention  # noqa: F401  (registers attention sigmoid)
 from lmlab.nn.attention import ATTENTION, ATTENTION_BACKENDS, attention_math, attention_sdpa
 from lmlab.nn.block import BLOCK
 from lmlab.nn.ffn import ACTIVATIONS, FFN
