@@ -20,6 +20,7 @@ A model family wires these into its own FLOP convention (``flops_per_token`` on
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -62,7 +63,7 @@ def meta_model(cfg: ModelConfig) -> nn.Module:
     Raises what build_model raises (LmlabError without vocab_size, ConfigError for a bad kind)."""
     from lmlab.models.build import build_model
 
-    key = (repr(cfg), _registry_state())
+    key = (repr(dataclasses.asdict(cfg)), _registry_state())  # asdict: the variant fields too
     if key in _META_CACHE:
         _META_CACHE.move_to_end(key)
         return _META_CACHE[key]
