@@ -20,6 +20,7 @@ A model family wires these into its own FLOP convention (``flops_per_token`` on
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -63,6 +64,7 @@ def meta_model(cfg: ModelConfig) -> nn.Module:
     from lmlab.models.build import build_model
 
     key = (repr(cfg.to_dict()), _registry_state())  # to_dict: repr leaves variant fields out
+    key = (repr(dataclasses.asdict(cfg)), _registry_state())  # asdict: the variant fields too
     if key in _META_CACHE:
         _META_CACHE.move_to_end(key)
         return _META_CACHE[key]

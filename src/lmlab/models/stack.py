@@ -60,12 +60,16 @@ class LayerStack(nn.ModuleList):
         ``key_mask`` (B, S) bool, True = real token (None: no padding); ``cache``: layer i reads
         and extends ``cache.layers[i]`` (and ``cache.cross[i]`` in a cross stack); ``memory``
         (B, S_src, D) and ``memory_mask`` (B, S_src) bool: the encoder output and its padding
-        mask (cross stacks only). ``final_norm`` runs on the last layer's output."""
+        mask (cross stacks only). ``final_norm`` runs on the last layer's output. A block kind
+        with a wider residual stream (hyper-connections: (B, T, n, D)) widens x before the first
+        layer and narrows it back before the final norm and in ``hidden_states``
+        (``expand_stream`` / ``reduce_stream``, the identity for the other kinds)."""
         out = StackOutput(x)
         cross = cache.cross if isinstance(cache, EncoderDecoderCache) else None
+        x = self[0].expand_stream(x)  # type: ignore[operator]  # the block kind's stream
         for i, layer in enumerate(self):
             if output_hidden_states:
-                out.hidden_states.append(x)
+                out.hidden_states.append(layer.reduce_stream(x))  # type: ignore[operator]
             layer_cache = cache.layers[i] if cache is not None else None
             if self.cross:
                 cross_cache = cross[i] if cross is not None else None
@@ -79,7 +83,7 @@ class LayerStack(nn.ModuleList):
                 x, w = layer(x, position, positions, key_mask, layer_cache, need_weights)
             if need_weights:
                 out.attentions.append(w)
-        out.x = final_norm(x)
+        out.x = final_norm(self[-1].reduce_stream(x))  # type: ignore[operator]
         if output_hidden_states:
             out.hidden_states.append(out.x)
         return out

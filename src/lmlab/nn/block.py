@@ -56,6 +56,15 @@ class Block(nn.Module):
         ``block.residual: false``, the ablation that removes the skip path."""
         return x + branch if self.residual else branch
 
+    def expand_stream(self, x: torch.Tensor) -> torch.Tensor:
+        """The embedding x (B, T, D) -> the residual stream the first layer reads: x itself (a
+        block kind with a wider stream, hyper-connections, overrides it and reduce_stream)."""
+        return x
+
+    def reduce_stream(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream -> (B, T, D), what the final norm reads: x itself."""
+        return x
+
     def forward(
         self,
         x: torch.Tensor,
@@ -138,6 +147,9 @@ class DecoderBlock(nn.Module):
         self.ffn_norm = build_norm(cfg)
         self.ffn = build_ffn(cfg)
         self.drop = nn.Dropout(cfg.dropout)
+
+    expand_stream = Block.expand_stream  # the residual stream is x itself
+    reduce_stream = Block.reduce_stream
 
     def forward(
         self,

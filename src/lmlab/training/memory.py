@@ -91,9 +91,11 @@ def estimate_training_memory(cfg: RunConfig) -> MemoryEstimate:
     The FFN's hidden activations (c k F a, and an MoE layer's router logits) are what the FFN
     module declares (``saved_activation_bytes``; 2 F a for an FFN that declares nothing), the
     attention's score tensors (s) what its class declares (``saved_score_elements``; 0 when
-    it declares nothing)."""
+    it declares nothing), a block's extra residual-stream tensors what the block declares
+    (``saved_stream_bytes``, hyper-connections' n streams; 0 when it declares nothing)."""
     from lmlab.models.counting import meta_model, num_params
     from lmlab.nn.attention import ATTENTION, Attention
+    from lmlab.nn.block import BLOCK
     from lmlab.nn.ffn import FFN
 
     m, t = cfg.model, cfg.train
@@ -112,6 +114,9 @@ def estimate_training_memory(cfg: RunConfig) -> MemoryEstimate:
     qkv = getattr(attn, "saved_projection_elements", None)  # declared (MLA) or q, k, v, y, o
     p_ = qkv() if callable(qkv) else (3 * h + 2 * kv) * hd
     per_layer = 8 * d + a * (2 * d + p_ + n + s) + hidden
+    saved_stream = getattr(_first(model, BLOCK), "saved_stream_bytes", None)  # a wider stream
+    stream = saved_stream(a) if callable(saved_stream) else 0
+    per_layer = 8 * d + a * (2 * d + (3 * h + 2 * kv) * hd + n + s) + hidden + stream
     per_token = m.n_layers * per_layer + (4 + a) * d + (a + 8) * (m.vocab_size or 0)
     activations = t.batch_size * seq * per_token
     return MemoryEstimate(p, 4 * p, 4 * p, 8 * p, 2 * p if a == 2 else 0, activations)
