@@ -2,6 +2,7 @@
 
 from lmlab.nn.attention import ATTENTION, ATTENTION_BACKENDS, attention_math, attention_sdpa
 from lmlab.nn.block import BLOCK
+from lmlab.nn.differential import DifferentialAttention  # noqa: F401  (registers "differential")
 from lmlab.nn.ffn import ACTIVATIONS, FFN
 from lmlab.nn.kv_cache import KVCache, LayerKVCache, LinearAttentionState, SlidingWindowKVCache
 from lmlab.nn.masks import MASKS, causal_mask
