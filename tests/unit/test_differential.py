@@ -13,7 +13,7 @@ import torch
 
 from lmlab.config import ModelConfig, config_from_dict
 from lmlab.errors import ConfigError
-from lmlab.interop.hf import llama_model_config, llama_state_dict
+from lmlab.interop.hf_diffllama import diffllama_model_config, diffllama_state_dict
 from lmlab.models import build_model
 from lmlab.nn.differential import DifferentialAttention, lambda_init_fn
 from lmlab.nn.position import POSITION
@@ -129,18 +129,11 @@ def _hf_model(n_kv_heads: int, tied: bool = False):
 
 def lmlab_from_hf(cfg, hf_model) -> torch.nn.Module:
     """The DiffLlama weights in lmlab's decoder: Llama's rename, plus the lambda vectors."""
-    ours_cfg = llama_model_config(cfg)
-    ours_cfg = dataclasses.replace(
-        ours_cfg, attention=dataclasses.replace(ours_cfg.attention, kind="differential")
-    )
+    ours_cfg = diffllama_model_config(cfg)
     validate_model(ours_cfg)
-    sd = dict(hf_model.state_dict())
-    lambdas = {}
-    for key in [k for k in sd if ".self_attn.lambda_" in k]:
-        i, name = key.split(".")[2], key.split(".")[-1]  # model.layers.{i}.self_attn.lambda_q1
-        lambdas[f"layers.{i}.attn.{name}"] = sd.pop(key)
     ours = build_model(ours_cfg)
-    ours.load_state_dict({**llama_state_dict(sd, cfg.tie_word_embeddings), **lambdas}, strict=True)
+    sd = diffllama_state_dict(hf_model.state_dict(), cfg.tie_word_embeddings)
+    ours.load_state_dict(sd, strict=True)
     return ours.eval()
 
 
@@ -214,3 +207,45 @@ def test_preset_config_is_accepted():
 
     run = load_config("configs/diff.yaml")
     assert run.model.attention.kind == "differential"
+
+
+# ----------------------------------------------------------------------------- import, export
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_load_a_diffllama_folder(tmp_path, tied: bool):
+    """``lmlab.load`` of a saved DiffLlamaForCausalLM folder: equal logits (1e-5)."""
+    import lmlab
+    from tests.helpers import write_hf_folder
+
+    _, hf_model = _hf_model(2, tied=tied)
+    model, tokenizer = lmlab.load(write_hf_folder(tmp_path, hf_model))
+    assert tokenizer is None and model.cfg.attention.kind == "differential"
+    x = torch.randint(0, V, (2, 13))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, hf_model(x).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_export_map_is_the_inverse_of_the_import_map():
+    from lmlab.interop.families import HF_FAMILIES, match_family
+
+    cfg, hf_model = _hf_model(2)
+    ours = lmlab_from_hf(cfg, hf_model)
+    family, kwargs = match_family(ours.cfg)
+    assert family is HF_FAMILIES.get("diffllama") and kwargs["num_key_value_heads"] == 2
+    back = family.from_state(ours.state_dict(), ours.cfg)
+    ref = hf_model.state_dict()
+    assert back.keys() == ref.keys()
+    assert all(torch.equal(back[k], ref[k]) for k in ref)
+
+
+def test_verify_runs_the_diffllama_reference_on_the_preset():
+    pytest.importorskip("transformers")
+    from lmlab.analysis.verify import check_reference
+    from lmlab.config import load_config
+
+    cfg = load_config("configs/diff.yaml").model
+    cfg.vocab_size = V
+    ok, detail = check_reference(cfg, torch.randint(0, V, (2, 12)))
+    assert ok is True, detail
+    assert "DiffLlamaForCausalLM" in detail
