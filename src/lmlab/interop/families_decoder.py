@@ -1,4 +1,5 @@
-"""The Hugging Face decoder families: Llama, GPT-2, Mistral, Mixtral, Qwen2, Qwen3, GPT-NeoX.
+"""The Hugging Face decoder families: Llama, GPT-2, Mistral, Mixtral, Qwen2, Qwen3, GPT-NeoX,
+DiffLlama.
 
 Each family reads a ``config.json`` and renames a state dict (lmlab.interop.hf*), and writes the
 Hugging Face config back where lmlab's config has an exact counterpart (``from_config``: every
@@ -14,8 +15,9 @@ from typing import Any
 import torch
 
 from lmlab.config import ModelConfig
-from lmlab.interop import hf, hf_mistral, hf_mixtral, hf_neox
+from lmlab.interop import hf, hf_diffllama, hf_mistral, hf_mixtral, hf_neox
 from lmlab.interop.hf_family import HF_FAMILIES, HFFamily, NotRepresentable
+from lmlab.nn.differential import lambda_std_dev
 
 
 class _Checks:
@@ -35,12 +37,12 @@ class _Checks:
             raise NotRepresentable(self.family, self.missing)
 
 
-def _common_checks(cfg: ModelConfig, c: _Checks) -> None:
-    """Checks every family here shares: a decoder with softmax attention with the 1/sqrt(hd)
-    scale, no v-norm, a final norm, Pre-Norm."""
+def _common_checks(cfg: ModelConfig, c: _Checks, attention: str = "softmax") -> None:
+    """Checks every family here shares: a decoder with ``attention`` (softmax but for
+    DiffLlama) with the 1/sqrt(hd) scale, no v-norm, a final norm, Pre-Norm."""
     a = cfg.attention
     c.require(cfg.kind == "decoder", f"model.kind={cfg.kind}")
-    c.require(a.kind == "softmax", f"model.attention.kind={a.kind}")
+    c.require(a.kind == attention, f"model.attention.kind={a.kind}")
     c.require(a.scaled, "model.attention.scaled=false")
     c.require(not a.v_norm, "model.attention.v_norm")
     c.require(cfg.final_norm, "model.final_norm=false")
@@ -82,9 +84,11 @@ def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
     return params
 
 
-def _llama_checks(cfg: ModelConfig, c: _Checks, ffn: str = "swiglu") -> None:
+def _llama_checks(
+    cfg: ModelConfig, c: _Checks, ffn: str = "swiglu", attention: str = "softmax"
+) -> None:
     """Llama's shape: RMSNorm, ``ffn`` without bias, sequential block, half-split RoPE."""
-    _common_checks(cfg, c)
+    _common_checks(cfg, c, attention)
     c.require(cfg.norm.kind == "rmsnorm", f"model.norm.kind={cfg.norm.kind}")
     c.require(cfg.ffn.kind == ffn, f"model.ffn.kind={cfg.ffn.kind}")
     c.require(not cfg.ffn.bias, "model.ffn.bias=true")
@@ -121,6 +125,18 @@ def _llama_from(cfg: ModelConfig) -> dict[str, Any]:
     c.require(a.mask == "causal", f"model.attention.mask={a.mask}")
     c.done()
     return {**_llama_kwargs(cfg), "attention_bias": a.bias}
+
+
+def _diffllama_from(cfg: ModelConfig) -> dict[str, Any]:
+    """lmlab config -> DiffLlamaConfig kwargs: Llama's with differential attention."""
+    a, c = cfg.attention, _Checks("DiffLlama")
+    _llama_checks(cfg, c, attention="differential")
+    c.require(not a.qk_norm, "model.attention.qk_norm")
+    c.require(a.out_bias in (None, a.bias), "model.attention.out_bias != bias")
+    c.require(a.mask == "causal", f"model.attention.mask={a.mask}")
+    c.done()
+    std = lambda_std_dev(cfg)
+    return {**_llama_kwargs(cfg), "attention_bias": a.bias, "lambda_std_dev": std}
 
 
 def _mistral_from(cfg: ModelConfig) -> dict[str, Any]:
@@ -364,5 +380,16 @@ HF_FAMILIES.register("gpt_neox", "GPT-NeoX / Pythia: LayerNorm, partial RoPE, pa
         lambda sd, cfg: hf_neox.neox_state_dict(sd, cfg.attention.n_heads, cfg.tie_embeddings),
         _neox_from,
         _untied(hf_neox.neox_hf_state_dict),
+    )
+)
+HF_FAMILIES.register("diffllama", "DiffLlama: Llama + differential attention (Ye et al. 2024).")(
+    HFFamily(
+        "diffllama",
+        "DiffLlamaForCausalLM",
+        "DiffLlamaConfig",
+        hf_diffllama.diffllama_model_config,
+        lambda sd, cfg: hf_diffllama.diffllama_state_dict(sd, cfg.tie_embeddings),
+        _diffllama_from,
+        hf_diffllama.diffllama_hf_state_dict,
     )
 )

@@ -4,6 +4,7 @@ import lmlab.nn.local_global  # noqa: F401  (registers mask local_global)
 import lmlab.nn.sigmoid_attention  # noqa: F401  (registers attention sigmoid)
 from lmlab.nn.attention import ATTENTION, ATTENTION_BACKENDS, attention_math, attention_sdpa
 from lmlab.nn.block import BLOCK
+from lmlab.nn.differential import DifferentialAttention  # noqa: F401  (registers "differential")
 from lmlab.nn.ffn import ACTIVATIONS, FFN
 from lmlab.nn.hyper_connections import HyperConnectionBlock  # noqa: F401  (block.kind=hyper)
 from lmlab.nn.kv_cache import KVCache, LayerKVCache, LinearAttentionState, SlidingWindowKVCache
