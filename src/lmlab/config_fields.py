@@ -27,8 +27,6 @@ def variant_fields(path: str) -> dict[str, tuple[type, Any]]:
     from lmlab.registry import families
 
     out: dict[str, tuple[type, Any]] = {}
-    for reg in families().values():  # every family chosen in this section (kind, mask, ...)
-        if reg.field and reg.field.rsplit(".", 1)[0] == path:
     for reg in families().values():  # the section's kind and its other choices (mask)
         if (reg.field or "").rpartition(".")[0] == path:
             for kind in reg:
@@ -38,15 +36,6 @@ def variant_fields(path: str) -> dict[str, tuple[type, Any]]:
 
 
 def _kind_fields(section: VariantSection) -> dict[str, tuple[type, Any]]:
-    """The fields declared by the kinds ``section`` selects (its ``kind``, and any other family
-    chosen by a field of the section, e.g. ``model.attention.mask``; none if unregistered)."""
-    from lmlab.registry import families
-
-    out: dict[str, tuple[type, Any]] = {}
-    for reg in families().values():  # the selected kind of each family in this section
-        if reg.field and reg.field.rsplit(".", 1)[0] == section._path:
-            kind = str(getattr(section, reg.field.rsplit(".", 1)[1], ""))
-            out.update(reg.contract(kind).fields if kind in reg else {})
     """The fields declared by the kinds ``section`` selects: its ``kind`` and any other choice
     a registry names (``model.attention.mask``); none for a name not registered."""
     from lmlab.registry import families

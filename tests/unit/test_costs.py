@@ -34,8 +34,8 @@ def track_step_bytes(cache) -> dict[int, int]:
     held: dict[int, int] = {}
     for i, layer in enumerate(cache.layers):
 
-        def update(*args, _update=layer.update, _i=i, _layer=layer):
-            out = _update(*args)
+        def update(*args, _update=layer.update, _i=i, _layer=layer, **kwargs):
+            out = _update(*args, **kwargs)
             kv = () if out is None else out
             held[_i] = sum(t.numel() * t.element_size() for t in kv) if kv else _layer.nbytes()
             return out
@@ -102,13 +102,15 @@ def test_a_sliding_window_bounds_the_cache_at_the_window():
 
 
 def _kinds_by_masks() -> list[dict]:
-    """Every registered attention kind with every registered mask it accepts (a window of 4
-    where the mask needs one), 4 heads sharing 2 kv heads."""
+    """Every registered attention kind with every registered mask it accepts (a window of 6
+    where the mask needs one), 4 heads sharing 2 kv heads (or no n_kv_heads for a kind that has
+    no kv heads of its own to set, MLA)."""
     out = []
     for kind in ATTENTION:
         for mask in MASKS:
-            for extra in ({}, {"window": 4}):
-                attn = {"kind": kind, "mask": mask, "n_heads": 4, "n_kv_heads": 2, **extra}
+            tries = [{**w, **kv} for kv in ({"n_kv_heads": 2}, {}) for w in ({}, {"window": 6})]
+            for extra in tries:
+                attn = {"kind": kind, "mask": mask, "n_heads": 4, **extra}
                 try:
                     build_model(tiny_model_config(vocab_size=37, attention=attn))
                 except ConfigError:
@@ -195,7 +197,11 @@ def test_components_equal_the_built_models_tensors(variant):
     def size(keep) -> int:
         return sum(p.numel() for n, p in named.items() if keep(n))
 
-    assert c["attention_norms"] == size(lambda n: ".attn." in n and "_norm." in n)
+    qkvo = tuple(f".{p}_proj." for p in "qkvo")
+    own = c["attention_norms"] + c.get("attention_other", 0)  # a kind's own params (MLA, sinks)
+    assert own == size(lambda n: ".attn." in n and not any(p in n for p in qkvo))
+    if "attention_other" not in c:
+        assert c["attention_norms"] == size(lambda n: ".attn." in n and "_norm." in n)
     assert c["norms"] == size(lambda n: ".attn." not in n and "norm." in n)
     assert c["position"] == size(lambda n: n.startswith("position."))
     assert c["embedding"] == named["embed.weight"].numel()

@@ -20,17 +20,23 @@ from lmlab.models.counting import meta_model, num_params, params_by_part, varian
 
 def attention_params_by_part(cfg: ModelConfig) -> dict[str, int]:
     """One layer's self-attention by part: ``q``, ``k``, ``v``, ``o`` (weights + biases) and
-    ``norms`` (QK-norm / V-norm RMSNorm weights over head_dim; HybridNorm turns both on), read
+    ``norms`` (QK-norm / V-norm RMSNorm weights over head_dim; HybridNorm turns both on) and
+    ``other`` (the kind's own parameters: differential lambdas, sink logits, MLA's latents), read
     from the first attention module of the built model."""
+    import torch
+
     from lmlab.nn.attention import ATTENTION, Attention
+    from lmlab.nn.norm import NORM, RMSNorm
 
     model = meta_model(dataclasses.replace(cfg, vocab_size=cfg.vocab_size or 1))
     types = variant_types(ATTENTION, Attention)
     attn = next((m for m in model.modules() if isinstance(m, types)), None)
     if attn is None:
         raise LmlabError(f"model.kind={cfg.kind} builds no attention module to count")
-    out = {p: num_params(getattr(attn, f"{p}_proj")) for p in "qkvo"}
-    out["norms"] = num_params(attn) - sum(out.values())
+    out = {p: num_params(proj) if (proj := getattr(attn, f"{p}_proj", None)) else 0 for p in "qkvo"}
+    norm_types = variant_types(NORM, torch.nn.LayerNorm, RMSNorm)
+    out["norms"] = sum(num_params(m) for m in attn.children() if isinstance(m, norm_types))
+    out["other"] = num_params(attn) - sum(out.values())  # lambdas, sinks, latent projections
     return out
 
 

@@ -20,7 +20,6 @@ A model family wires these into its own FLOP convention (``flops_per_token`` on
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -64,7 +63,6 @@ def meta_model(cfg: ModelConfig) -> nn.Module:
     from lmlab.models.build import build_model
 
     key = (repr(cfg.to_dict()), _registry_state())  # to_dict: repr leaves variant fields out
-    key = (repr(dataclasses.asdict(cfg)), _registry_state())  # asdict: the variant fields too
     if key in _META_CACHE:
         _META_CACHE.move_to_end(key)
         return _META_CACHE[key]
@@ -87,7 +85,9 @@ def params_by_part(model: nn.Module) -> dict[str, int]:
 
     embedding, position (PositionEncoding modules), attention_q/k/v/o (each projection's weight
     and bias in every self-attention), cross_attention_q/k/v/o (only in a model with
-    cross-attention), attention_norms (QK/V-norm weights in any attention), ffn (FFN modules; an
+    cross-attention), attention_norms (QK/V-norm weights in any attention), attention_other
+    (only when some attention has parameters of its own beyond q/k/v/o and norms: differential
+    attention's lambdas, sink logits, MLA's latent projections), ffn (FFN modules; an
     MoE layer's router and every expert), norms (every other norm), then the parts the model
     names in ``param_parts()`` (top-level module name -> part; default embed -> embedding,
     lm_head -> lm_head), then ``other`` for anything else (absent when 0)."""
@@ -122,10 +122,13 @@ def params_by_part(model: nn.Module) -> dict[str, int]:
             part = heads.get(name) if top else None
             if part is None and isinstance(child, attention):
                 prefix = "cross_attention_" if isinstance(child, CrossAttention) else "attention_"
-                add("attention_norms", child.parameters(recurse=False))
+                add("attention_other", child.parameters(recurse=False))  # lambdas, sinks
                 for sub, grandchild in child.named_children():
                     proj = PROJECTIONS.get(sub)
-                    add(prefix + proj if proj else "attention_norms", grandchild.parameters())
+                    other = (
+                        "attention_norms" if isinstance(grandchild, norms) else "attention_other"
+                    )
+                    add(prefix + proj if proj else other, grandchild.parameters())
                 continue
             if part is None:
                 kinds = ((ffn, "ffn"), (norms, "norms"), (position, "position"))
@@ -136,8 +139,9 @@ def params_by_part(model: nn.Module) -> dict[str, int]:
                 add(part, child.parameters())
 
     walk(model, True)
-    if not counts.get("other"):
-        counts.pop("other", None)
+    for extra in ("attention_other", "other"):
+        if not counts.get(extra):
+            counts.pop(extra, None)
     return counts
 
 

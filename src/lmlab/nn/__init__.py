@@ -9,8 +9,8 @@ from lmlab.nn.ffn import ACTIVATIONS, FFN
 from lmlab.nn.hyper_connections import HyperConnectionBlock  # noqa: F401  (block.kind=hyper)
 from lmlab.nn.kv_cache import KVCache, LayerKVCache, LinearAttentionState, SlidingWindowKVCache
 from lmlab.nn.masks import MASKS, causal_mask
-from lmlab.nn.moba import MoBAAttention  # noqa: F401  (registers attention kind moba)
 from lmlab.nn.mla import MultiHeadLatentAttention  # noqa: F401  (registers attention kind mla)
+from lmlab.nn.moba import MoBAAttention  # noqa: F401  (registers attention kind moba)
 from lmlab.nn.moe import ROUTERS, MoE, moe_losses
 from lmlab.nn.norm import NORM
 from lmlab.nn.position import POSITION, PositionEncoding

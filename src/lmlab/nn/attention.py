@@ -94,12 +94,11 @@ class Attention(nn.Module):
         self.scale = 1.0 / math.sqrt(self.head_dim) if a.scaled else 1.0  # softmax kinds
         self.backend = a.backend  # the name; backend_fn is the function it selects
         self.backend_fn = ATTENTION_BACKENDS.get(a.backend, "model.attention.backend")
-        self.mask_fn = MASKS.get(a.mask, "model.attention.mask")
-        if hasattr(self.mask_fn, "bind"):  # a mask with fields of its own binds them (streaming)
-            self.mask_fn = self.mask_fn.bind(cfg)
         mask = MASKS.get(a.mask, "model.attention.mask")
-        # a mask with fields of its own is bound to them once (local_global: its global tokens)
-        self.mask_fn = mask.from_config(cfg) if hasattr(mask, "from_config") else mask
+        # a mask with fields of its own is bound to them once (streaming: its sink tokens;
+        # local_global: its global tokens)
+        bind = getattr(mask, "from_config", None) or getattr(mask, "bind", None)
+        self.mask_fn = bind(cfg) if bind is not None else mask
         self.window = a.window  # tokens a query sees (itself included); sliding_window only
         d, hd = cfg.d_model, self.head_dim
         out_bias = a.bias if a.out_bias is None else a.out_bias
@@ -160,11 +159,13 @@ class Attention(nn.Module):
             need_weights=need_weights,
         )
 
-    def structure(self, key_mask: torch.Tensor | None) -> MaskFn:
-        """The structural mask function of one call: a mask over real-token positions (one with
-        a ``padded`` method, local_global) given the key padding mask (B, S); others as is."""
-        padded = getattr(self.mask_fn, "padded", None)
-        return self.mask_fn if padded is None or key_mask is None else padded(key_mask)
+    def structure(self, key_mask: torch.Tensor | None, mask_fn: MaskFn | None = None) -> MaskFn:
+        """The structural mask function of one call (``mask_fn``, default this layer's): a mask
+        over real-token positions (one with a ``padded`` method, local_global) given the key
+        padding mask (B, S); others as is."""
+        mask_fn = self.mask_fn if mask_fn is None else mask_fn
+        padded = getattr(mask_fn, "padded", None)
+        return mask_fn if padded is None or key_mask is None else padded(key_mask)
 
     def merge_heads(self, y: torch.Tensor) -> torch.Tensor:
         """(B, H, T, hd) -> o_proj of (B, T, H*hd) -> (B, T, D)."""
@@ -214,14 +215,13 @@ class SoftmaxAttention(Attention):
     )
 
     def new_cache(self) -> LayerKVCache | SlidingWindowKVCache:
-        """A dynamic cache, or a bounded one when a sliding window limits what a query sees (or
-        the mask kind's own cache, when it has one: streaming)."""
+        """A dynamic cache, or a bounded one when a sliding window limits what a query sees; the
+        mask kind's own cache when it has one (streaming), the full one when it reads every key
+        (local_global: a global key is read by every later query)."""
         if hasattr(self.mask_fn, "new_cache"):
             return self.mask_fn.new_cache()
-        return LayerKVCache() if self.window is None else SlidingWindowKVCache(self.window)
-        """A dynamic cache, or a bounded one when a sliding window limits what a query sees."""
         if self.window is None or getattr(self.mask_fn, "keeps_all_keys", False):
-            return LayerKVCache()  # local_global: a global key is read by every later query
+            return LayerKVCache()
         return SlidingWindowKVCache(self.window)
 
     def forward(
@@ -248,8 +248,7 @@ class SoftmaxAttention(Attention):
         elif cache is not None:
             k, v = cache.update(k, v)  # (B, K, S, hd)
         bias = position.score_bias(positions, k.shape[2])  # (H, T, S) or None
-        y, w = self.attend(q, k, v, mask_fn, key_mask, bias, need_weights)
-        y, w = self.attend(q, k, v, self.structure(key_mask), key_mask, bias, need_weights)
+        y, w = self.attend(q, k, v, self.structure(key_mask, mask_fn), key_mask, bias, need_weights)
         return AttentionOutput(self.merge_heads(y), w)
 
     # ------------------------------------------------------------------ declared costs

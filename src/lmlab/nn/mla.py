@@ -184,8 +184,11 @@ class MultiHeadLatentAttention(Attention):
 
     def new_cache(self) -> LayerKVCache | SlidingWindowKVCache:
         """The latent cache: the layer caches of softmax attention, holding c_KV (B, 1, S, c) in
-        their ``k`` slot and the rotated k_R (B, 1, S, r) in ``v`` (bounded by a window)."""
-        return LayerKVCache() if self.window is None else SlidingWindowKVCache(self.window)
+        their ``k`` slot and the rotated k_R (B, 1, S, r) in ``v`` (bounded by a sliding window;
+        every key kept for a mask that reads them all, local_global)."""
+        if self.window is None or getattr(self.mask_fn, "keeps_all_keys", False):
+            return LayerKVCache()
+        return SlidingWindowKVCache(self.window)
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, T, D) -> q (B, H, T, n + r), before RoPE."""

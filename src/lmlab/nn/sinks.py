@@ -13,7 +13,7 @@ Masks are bool with True = may attend.
   the last ``window - sink_tokens`` tokens up to itself; its cache
   (:class:`StreamingKVCache`) keeps just those, so memory is bounded by ``window`` tokens.
 
-Positions (a choice, see docs/designs/sinks.md): **absolute**, lmlab's convention everywhere.
+Positions (a choice, see docs/attention-designs.md): **absolute**, lmlab's convention everywhere.
 Keys are cached after RoPE at their position in the stream, so cached decoding equals the full
 pass under the dense mask (the contract's kv_cache check). StreamingLLM instead re-numbers the
 cached tokens 0..window-1 at every step (re-rotating the keys), which keeps every RoPE distance
@@ -122,6 +122,11 @@ def streaming_visible(
     return (k_pos <= q_pos) & ((k_pos < sink_tokens) | (k_pos > q_pos - (window - sink_tokens)))
 
 
+# The attention kinds whose forward calls the mask's ``keys`` hook (SoftmaxAttention.forward and
+# those reusing it); a kind with a forward of its own (sigmoid, differential, mla, moba) does not.
+STREAMING_KINDS = ("softmax", "sink")
+
+
 def check_streaming(m: ModelConfig) -> None:
     """streaming reads ``window`` in [2, max_seq_len] and ``sink_tokens`` in [0, window - 1]."""
     a = m.attention
@@ -136,6 +141,12 @@ def check_streaming(m: ModelConfig) -> None:
         raise ConfigError(
             f"model.attention.sink_tokens must be in [0, model.attention.window - 1 = "
             f"{a.window - 1}] (a query must see itself), got {sink_tokens}"
+        )
+    if a.kind not in STREAMING_KINDS:
+        raise ConfigError(
+            f"model.attention.mask=streaming needs model.attention.kind "
+            f"{' or '.join(STREAMING_KINDS)} (whose forward routes its keys through the "
+            f"streaming cache), not {a.kind}"
         )
     from lmlab.nn.position import POSITION, PositionEncoding
 

@@ -113,10 +113,9 @@ def estimate_training_memory(cfg: RunConfig) -> MemoryEstimate:
     n = attn.saved_norm_elements() if isinstance(attn, Attention) else 0  # QK/V-norm outputs
     qkv = getattr(attn, "saved_projection_elements", None)  # declared (MLA) or q, k, v, y, o
     p_ = qkv() if callable(qkv) else (3 * h + 2 * kv) * hd
-    per_layer = 8 * d + a * (2 * d + p_ + n + s) + hidden
     saved_stream = getattr(_first(model, BLOCK), "saved_stream_bytes", None)  # a wider stream
     stream = saved_stream(a) if callable(saved_stream) else 0
-    per_layer = 8 * d + a * (2 * d + (3 * h + 2 * kv) * hd + n + s) + hidden + stream
+    per_layer = 8 * d + a * (2 * d + p_ + n + s) + hidden + stream
     per_token = m.n_layers * per_layer + (4 + a) * d + (a + 8) * (m.vocab_size or 0)
     activations = t.batch_size * seq * per_token
     return MemoryEstimate(p, 4 * p, 4 * p, 8 * p, 2 * p if a == 2 else 0, activations)
