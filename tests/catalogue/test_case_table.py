@@ -159,7 +159,8 @@ CASES: dict[str, Case] = {
     ),
     "config-window-without-sliding-mask": Case(
         train("--set", "model.attention.window=16"),
-        "model.attention.window applies to mask=sliding_window only, not causal",
+        "model.attention.window applies to masks sliding_window, local_global, streaming only, "
+        "not causal",
     ),
     "config-seq-len-beyond-context": Case(
         train("--set", "train.seq_len=512"),
