@@ -27,19 +27,47 @@ import torch
 import torch.nn.functional as F
 
 from lmlab.errors import ConfigError
-from lmlab.nn.attention import ATTENTION, AttentionOutput, SoftmaxAttention, repeat_kv
-from lmlab.nn.masks import MaskFn, combine_masks
+from lmlab.nn.attention import ATTENTION, SoftmaxAttention
+from lmlab.nn.attention_core import AttentionFn, attend, backend_traits
+from lmlab.nn.masks import MaskFn
 
 if TYPE_CHECKING:
     from lmlab.config import ModelConfig
-    from lmlab.nn.kv_cache import LayerKVCache, SlidingWindowKVCache
-    from lmlab.nn.position import PositionEncoding
 
 
 def sigmoid_bias(cfg: ModelConfig) -> float:
     """The score offset b: ``model.attention.sigmoid_bias``, or -log(model.max_seq_len)."""
     b = cfg.attention.sigmoid_bias  # type: ignore[attr-defined]
     return -math.log(cfg.max_seq_len) if b is None else float(b)
+
+
+def sigmoid_backend(offset: float) -> AttentionFn:
+    """The attention backend of sigmoid attention with score offset ``offset`` (b), for
+    :func:`lmlab.nn.attention_core.attend` (which builds the masks, repeats kv heads and zeroes
+    queries with no visible key): ``fn(q, k, v, mask, scale, dropout_p, bias=None)`` with q, k, v
+    (B, H, T|S, hd), mask bool broadcastable to (B, H, T, S) or None, returning (out (B, H, T,
+    hd), weights (B, H, T, S)), w = sigmoid(q k^T * scale + offset + bias) where the mask allows,
+    else exactly 0. The sigmoid runs in the scores' dtype promoted to at least float32."""
+
+    def sigmoid_math(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        scale: float,
+        dropout_p: float = 0.0,
+        bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.matmul(q, k.transpose(-2, -1)) * scale + offset  # (B, H, T, S)
+        if bias is not None:
+            scores = scores + bias.to(scores.dtype)
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        w = torch.sigmoid(scores).to(q.dtype)
+        return torch.matmul(F.dropout(w, p=dropout_p) if dropout_p > 0.0 else w, v), w
+
+    return backend_traits(sigmoid_math, returns_weights=True, takes_bias=True)
 
 
 def sigmoid_attend(
@@ -56,32 +84,27 @@ def sigmoid_attend(
     bias: torch.Tensor | None = None,
     dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sigmoid attention of q (B, H, T, hd) over k, v (B, K, S, hd), K = H / ``n_rep``.
-
-    w = sigmoid(q k^T * scale + offset + bias) where the mask allows, else exactly 0; ``mask_fn``,
-    ``window``, ``key_mask`` (B, S' >= S) bool True = real token, and ``bias`` (broadcastable to
-    (B, H, T, S)) as :func:`lmlab.nn.attention_core.attend`. The sigmoid runs in the scores'
-    dtype promoted to at least float32. Returns (out (B, H, T, hd), weights (B, H, T, S)),
-    both in q's dtype; a query with no visible key has weights 0 and outputs 0.
+    """Sigmoid attention of q (B, H, T, hd) over k, v (B, K, S, hd), K = H / ``n_rep``: the
+    attention core (:func:`lmlab.nn.attention_core.attend`, whose ``mask_fn``, ``window``,
+    ``key_mask`` (B, S' >= S) bool True = real token, and ``bias`` it takes) with
+    :func:`sigmoid_backend`. Returns (out (B, H, T, hd), weights (B, H, T, S)), both in q's
+    dtype; a query with no visible key has weights 0 and outputs 0.
     """
-    t, s = q.shape[2], k.shape[2]
-    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, H, S, hd)
-    if key_mask is not None:
-        key_mask = key_mask[:, -s:]  # a sliding cache keeps only the last keys
-    structure = (
-        mask_fn(t, s, q.device, window)
-        if mask_fn is not None
-        else torch.ones(t, s, dtype=torch.bool, device=q.device)
+    y, w = attend(
+        q,
+        k,
+        v,
+        backend=sigmoid_backend(offset),
+        scale=scale,
+        n_rep=n_rep,
+        mask_fn=mask_fn,
+        window=window,
+        key_mask=key_mask,
+        bias=bias,
+        dropout_p=dropout_p,
+        need_weights=True,
     )
-    mask, empty = combine_masks(structure, key_mask)  # (T, S) or (B, 1, T, S)
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale + offset  # (B, H, T, S)
-    if bias is not None:
-        scores = scores + bias.to(scores.dtype)
-    dtype = torch.promote_types(scores.dtype, torch.float32)
-    w = torch.sigmoid(scores.to(dtype).masked_fill(~mask, float("-inf"))).to(q.dtype)
-    if empty is not None:  # a query with no visible key (a padding row) outputs 0
-        w = w.masked_fill(empty, 0.0)
-    y = torch.matmul(F.dropout(w, p=dropout_p) if dropout_p > 0.0 else w, v)  # (B, H, T, hd)
+    assert w is not None  # the sigmoid backend always returns its weights
     return y, w
 
 
@@ -111,35 +134,9 @@ class SigmoidAttention(SoftmaxAttention):
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__(cfg, layer_idx)
         self.offset = sigmoid_bias(cfg)  # b, added to every score
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        position: PositionEncoding,
-        positions: torch.Tensor,
-        key_mask: torch.Tensor | None = None,
-        cache: LayerKVCache | SlidingWindowKVCache | None = None,
-        need_weights: bool = False,
-    ) -> AttentionOutput:
-        """x (B, T, D) at ``positions`` (T,) or (B, T) -> AttentionOutput(out (B, T, D), weights
-        (B, H, T, S) or None); arguments as :meth:`SoftmaxAttention.forward`."""
-        q, k, v = self.project(x, position, positions)  # (B, H, T, hd), (B, K, T, hd) x 2
-        if cache is not None:
-            k, v = cache.update(k, v)  # (B, K, S, hd)
-        y, w = sigmoid_attend(
-            q,
-            k,
-            v,
-            scale=self.scale,
-            offset=self.offset,
-            n_rep=self.n_heads // self.n_kv_heads,
-            mask_fn=self.structure(key_mask),
-            window=self.window,
-            key_mask=key_mask,
-            bias=position.score_bias(positions, k.shape[2]),  # (H, T, S) or None
-            dropout_p=self.dropout_p,
-        )
-        return AttentionOutput(self.merge_heads(y), w if need_weights else None)
+        # SoftmaxAttention.forward runs the attention core with this backend (whatever
+        # model.attention.backend names: there is no fused sigmoid kernel)
+        self.backend_fn = sigmoid_backend(self.offset)
 
     @classmethod
     def saved_score_elements(cls, cfg: ModelConfig, seq_len: int) -> int:

@@ -122,8 +122,10 @@ def streaming_visible(
     return (k_pos <= q_pos) & ((k_pos < sink_tokens) | (k_pos > q_pos - (window - sink_tokens)))
 
 
-# The attention kinds whose forward calls the mask's ``keys`` hook (SoftmaxAttention.forward and
-# those reusing it); a kind with a forward of its own (sigmoid, differential, mla, moba) does not.
+# The attention kinds that run with the streaming cache: they call the mask's ``keys`` hook
+# (SoftmaxAttention.forward) and are tested with it. A kind with a forward of its own
+# (differential, mla, moba) does not call it; sigmoid reuses that forward but is not yet tested
+# with this mask, so it stays refused.
 STREAMING_KINDS = ("softmax", "sink")
 
 
