@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from lmlab.errors import ConfigError
-from lmlab.nn.attention import ATTENTION, Attention, AttentionOutput, attend
+from lmlab.nn.attention import ATTENTION, Attention, AttentionOutput, SoftmaxAttention, attend
 from lmlab.nn.attention_core import ATTENTION_BACKENDS
 from lmlab.nn.kv_cache import LayerKVCache, SlidingWindowKVCache
 from lmlab.nn.masks import MASKS
@@ -182,13 +182,10 @@ class MultiHeadLatentAttention(Attention):
         self.o_proj = nn.Linear(h * dv, d, bias=out_bias)
         self.o_proj.is_residual_proj = True  # type: ignore[assignment]
 
-    def new_cache(self) -> LayerKVCache | SlidingWindowKVCache:
-        """The latent cache: the layer caches of softmax attention, holding c_KV (B, 1, S, c) in
-        their ``k`` slot and the rotated k_R (B, 1, S, r) in ``v`` (bounded by a sliding window;
-        every key kept for a mask that reads them all, local_global)."""
-        if self.window is None or getattr(self.mask_fn, "keeps_all_keys", False):
-            return LayerKVCache()
-        return SlidingWindowKVCache(self.window)
+    # The latent cache is softmax attention's layer cache (dynamic, bounded by a sliding window,
+    # every key kept for a mask that reads them all), holding c_KV (B, 1, S, c) in its ``k`` slot
+    # and the rotated k_R (B, 1, S, r) in ``v``.
+    new_cache = SoftmaxAttention.new_cache
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, T, D) -> q (B, H, T, n + r), before RoPE."""
@@ -280,9 +277,9 @@ class MultiHeadLatentAttention(Attention):
 
     @classmethod
     def cached_tokens(cls, cfg: ModelConfig, context: int) -> int:
-        """Tokens held while decoding token ``context``: all, or at most ``window``."""
-        window = cfg.attention.window if cfg.attention.mask == "sliding_window" else None
-        return context if window is None else min(context, window)
+        """Tokens held while decoding token ``context``: softmax attention's cache's (all, or at
+        most ``window`` with a sliding window)."""
+        return SoftmaxAttention.cached_tokens(cfg, context)
 
     @classmethod
     def kv_cache_bytes_per_token(cls, cfg: ModelConfig, dtype_bytes: int = 4) -> int:
