@@ -290,7 +290,7 @@ class TrainConfig:
     checkpoint_interval_s: float = 60.0  # also checkpoint when this much time has passed
     keep_checkpoints: int = 3
     seed: int = 1337
-    precision: str = "bf16"  # bf16 (autocast) | fp32
+    precision: str = "auto"  # bf16 (autocast) | fp32 | auto: bf16 where the device has bf16 units
     compile: bool = False  # torch.compile the model
     device: str = "auto"
     parallel: str = "ddp"  # under torchrun: ddp (replicas) | fsdp (FSDP2 shards, DCP checkpoints)

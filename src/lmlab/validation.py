@@ -219,6 +219,6 @@ def _train_rules(cfg: RunConfig) -> None:
         raise ConfigError(
             f"train.seq_len ({t.seq_len}) must not exceed model.max_seq_len ({m.max_seq_len})"
         )
-    choice(t.precision, ["bf16", "fp32"], "train.precision")
+    choice(t.precision, ["bf16", "fp32", "auto"], "train.precision")
     choice(t.device, ["auto", "cpu", "cuda", "mps"], "train.device")
     choice(t.parallel, ["ddp", "fsdp"], "train.parallel")

@@ -17,6 +17,7 @@ from lmlab.analysis.params import count_params
 from lmlab.config import ModelConfig, RunConfig, load_config
 from lmlab.errors import LmlabError
 from lmlab.models.counting import meta_model, moe_summary, params_by_part
+from lmlab.training.hardware import planned_precision
 from lmlab.training.memory import format_bytes
 
 
@@ -154,7 +155,7 @@ def inspect_model(
         "training_memory": {
             "batch": batch,
             "seq_len": seq,
-            "precision": run_cfg.train.precision,
+            "precision": planned_precision(run_cfg.train),
             "weights": mem.weights,
             "gradients": mem.gradients,
             "optimizer": mem.optimizer,

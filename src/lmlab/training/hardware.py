@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -10,12 +11,17 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from lmlab.errors import LmlabError
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
+PRECISIONS = ("auto", "bf16", "fp32")
+
+# /proc/cpuinfo flags of CPUs with bf16 arithmetic units (x86: AVX-512 BF16, AMX; Arm: BF16).
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -34,9 +40,62 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
+    """The feature flags of the first CPU listed in ``cpuinfo`` (Linux ``flags`` on x86,
+    ``Features`` on Arm); empty where the file is absent or unreadable (macOS, Windows)."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for _, line in zip(range(200), f, strict=False):  # the first CPU's block is short
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+def has_fast_bf16(device: torch.device, flags: set[str] | None = None) -> bool:
+    """Whether bf16 autocast is expected to run faster than float32 on ``device``: a CUDA GPU
+    that supports bf16, or a CPU with bf16 arithmetic units (``BF16_CPU_FLAGS`` in
+    ``flags``, read from /proc/cpuinfo when None). A CPU without them emulates bf16 matmuls
+    (measured on an AMD EPYC with AVX2 only: a 1024 x 1024 matmul 2.5 s in bf16 against
+    0.02 s in float32, a 98 vs 2,400 characters/s training run), and MPS autocast is refused."""
+    if device.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported())
+    if device.type != "cpu":
+        return False
+    return bool((_this_cpu_flags() if flags is None else flags) & set(BF16_CPU_FLAGS))
+
+
+@functools.cache
+def _this_cpu_flags() -> frozenset[str]:
+    return frozenset(cpu_flags())
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """``train.precision`` as a run uses it: ``auto`` is ``bf16`` where :func:`has_fast_bf16`
+    holds on ``device`` and ``fp32`` elsewhere; ``bf16`` and ``fp32`` are returned as given."""
+    if precision != "auto":
+        return precision
+    return "bf16" if has_fast_bf16(device) else "fp32"
+
+
+def planned_precision(train: Any) -> str:
+    """The precision a run of ``train`` (a TrainConfig) would use on this machine without
+    starting one: ``auto`` resolved against the device ``train.device`` names (``auto``:
+    CUDA when torch sees a GPU, else the CPU; an absent device counts as the CPU)."""
+    if train.precision != "auto":
+        return str(train.precision)
+    cuda = train.device == "cuda" or (train.device == "auto" and torch.cuda.is_available())
+    return resolve_precision(
+        "auto", torch.device("cuda" if cuda and torch.cuda.is_available() else "cpu")
+    )
+
+
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """bf16 autocast on ``device`` for precision ``bf16``; a no-op for ``fp32``."""
-    if precision == "bf16":
+    """bf16 autocast on ``device`` for precision ``bf16``; a no-op for ``fp32``; ``auto`` as
+    :func:`resolve_precision` picks it for ``device``."""
+    if resolve_precision(precision, device) == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 

@@ -101,7 +101,9 @@ def estimate_training_memory(cfg: RunConfig) -> MemoryEstimate:
     m, t = cfg.model, cfg.train
     model = meta_model(m)
     p = num_params(model)
-    a = 2 if t.precision == "bf16" else 4
+    from lmlab.training.hardware import planned_precision
+
+    a = 2 if planned_precision(t) == "bf16" else 4
     seq = t.seq_len or m.max_seq_len
     hd, h, kv = m.head_dim, m.attention.n_heads, m.n_kv_heads
     ffn, attn = _first(model, FFN), _first(model, ATTENTION)

@@ -24,6 +24,7 @@ from lmlab.config import RunConfig, diff_configs
 from lmlab.data.tokenizer import Tokenizer
 from lmlab.errors import LmlabError
 from lmlab.run import read_run_config
+from lmlab.training.hardware import resolve_precision
 from lmlab.training.objectives import objective_name, set_seq2seq_ids
 from lmlab.training.run_folder import RunFolder, claim_new_run, claim_resumed_run
 
@@ -38,6 +39,7 @@ FILLED_IN = (
     *(f"model.seq2seq.{k}" for k in SEQ2SEQ_IDS),
     "train.seq_len",
     "train.lr_decay_steps",
+    "train.precision",
 )
 
 
@@ -47,17 +49,22 @@ class FillIns:
 
     vocab_size: tokens in the tokenizer. seq2seq_ids: pad / decoder start / eos token ids
     (encoder-decoder models; None elsewhere). seq_len: tokens per training window.
-    lr_decay_steps: optimizer steps of the cosine decay."""
+    lr_decay_steps: optimizer steps of the cosine decay. precision: what ``auto`` becomes
+    (``bf16`` or ``fp32``)."""
 
     vocab_size: int | None
     seq2seq_ids: dict[str, int | None]
     seq_len: int | None
     lr_decay_steps: int | None
+    precision: str = "fp32"
 
     @classmethod
-    def for_new_run(cls, cfg: RunConfig, tokenizer: Tokenizer) -> FillIns:
+    def for_new_run(
+        cls, cfg: RunConfig, tokenizer: Tokenizer, device: torch.device | None = None
+    ) -> FillIns:
         """A new run's: the tokenizer's vocabulary and special ids (decoder start = pad, as
-        T5), ``model.max_seq_len`` tokens per window, a decay over ``train.max_steps``."""
+        T5), ``model.max_seq_len`` tokens per window, a decay over ``train.max_steps``, and the
+        precision ``device`` runs fastest (:func:`resolve_precision`; the CPU when None)."""
         s = replace(cfg.model.seq2seq)  # a copy for set_seq2seq_ids to fill
         set_seq2seq_ids(replace(cfg, model=replace(cfg.model, seq2seq=s)), tokenizer)
         return cls(
@@ -65,6 +72,7 @@ class FillIns:
             {k: getattr(s, k) for k in SEQ2SEQ_IDS},
             cfg.model.max_seq_len,
             cfg.train.max_steps,
+            resolve_precision("auto", device if device is not None else torch.device("cpu")),
         )
 
     @classmethod
@@ -76,6 +84,7 @@ class FillIns:
             {k: getattr(s, k) for k in SEQ2SEQ_IDS},
             saved.train.seq_len,
             saved.train.lr_decay_steps,
+            saved.train.precision,
         )
 
 
@@ -91,6 +100,8 @@ def fill_in(cfg: RunConfig, fills: FillIns) -> RunConfig:
             setattr(s, k, fills.seq2seq_ids[k])
     t.seq_len = t.seq_len or fills.seq_len
     t.lr_decay_steps = t.lr_decay_steps or fills.lr_decay_steps
+    if t.precision == "auto":
+        t.precision = fills.precision
     return cfg
 
 
@@ -99,7 +110,8 @@ class ResolvedRun:
     """A run's config with every filled-in field set, and what the trainer derives from it.
 
     cfg: the config the run trains (and saves) with. device: where it trains. seq_len: tokens
-    per training window. precision: ``bf16`` (autocast) or ``fp32``. objective: the training
+    per training window. precision: ``bf16`` (autocast) or ``fp32`` (``auto`` resolved).
+    objective: the training
     objective's registered name (``train.objective`` or the model kind's default)."""
 
     cfg: RunConfig
@@ -128,7 +140,7 @@ def resolve_run(
     if new_run and cfg.model.vocab_size not in (None, n := tokenizer.vocab_size):
         msg = f"model.vocab_size is {cfg.model.vocab_size} but the tokenizer has {n} tokens"
         raise LmlabError(f"{msg}; remove model.vocab_size (null: the tokenizer's)")  # not replaced
-    cfg = fill_in(cfg, FillIns.for_new_run(cfg, tokenizer))
+    cfg = fill_in(cfg, FillIns.for_new_run(cfg, tokenizer, dev))
     if new_run:
         cfg.validate()
     assert cfg.train.seq_len is not None
