@@ -141,12 +141,14 @@ def select_blocks(
     first, block 0 second, blocks starting after i are never chosen."""
     imp = p_cmp.sum(2).float()  # (B, K, T, Nc): the group's heads summed
     nc, ns = imp.shape[-1], -(-s // select_block)
-    c0 = torch.arange(nc, device=imp.device) * stride
-    j0 = torch.arange(ns, device=imp.device) * select_block
-    lo = torch.maximum(c0[:, None], j0[None, :])
-    hi = torch.minimum(c0[:, None] + block, j0[None, :] + select_block)
-    overlap = (hi - lo).clamp_min(0).to(imp.dtype)  # (Nc, Ns) shared tokens
-    score = imp @ overlap  # (B, K, T, Ns)
+    start = torch.arange(nc, device=imp.device) * stride  # block c: [c d, c d + l)
+    first = torch.div(start, select_block, rounding_mode="floor")  # l <= l': blocks c overlaps
+    last = torch.div(start + block - 1, select_block, rounding_mode="floor")  # first or first + 1
+    share = (torch.minimum(start + block, (first + 1) * select_block) - start).to(imp.dtype)
+    score = imp.new_zeros(*imp.shape[:-1], ns + 1)  # slot ns: blocks past S (never ranked)
+    score.scatter_add_(-1, first.expand_as(imp), imp * share)
+    score.scatter_add_(-1, last.clamp_max(ns).expand_as(imp), imp * (block - share))
+    score = score[..., :ns]  # (B, K, T, Ns)
     own = torch.div(query_index, select_block, rounding_mode="floor")[:, None, :, None]
     j = torch.arange(ns, device=imp.device)
     score = torch.where(j == 0, torch.finfo(score.dtype).max, score)
@@ -328,7 +330,8 @@ class NativeSparseAttention(SoftmaxAttention):
         super().__init__(cfg, layer_idx)
         a = nsa_section(cfg)
         self.block, self.stride = a.compress_block, a.compress_stride
-        self.select_block, self.top_k, self.nsa_window = a.select_block, a.select_top_k, a.nsa_window
+        self.select_block, self.top_k = a.select_block, a.select_top_k
+        self.nsa_window = a.nsa_window
         d, kvd, hd = cfg.d_model, self.n_kv_heads * self.head_dim, self.head_dim
         self.window_k_proj = nn.Linear(d, kvd, bias=a.bias)
         self.window_v_proj = nn.Linear(d, kvd, bias=a.bias)
@@ -459,11 +462,12 @@ class NativeSparseAttention(SoftmaxAttention):
     def score_flops_per_token(cls, cfg: ModelConfig, seq_len: int) -> int:
         """FLOPs per query token and layer besides the weights, at ``seq_len`` keys: QK^T and
         AV against the Nc compressed, n l' selected and w sliding keys, 4 (Nc + n l' + w) H hd,
-        and the block scores p_cmp @ overlap, 2 Nc Ns K. (The compression matmuls are counted
+        and the block scores (each compressed block's probability times its token share, added to
+        the two selection blocks it overlaps), 4 Nc K. (The compression matmuls are counted
         from compress_k/v's weights, once per token; they run K / d times per token.)"""
-        nc, ns, slc, w = cls.key_counts(cfg, seq_len)
+        nc, _, slc, w = cls.key_counts(cfg, seq_len)
         h, hd = cfg.attention.n_heads, cfg.head_dim
-        return 4 * (nc + slc + w) * h * hd + 2 * nc * ns * cfg.n_kv_heads
+        return 4 * (nc + slc + w) * h * hd + 4 * nc * cfg.n_kv_heads
 
     def saved_projection_elements(self) -> int:
         """Elements per token autograd keeps of the projections (lmlab.training.memory; softmax's
