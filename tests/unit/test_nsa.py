@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -23,6 +25,7 @@ from lmlab.nn.attention import ATTENTION
 from lmlab.nn.attention_core import attention_math
 from lmlab.nn.masks import position_ids_from_attention_mask
 from lmlab.nn.position import POSITION
+from tests.helpers.cli import assert_one_error, run_cli
 from tests.helpers.configs import tiny_model_config
 
 SMALL = {"compress_block": 4, "compress_stride": 2, "select_block": 4, "select_top_k": 2}
@@ -274,3 +277,39 @@ def test_config_errors_name_the_field(attention, field):
 def test_score_bias_position_refused():
     with pytest.raises(ConfigError, match="model.position.kind=alibi"):
         tiny_model_config(attention={"kind": "nsa"}, position={"kind": "alibi"})
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("model.attention.select_block=12", "model.attention.select_block"),  # 12 % 8
+        ("model.attention.select_top_k=0", "model.attention.select_top_k"),
+        ("model.attention.nsa_window=300", "model.attention.nsa_window"),  # > 256
+        ("model.attention.compress_block=512", "model.attention.compress_block"),
+    ],
+)
+def test_cli_refuses_bad_field_in_one_line(capsys, override, needle):
+    code, _, err = run_cli(capsys, "inspect", "configs/nsa.yaml", "--set", override)
+    assert_one_error(code, err, needle)
+
+
+def test_nsa_fields_refused_on_other_kinds(capsys):
+    code, _, err = run_cli(
+        capsys, "inspect", "configs/tiny.yaml", "--set", "model.attention.select_top_k=5"
+    )
+    assert_one_error(code, err, "select_top_k")
+
+
+def test_preset_declares_its_kv_cache_and_sparsity():
+    """configs/nsa.yaml: (context + window) raw and sliding keys per layer, and at 512 tokens
+    fewer than a third of dense attention's score FLOPs (63 + 64 + 32 keys a query, not 512)."""
+    from lmlab.analysis.costs import kv_cache_bytes
+    from lmlab.config import load_config
+
+    cfg = load_config(Path("configs/nsa.yaml")).model
+    cfg.vocab_size = 256
+    per_layer = 2 * 2 * 16 * 4  # 2 K hd float32
+    assert kv_cache_bytes(cfg, 1, 256) == 2 * (256 + 32) * per_layer
+    nsa_cls, dense = ATTENTION.get("nsa"), ATTENTION.get("softmax")
+    assert nsa_cls.key_counts(cfg, 512) == (63, 32, 64, 32)
+    assert nsa_cls.score_flops_per_token(cfg, 512) < dense.score_flops_per_token(cfg, 512) / 3
