@@ -310,6 +310,7 @@ def attention_report(
     device: str = "cpu",
     source: str | None = None,
     target: str | None = None,
+    html: str | Path | None = None,
 ) -> AttentionReport:
     """Load the model at ``path`` (anything lmlab.interop.load.load accepts), run it on
     ``text``, and compute per-head stats for the chosen layer(s) and head(s) (0-based; None:
@@ -319,10 +320,17 @@ def attention_report(
     An encoder-decoder takes ``source`` (and optionally ``target``, default: its greedy output)
     instead of ``text``: the stats are its cross-attention's (:func:`seq2seq_attention_maps`),
     and it writes ``out/cross-layer-LL.png`` (target tokens on y, source tokens on x),
-    ``out/encoder-layer-LL.png`` and ``out/decoder-layer-LL.png``."""
+    ``out/encoder-layer-LL.png`` and ``out/decoder-layer-LL.png``.
+
+    ``html``: also write one self-contained page there (:mod:`lmlab.analysis.html_view`; an
+    encoder-decoder's has cross, encoder and decoder tabs). An existing file is refused before
+    the model is loaded, never replaced."""
+    from lmlab.analysis.html_view import check_html_out
     from lmlab.interop.load import load
     from lmlab.training.hardware import resolve_device
 
+    if html is not None:
+        check_html_out(html)
     if (text is None) == (source is None):
         raise LmlabError("give --text (decoder or encoder models) or --source (encoder-decoder)")
     if target is not None and source is None:
@@ -335,7 +343,7 @@ def attention_report(
                 f"{path} is an encoder-decoder (seq2seq) model: give --source TEXT (and "
                 "optionally --target TEXT) instead of --text"
             )
-        return _seq2seq_report(path, model, tokenizer, source, target, layer, head, out)
+        return _seq2seq_report(path, model, tokenizer, source, target, layer, head, out, html)
     assert text is not None
     maps = self_attention_maps(model, tokenizer, text)
     layers = _select(len(maps.weights), layer, "layers", "--layer")
@@ -348,6 +356,10 @@ def attention_report(
         stats += head_stats(w, maps.mask, layer=li, heads=heads)
     if out is not None:
         files = _save_heatmaps(out, [(maps, layers, "", Path(path).name)], heads)
+    if html is not None:
+        files.append(
+            _save_page(html, Path(path).name, {"self": ("self-attention", maps)}, layers, heads)
+        )
     return AttentionReport(maps.query_labels, stats, files, _thresholds())
 
 
@@ -360,6 +372,7 @@ def _seq2seq_report(
     layer: int | None,
     head: int | None,
     out: str | Path | None,
+    html: str | Path | None = None,
 ) -> AttentionReport:
     maps = seq2seq_attention_maps(model, tokenizer, source, target)
     cross = maps["cross"]
@@ -381,6 +394,10 @@ def _seq2seq_report(
             for name, m in maps.items()
         ]
         files = _save_heatmaps(out, groups, heads)
+    if html is not None:
+        names = {"cross": "cross-attention", "encoder": "encoder self", "decoder": "decoder self"}
+        panels = {k: (names[k], maps[k]) for k in ("cross", "encoder", "decoder")}
+        files.append(_save_page(html, Path(path).name, panels, layer, heads))
     return AttentionReport(cross.key_labels, stats, files, _thresholds(), cross.query_labels)
 
 
@@ -418,6 +435,32 @@ def _save_heatmaps(
             )
             files.append(save_figure(fig, folder / f"{prefix}layer-{li:02d}.png"))
     return files
+
+
+def _save_page(
+    html: str | Path,
+    title: str,
+    panels: dict[str, tuple[str, AttentionMaps]],
+    layers: list[int] | int | None,
+    heads: list[int],
+) -> Path:
+    """One HTML page with a tab per ``panels`` entry (id -> (title, maps)): the chosen
+    ``layers`` (a list, or the --layer value: None = all) and ``heads`` of each."""
+    from lmlab.analysis.html_view import attention_panel, write_page
+
+    built = []
+    for pid, (name, maps) in panels.items():
+        chosen = (
+            layers
+            if isinstance(layers, list)
+            else _select(len(maps.weights), layers, "layers", "--layer")
+        )
+        weights = [maps.weights[li][heads] for li in chosen]
+        built.append(
+            attention_panel(pid, name, weights, maps.query_labels, maps.key_labels, maps.mask,
+                            layers=chosen, heads=heads)
+        )  # fmt: skip
+    return write_page(html, f"{title}: attention", built)
 
 
 def format_stats(stats: list[HeadStats]) -> str:
