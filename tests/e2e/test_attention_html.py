@@ -50,3 +50,20 @@ def test_attention_source_html_has_cross_encoder_and_decoder_tabs(
     assert list(panels) == ["cross", "encoder", "decoder"]
     assert panels["cross"]["queries"] == [*"cba", "</s>"] and panels["cross"]["keys"] == list("abc")
     assert panels["decoder"]["mask"][0] == "1000" and panels["encoder"]["mask"] is None
+
+
+def test_attention_window_draws_a_slice_with_its_positions(tiny_run: Path, tmp_path: Path, capsys):
+    page, maps = tmp_path / "w.html", tmp_path / "maps"
+    code, out, _ = run_cli(
+        capsys, "attention", str(tiny_run), "--text", "ROMEO: But soft", "--layer", "0",
+        "--window", "2:6", "--out", str(maps), "--html", str(page), "--json", "--device", "cpu",
+    )  # fmt: skip
+    assert code == 0 and len(json.loads(out)["tokens"]) == 15  # the numbers cover every token
+    (panel,) = blob(page)["panels"]
+    assert panel["data"]["queries"] == list("MEO:") and panel["data"]["offsets"] == [2, 2]
+    assert panel["data"]["mask"][0] == "1000"  # position 2 sees positions 0..2; 2 is shown
+    assert sorted(p.name for p in maps.iterdir()) == ["layer-00.png"]
+    code, _, err = run_cli(
+        capsys, "attention", str(tiny_run), "--text", "ROMEO:", "--window", "9:12", "--no-plot"
+    )
+    assert_one_error(code, err, "--window", "6 tokens")

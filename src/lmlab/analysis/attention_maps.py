@@ -143,6 +143,50 @@ class AttentionMaps:
     key_labels: list[str]
     mask: torch.Tensor | None
     token_ids: list[int] = field(default_factory=list)
+    query_offset: int = 0  # token position of the first row (a window of a longer map)
+    key_offset: int = 0  # token position of the first column
+
+    def window(self, start: int, end: int | None) -> AttentionMaps:
+        """Rows and columns at positions start .. end-1 (each axis clipped to its length; end
+        None: to the end), as a new AttentionMaps whose offsets record ``start``. The rows no
+        longer sum to 1 where attention fell outside the window."""
+        q = slice(min(start, len(self.query_labels)), end)
+        k = slice(min(start, len(self.key_labels)), end)
+        for axis, labels in (("query", self.query_labels), ("key", self.key_labels)):
+            if not labels[q if axis == "query" else k]:
+                raise LmlabError(
+                    f"--window {start}:{'' if end is None else end} leaves no {axis} tokens: "
+                    f"that axis has {len(labels)} (positions 0..{len(labels) - 1})"
+                )
+        return AttentionMaps(
+            [w[:, q, k] for w in self.weights],
+            self.query_labels[q],
+            self.key_labels[k],
+            None if self.mask is None else self.mask[q, k],
+            self.token_ids,
+            self.query_offset + (q.start or 0),
+            self.key_offset + (k.start or 0),
+        )
+
+
+def parse_window(text: str, length: int) -> tuple[int, int | None]:
+    """``--window START:END`` (token positions, END exclusive, either may be empty) checked
+    against an axis of ``length`` tokens. Raises LmlabError for anything else or an empty
+    window."""
+    parts = text.split(":")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        start = int(parts[0]) if parts[0].strip() else 0
+        end = int(parts[1]) if parts[1].strip() else None
+    except ValueError:
+        raise LmlabError(f"--window {text!r}: give START:END token positions, e.g. 0:64") from None
+    if start < 0 or (end is not None and end <= start) or start >= length:
+        raise LmlabError(
+            f"--window {text!r} is empty: the text has {length} tokens (positions 0..{length - 1})"
+            " and START must be below END"
+        )
+    return start, end
 
 
 def self_attention_maps(model: torch.nn.Module, tokenizer: Any, text: str) -> AttentionMaps:
@@ -311,6 +355,7 @@ def attention_report(
     source: str | None = None,
     target: str | None = None,
     html: str | Path | None = None,
+    window: str | None = None,
 ) -> AttentionReport:
     """Load the model at ``path`` (anything lmlab.interop.load.load accepts), run it on
     ``text``, and compute per-head stats for the chosen layer(s) and head(s) (0-based; None:
@@ -324,7 +369,9 @@ def attention_report(
 
     ``html``: also write one self-contained page there (:mod:`lmlab.analysis.html_view`; an
     encoder-decoder's has cross, encoder and decoder tabs). An existing file is refused before
-    the model is loaded, never replaced."""
+    the model is loaded, never replaced. ``window`` ("START:END", :func:`parse_window`): the
+    PNGs and the page show token positions START .. END-1 only (the stats cover every token).
+    """
     from lmlab.analysis.html_view import check_html_out
     from lmlab.interop.load import load
     from lmlab.training.hardware import resolve_device
@@ -343,7 +390,9 @@ def attention_report(
                 f"{path} is an encoder-decoder (seq2seq) model: give --source TEXT (and "
                 "optionally --target TEXT) instead of --text"
             )
-        return _seq2seq_report(path, model, tokenizer, source, target, layer, head, out, html)
+        return _seq2seq_report(
+            path, model, tokenizer, source, target, layer, head, out, html, window
+        )
     assert text is not None
     maps = self_attention_maps(model, tokenizer, text)
     layers = _select(len(maps.weights), layer, "layers", "--layer")
@@ -354,11 +403,12 @@ def attention_report(
     for li in layers:
         w = maps.weights[li][heads]
         stats += head_stats(w, maps.mask, layer=li, heads=heads)
+    shown = maps if window is None else maps.window(*parse_window(window, len(maps.key_labels)))
     if out is not None:
-        files = _save_heatmaps(out, [(maps, layers, "", Path(path).name)], heads)
+        files = _save_heatmaps(out, [(shown, layers, "", Path(path).name)], heads)
     if html is not None:
         files.append(
-            _save_page(html, Path(path).name, {"self": ("self-attention", maps)}, layers, heads)
+            _save_page(html, Path(path).name, {"self": ("self-attention", shown)}, layers, heads)
         )
     return AttentionReport(maps.query_labels, stats, files, _thresholds())
 
@@ -373,6 +423,7 @@ def _seq2seq_report(
     head: int | None,
     out: str | Path | None,
     html: str | Path | None = None,
+    window: str | None = None,
 ) -> AttentionReport:
     maps = seq2seq_attention_maps(model, tokenizer, source, target)
     cross = maps["cross"]
@@ -382,6 +433,9 @@ def _seq2seq_report(
     for li in layers:
         stats += head_stats(cross.weights[li][heads], None, distance=False, layer=li, heads=heads)
     files: list[Path] = []
+    if window is not None:  # positions on each axis: target rows, source columns
+        longest = max(len(cross.query_labels), len(cross.key_labels))
+        maps = {k: m.window(*parse_window(window, longest)) for k, m in maps.items()}
     if out is not None:
         titles = {"cross": "cross-attention", "encoder": "encoder", "decoder": "decoder self"}
         groups = [
@@ -432,6 +486,8 @@ def _save_heatmaps(
                 heads=heads,
                 mask=maps.mask,
                 title=f"{title}, layer {li}" if prefix else f"{title}: layer {li}",
+                query_offset=maps.query_offset,
+                key_offset=maps.key_offset,
             )
             files.append(save_figure(fig, folder / f"{prefix}layer-{li:02d}.png"))
     return files
@@ -458,7 +514,8 @@ def _save_page(
         weights = [maps.weights[li][heads] for li in chosen]
         built.append(
             attention_panel(pid, name, weights, maps.query_labels, maps.key_labels, maps.mask,
-                            layers=chosen, heads=heads)
+                            layers=chosen, heads=heads, offsets=(maps.query_offset,
+                                                                 maps.key_offset))
         )  # fmt: skip
     return write_page(html, f"{title}: attention", built)
 

@@ -81,11 +81,13 @@ def attention_panel(
     mask: torch.Tensor | None = None,
     layers: list[int] | None = None,
     heads: list[int] | None = None,
+    offsets: tuple[int, int] = (0, 0),
 ) -> Panel:
     """A panel of attention maps: ``weights`` one (H, Tq, Tk) float tensor per layer (rows
     summing to 1), ``mask`` (Tq, Tk) bool, True = may attend (None: all keys), ``layers`` and
     ``heads`` the model's indices of what is given (default 0 ..). Hover or click a query token
-    to see its row for the chosen layer and head, and every head's row at once.
+    to see its row for the chosen layer and head, and every head's row at once. ``offsets``:
+    the token positions of the first query and key (a window of a longer text).
     Raises ValueError when shapes and labels disagree."""
     if not weights:
         raise ValueError("attention_panel: no layers")
@@ -104,6 +106,7 @@ def attention_panel(
         "layers": list(range(len(weights))) if layers is None else list(layers),
         "heads": list(range(h)) if heads is None else list(heads),
         "weights": pack(torch.stack([w.detach().float().cpu() for w in weights])),
+        "offsets": list(offsets),
         "mask": None if mask is None else ["".join("1" if b else "0" for b in r) for r in mask],
     }
     return Panel(panel_id, title, "attention", data)

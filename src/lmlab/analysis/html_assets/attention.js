@@ -4,6 +4,7 @@ LM.render.attention = function (root, p, st, set) {
   const clamp = (v, n) => Math.max(0, Math.min(n - 1, Number.isFinite(+v) ? Math.floor(+v) : 0));
   const layer = clamp(st.layer, L), head = clamp(st.head, H), tok = clamp(st.token === undefined ? Tq - 1 : st.token, Tq);
   const at = (l, h, i, j) => d._w[((l * H + h) * Tq + i) * Tk + j];
+  const [q0, k0] = d.offsets || [0, 0];  // positions of the first query and key
   const allowed = (i, j) => !d.mask || d.mask[i][j] === "1";
   const ctl = el("div", "ctl");
   ctl.appendChild(select("layer", d.layers, layer, v => set({layer: v})));
@@ -14,8 +15,8 @@ LM.render.attention = function (root, p, st, set) {
   d.queries.forEach((t, i) => {
     const s = el("span", "tok" + (i === tok ? " sel" : ""), t);
     s.dataset.q = String(i);
-    s.title = "position " + i;
-    if (i % 10 === 0) s.appendChild(el("sub", "", String(i)));
+    s.title = "position " + (q0 + i);
+    if ((q0 + i) % 10 === 0) s.appendChild(el("sub", "", String(q0 + i)));
     s.addEventListener("mouseenter", () => { if (i !== tok) set({token: i}); });
     s.addEventListener("click", () => set({token: i}));
     qs.appendChild(s);
@@ -24,13 +25,13 @@ LM.render.attention = function (root, p, st, set) {
   let rowMax = 0;
   for (let j = 0; j < Tk; j++) rowMax = Math.max(rowMax, at(layer, head, tok, j));
   root.appendChild(el("div", "lbl", "layer " + d.layers[layer] + ", head " + d.heads[head] +
-    ": where \u201c" + d.queries[tok] + "\u201d (position " + tok + ") looks; colour = weight / row max " + rowMax.toFixed(3)));
+    ": where \u201c" + d.queries[tok] + "\u201d (position " + (q0 + tok) + ") looks; colour = weight / row max " + rowMax.toFixed(3)));
   const ks = el("div", "strip"); ks.id = "keys";
   d.keys.forEach((t, j) => {
     const w = at(layer, head, tok, j), s = el("span", "tok", t);
     s.dataset.k = String(j);
     s.dataset.w = w.toFixed(6);
-    s.title = "position " + j + ": " + w.toFixed(4);
+    s.title = "position " + (k0 + j) + ": " + w.toFixed(4);
     if (!allowed(tok, j)) s.classList.add("masked");
     else { const v = rowMax > 0 ? w / rowMax : 0; s.style.background = color(v); s.style.color = v > 0.6 ? "#000" : "#fff"; }
     ks.appendChild(s);
