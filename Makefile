@@ -36,7 +36,7 @@ browser:
 	  echo "installing $(BROWSER_PACKAGES) for the browser tests (apt-get)"; \
 	  DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(BROWSER_PACKAGES) >/dev/null; \
-	else echo "note: no chromium and no root apt-get here: the browser tests will be skipped"; fi
+	else echo "note: chromium or a CJK font is missing and apt-get cannot run here (not root): tests needing them skip"; fi
 
 run: setup
 	$(BIN)/lmlab train --out $(RUN)

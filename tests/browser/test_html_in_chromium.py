@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from lmlab.analysis import html_view
 from lmlab.analysis.attention_maps import self_attention_maps, seq2seq_attention_maps
@@ -146,3 +147,20 @@ def test_a_script_error_on_the_page_is_reported(tmp_path: Path, monkeypatch):
         dom = b.eval("document.getElementById('lmlab-errors').textContent")
         assert "TypeError" in dom
         assert any("bad" in e for e in b.errors)
+
+
+def test_a_200_token_page_loads_and_a_click_on_its_map_picks_that_row(tmp_path: Path):
+    t, h = 200, 4
+    w = torch.softmax(torch.randn(h, t, t), -1)
+    labels = [f"w{i}" for i in range(t)]
+    page = write_page(tmp_path / "p.html", "long", [attention_panel("a", "a", [w, w], labels,
+                                                                    labels)])  # fmt: skip
+    with browser() as b:
+        b.open(page)
+        assert page_errors(b) == []
+        assert b.eval("document.getElementById('map').height") == t * 4  # 4-pixel rows
+        b.click("#map", dy=(150 + 0.5) / t)
+        assert b.eval("document.body.dataset.state") == "panel=a&token=150"
+        assert key_weights(b) == pytest.approx(w[0, 150].tolist(), abs=STEP)
+        sub = b.eval("document.querySelector('#queries .tok[data-q=\"150\"] sub').textContent")
+        assert sub == "150"  # every 10th token carries its position

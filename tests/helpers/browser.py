@@ -171,10 +171,11 @@ class Browser:
 
     def click(self, selector: str, dx: float = 0.5, dy: float = 0.5) -> None:
         """A real mouse click (move, press, release) at a point of the first element matching
-        ``selector`` (``dx``, ``dy``: fractions of its box)."""
+        ``selector`` (``dx``, ``dy``: fractions of its box), scrolled into view first."""
         box = self.eval(
-            f"(() => {{const r = document.querySelector({json.dumps(selector)})"
-            ".getBoundingClientRect(); return [r.x, r.y, r.width, r.height];})()"
+            f"(() => {{const e = document.querySelector({json.dumps(selector)});"
+            "e.scrollIntoView({block: 'center', inline: 'center'});"
+            "const r = e.getBoundingClientRect(); return [r.x, r.y, r.width, r.height];})()"
         )
         x, y = box[0] + dx * box[2], box[1] + dy * box[3]
         for kind in ("mouseMoved", "mousePressed", "mouseReleased"):
@@ -184,7 +185,8 @@ class Browser:
             )  # fmt: skip
 
     def screenshot(self) -> bytes:
-        """The page as PNG bytes."""
+        """The viewport, scrolled to the top, as PNG bytes."""
+        self.eval("window.scrollTo(0, 0)")
         data = self.call("Page.captureScreenshot", session=True, format="png")["data"]
         return base64.b64decode(data)
 
