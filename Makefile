@@ -34,9 +34,11 @@ browser:
 	@if command -v chromium >/dev/null 2>&1 && fc-list :lang=zh 2>/dev/null | grep -q .; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	  echo "installing $(BROWSER_PACKAGES) for the browser tests (apt-get)"; \
-	  DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(BROWSER_PACKAGES) >/dev/null; \
-	else echo "note: chromium or a CJK font is missing and apt-get cannot run here (not root): tests needing them skip"; fi
+	  { DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(BROWSER_PACKAGES) >/dev/null; } || \
+	  echo "note: apt-get could not install $(BROWSER_PACKAGES): the tests needing them skip"; \
+	else echo "note: chromium or a CJK font is missing and apt-get cannot run (not root):" \
+	  "the tests needing them skip"; fi
 
 run: setup
 	$(BIN)/lmlab train --out $(RUN)
