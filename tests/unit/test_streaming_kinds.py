@@ -157,3 +157,33 @@ def test_a_plugin_kind_streams_by_declaring_one_attribute():
     finally:
         ATTENTION.unregister("streams_plugin")
         ATTENTION.unregister("closed_plugin")
+
+
+def test_every_kind_that_streams_declares_a_streaming_example():
+    """So the generated contract tests (cached == full pass, chunked prefill, left padding,
+    declared cache bytes) run it under the streaming cache; softmax runs the mask's own."""
+    for name in streaming_kinds():
+        examples = ATTENTION.contract(name).examples
+        masks = [e.get("attention", {}).get("mask") for e in examples]
+        assert name == "softmax" or "streaming" in masks, name
+
+
+@pytest.mark.parametrize("kind", ["differential", "mla"])
+def test_local_global_padding_reaches_kinds_with_their_own_forward(kind):
+    """The shared cached-keys step gives every kind the mask's padded form: a left-padded row
+    under local_global (2 global tokens) equals the row alone (before the step, differential
+    and mla counted padding as positions: 0.3 and 0.1 apart)."""
+    from lmlab.nn.masks import position_ids_from_attention_mask
+
+    mask = {"mask": "local_global", "window": 2, "global_tokens": 2}
+    cfg = tiny_model_config(attention={"n_heads": 4, "kind": kind, **mask})
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    ids = torch.randint(0, 50, (1, 10), generator=torch.Generator().manual_seed(1))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1)
+    am = torch.cat([torch.zeros(1, 3), torch.ones(1, 10)], 1).long()
+    with torch.no_grad():
+        alone = model(ids).logits[0]
+        pos = position_ids_from_attention_mask(am)
+        got = model(padded, attention_mask=am, position_ids=pos).logits[0, 3:]
+    assert (alone - got).abs().max() < 1e-5
