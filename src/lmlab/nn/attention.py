@@ -360,8 +360,9 @@ class LinearAttention(Attention):
 
     @staticmethod
     def check(m: ModelConfig) -> None:
-        """A causal or bidirectional mask; no ``scaled: false`` (there is no 1/sqrt(d_k))."""
-        if m.attention.mask not in ("causal", "bidirectional"):
+        """A causal or bidirectional mask (streaming is refused by its own check, which quotes
+        ``streams_refusal``); no ``scaled: false`` (there is no 1/sqrt(d_k))."""
+        if m.attention.mask not in ("causal", "bidirectional", "streaming"):
             raise ConfigError(
                 "model.attention.kind=linear supports model.attention.mask causal or "
                 f"bidirectional, got {m.attention.mask!r} (a sliding window has no "

@@ -224,7 +224,7 @@ class MoBAAttention(SoftmaxAttention):
         """A causal mask; 1 <= moba_block_size <= max_seq_len; moba_top_k >= 1; moba_impl
         gathered or dense."""
         a = moba_section(m)
-        if a.mask != "causal":
+        if a.mask not in ("causal", "streaming"):  # streaming: its check quotes streams_refusal
             raise ConfigError(
                 f"model.attention.kind=moba needs model.attention.mask=causal, got {a.mask!r} "
                 "(its gate picks among past blocks; a sliding window would drop them)"
