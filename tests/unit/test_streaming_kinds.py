@@ -187,3 +187,18 @@ def test_local_global_padding_reaches_kinds_with_their_own_forward(kind):
         pos = position_ids_from_attention_mask(am)
         got = model(padded, attention_mask=am, position_ids=pos).logits[0, 3:]
     assert (alone - got).abs().max() < 1e-5
+
+
+def test_cached_keys_returns_the_kept_keys_with_their_absolute_positions():
+    """Window 6, 2 sinks, 20 tokens one at a time: the 20th call attends over positions 0, 1
+    and 16..19 (the kept 5 slots and the new key), and its mask lets query 19 see all six."""
+    from lmlab.nn.sinks import StreamingMask
+
+    mask = StreamingMask(window=6, sink_tokens=2)
+    cache = mask.new_cache()
+    keys = [torch.randn(1, 2, 1, 4) for _ in range(20)]
+    for p in range(20):
+        c = mask.keys(keys[p], keys[p] * 2, torch.tensor([p]), None, cache)
+    assert c.positions is not None and c.positions[0].tolist() == [0, 1, 16, 17, 18, 19]
+    assert torch.equal(c.k[0, :, 2], keys[16][0, :, 0])  # slot 2 holds position 16's key
+    assert c.mask_fn is not None and c.mask_fn(1, 6).all()
