@@ -79,12 +79,46 @@ class AttentionOutput:
     weights: torch.Tensor | None  # (B, H, T, S) when requested
 
 
+@dataclass
+class CachedKeys:
+    """What one call attends over (:meth:`Attention.cached_keys`): the cached keys and values
+    followed by the new ones, k and v (B, K', S, d) (any K' and d: MLA caches its latent and its
+    RoPE key in these slots), the structural mask function of this call (bool, True = may
+    attend; None: none), the key mask (B, S' >= S) bool, True = a real key, and the keys'
+    absolute positions (B, S) int64 (-1 = an empty slot or padding) when the slots are not the
+    contiguous positions seq_len - S .. seq_len - 1 (a streaming cache), else None."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    mask_fn: MaskFn | None
+    key_mask: torch.Tensor | None
+    positions: torch.Tensor | None = None
+
+
+def bound_mask(cfg: ModelConfig) -> MaskFn:
+    """The mask function of ``model.attention.mask`` for ``cfg``: a mask with fields of its own
+    is bound to them once (streaming: its window and sink tokens; local_global: its global
+    tokens)."""
+    mask = MASKS.get(cfg.attention.mask, "model.attention.mask")
+    bind = getattr(mask, "from_config", None) or getattr(mask, "bind", None)
+    return bind(cfg) if bind is not None else mask
+
+
 class Attention(nn.Module):
     """What both attention kinds share: q/k/v/o projections, optional QK-norm, the mask.
 
     Subclasses implement ``forward(x, position, positions, key_mask=None, cache=None,
     need_weights=False) -> AttentionOutput`` and ``new_cache()`` (their per-layer decoding state).
+
+    ``streams``: whether the kind runs with ``model.attention.mask: streaming`` (the StreamingLLM
+    cache, :mod:`lmlab.nn.sinks`). A kind declares ``streams = True`` when its forward attends
+    over per-token cached keys and reaches them only through :meth:`cached_keys` (the one step
+    that appends to the cache and returns what to attend to, with its mask); otherwise
+    ``streams_refusal`` says why it cannot (the validation message quotes it).
     """
+
+    streams: bool = False
+    streams_refusal = "its forward does not read its keys through Attention.cached_keys"
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
@@ -94,11 +128,7 @@ class Attention(nn.Module):
         self.scale = 1.0 / math.sqrt(self.head_dim) if a.scaled else 1.0  # softmax kinds
         self.backend = a.backend  # the name; backend_fn is the function it selects
         self.backend_fn = ATTENTION_BACKENDS.get(a.backend, "model.attention.backend")
-        mask = MASKS.get(a.mask, "model.attention.mask")
-        # a mask with fields of its own is bound to them once (streaming: its sink tokens;
-        # local_global: its global tokens)
-        bind = getattr(mask, "from_config", None) or getattr(mask, "bind", None)
-        self.mask_fn = bind(cfg) if bind is not None else mask
+        self.mask_fn = bound_mask(cfg)
         self.window = a.window  # tokens a query sees (itself included); sliding_window only
         d, hd = cfg.d_model, self.head_dim
         out_bias = a.bias if a.out_bias is None else a.out_bias
@@ -159,6 +189,29 @@ class Attention(nn.Module):
             need_weights=need_weights,
         )
 
+    def cached_keys(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        cache: LayerCache | None,
+    ) -> CachedKeys:
+        """The one "cached keys" step of every attention forward that attends over cached keys:
+        the new keys and values (B, K', T, d) at ``positions`` (T,) or (B, T) are appended to
+        ``cache`` (None: no cache) and what this call attends over comes back as
+        :class:`CachedKeys`, with the structural mask of the call (:meth:`structure`) and the
+        key mask (``key_mask`` (B, S_total) bool, True = real token, or None).
+
+        A mask kind with its own cache (``keys``: streaming, which evicts keys and so builds
+        its mask on their positions) handles both; otherwise ``cache.update(k, v)``."""
+        hook = getattr(self.mask_fn, "keys", None)
+        if hook is not None:
+            return hook(k, v, positions, key_mask, cache)
+        if cache is not None:
+            k, v = cache.update(k, v)  # type: ignore[attr-defined]  # (B, K', S, d)
+        return CachedKeys(k, v, self.structure(key_mask), key_mask)
+
     def structure(self, key_mask: torch.Tensor | None, mask_fn: MaskFn | None = None) -> MaskFn:
         """The structural mask function of one call (``mask_fn``, default this layer's): a mask
         over real-token positions (one with a ``padded`` method, local_global) given the key
@@ -205,6 +258,8 @@ class Attention(nn.Module):
 class SoftmaxAttention(Attention):
     """Scaled dot-product attention with separate q/k/v/o projections; MHA, GQA or MQA."""
 
+    streams = True  # its keys go through cached_keys (a subclass with another forward: check)
+
     examples: tuple[dict, ...] = (
         {},
         {"attention": {"n_kv_heads": 2}},
@@ -242,13 +297,9 @@ class SoftmaxAttention(Attention):
         place. ``need_weights`` switches to the math backend for this call.
         """
         q, k, v = self.project(x, position, positions)
-        mask_fn = self.mask_fn
-        if hasattr(mask_fn, "keys"):  # a mask over token positions with its own cache (streaming)
-            k, v, mask_fn, key_mask = mask_fn.keys(k, v, positions, key_mask, cache)
-        elif cache is not None:
-            k, v = cache.update(k, v)  # (B, K, S, hd)
-        bias = position.score_bias(positions, k.shape[2])  # (H, T, S) or None
-        y, w = self.attend(q, k, v, self.structure(key_mask, mask_fn), key_mask, bias, need_weights)
+        c = self.cached_keys(k, v, positions, key_mask, cache)  # k, v (B, K, S, hd)
+        bias = position.score_bias(positions, c.k.shape[2])  # (H, T, S) or None
+        y, w = self.attend(q, c.k, c.v, c.mask_fn, c.key_mask, bias, need_weights)
         return AttentionOutput(self.merge_heads(y), w)
 
     # ------------------------------------------------------------------ declared costs
@@ -302,11 +353,16 @@ class LinearAttention(Attention):
     """
 
     examples: tuple[dict, ...] = ({}, {"attention": {"n_kv_heads": 2}})
+    streams_refusal = (
+        "its cache is a constant-size recurrent state (sum phi(k) v^T), with no per-token keys "
+        "to evict: its memory is already flat at any length"
+    )
 
     @staticmethod
     def check(m: ModelConfig) -> None:
-        """A causal or bidirectional mask; no ``scaled: false`` (there is no 1/sqrt(d_k))."""
-        if m.attention.mask not in ("causal", "bidirectional"):
+        """A causal or bidirectional mask (streaming is refused by its own check, which quotes
+        ``streams_refusal``); no ``scaled: false`` (there is no 1/sqrt(d_k))."""
+        if m.attention.mask not in ("causal", "bidirectional", "streaming"):
             raise ConfigError(
                 "model.attention.kind=linear supports model.attention.mask causal or "
                 f"bidirectional, got {m.attention.mask!r} (a sliding window has no "

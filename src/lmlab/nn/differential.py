@@ -32,8 +32,10 @@ channels, its sub-layer norm with a learned weight (``elementwise_affine=True``)
 RoPE; reference-code weights need a row permutation of q/k/v (and that norm weight), not just
 a rename. Hugging Face's RMSNorm has no weight; neither has this one.
 
-The two maps are two calls of the attention core (:meth:`Attention.attend`), so masks, padding,
-sliding windows, GQA, backends and the ordinary KV cache of the full k and v behave as in
+The two maps are two calls of the attention core (:meth:`Attention.attend`) over the keys of
+the one cached-keys step (:meth:`Attention.cached_keys`), so masks, padding, sliding windows,
+GQA, backends, the ordinary KV cache of the full k and v and the StreamingLLM cache (``mask:
+streaming``: both maps see the same sinks + window) behave as in
 :class:`~lmlab.nn.attention.SoftmaxAttention`. Attention dropout is refused, as Hugging Face
 refuses it: the paper defines no dropout of the difference.
 """
@@ -85,6 +87,7 @@ class DifferentialAttention(SoftmaxAttention):
         {"attention": {"mask": "sliding_window", "window": 4}},
         {"attention": {"qk_norm": True}},
         {"position": {"kind": "alibi"}},
+        {"attention": {"mask": "streaming", "window": 6, "sink_tokens": 2}},
     )
     fields = {"lambda_std_dev": (float, 0.1)}  # HF's lambda_std_dev: init std of lq*, lk*
 
@@ -152,12 +155,12 @@ class DifferentialAttention(SoftmaxAttention):
         Hugging Face returns them: heads [0, H/2) the first maps, [H/2, H) the second."""
         h2, k2 = self.n_heads // 2, self.n_kv_heads // 2
         q, k, v = self.project(x, position, positions)  # (B, H, T, hd), (B, K, T, hd) x 2
-        if cache is not None:
-            k, v = cache.update(k, v)  # (B, K, S, hd)
+        c = self.cached_keys(k, v, positions, key_mask, cache)
+        k, v, mask_fn, key_mask = c.k, c.v, c.mask_fn, c.key_mask  # k, v (B, K, S, hd)
         v2 = torch.cat([v[:, :k2], v[:, k2:]], dim=-1)  # (B, K/2, S, 2 hd)
         b1, b2 = _split_heads(position.score_bias(positions, k.shape[2]), self.n_heads)
-        y1, w1 = self.attend(q[:, :h2], k[:, :k2], v2, self.mask_fn, key_mask, b1, need_weights)
-        y2, w2 = self.attend(q[:, h2:], k[:, k2:], v2, self.mask_fn, key_mask, b2, need_weights)
+        y1, w1 = self.attend(q[:, :h2], k[:, :k2], v2, mask_fn, key_mask, b1, need_weights)
+        y2, w2 = self.attend(q[:, h2:], k[:, k2:], v2, mask_fn, key_mask, b2, need_weights)
         y = self.head_norm(y1 - self.lambda_full(q.dtype) * y2)  # (B, H/2, T, 2 hd)
         w = torch.cat([w1, w2], dim=1) if w1 is not None and w2 is not None else None
         return AttentionOutput(self.merge_heads(y), w)  # (H/2, 2 hd) merge as (H, hd)

@@ -36,10 +36,16 @@ import torch
 from torch import nn
 
 from lmlab.errors import ConfigError
-from lmlab.nn.attention import ATTENTION, Attention, AttentionOutput, SoftmaxAttention, attend
+from lmlab.nn.attention import (
+    ATTENTION,
+    Attention,
+    AttentionOutput,
+    SoftmaxAttention,
+    attend,
+    bound_mask,
+)
 from lmlab.nn.attention_core import ATTENTION_BACKENDS
 from lmlab.nn.kv_cache import LayerKVCache, SlidingWindowKVCache
-from lmlab.nn.masks import MASKS
 from lmlab.nn.norm import RMSNorm
 from lmlab.nn.position import POSITION, RotaryPosition, rotary_dim
 
@@ -112,6 +118,7 @@ class MultiHeadLatentAttention(Attention):
         },
         {"attention": {"mask": "sliding_window", "window": 4}},
         {"attention": {"backend": "math", "absorb": True, "mask": "sliding_window", "window": 4}},
+        {"attention": {"absorb": True, "mask": "streaming", "window": 6, "sink_tokens": 2}},
     )
 
     @classmethod
@@ -162,7 +169,7 @@ class MultiHeadLatentAttention(Attention):
         self.scale = (n + r) ** -0.5 if a.scaled else 1.0
         self.backend = a.backend
         self.backend_fn = ATTENTION_BACKENDS.get(a.backend, "model.attention.backend")
-        self.mask_fn = MASKS.get(a.mask, "model.attention.mask")
+        self.mask_fn = bound_mask(cfg)  # streaming and local_global bound to their fields
         self.window = a.window
         d = cfg.d_model
         out_bias = a.bias if a.out_bias is None else a.out_bias
@@ -183,9 +190,11 @@ class MultiHeadLatentAttention(Attention):
         self.o_proj.is_residual_proj = True  # type: ignore[assignment]
 
     # The latent cache is softmax attention's layer cache (dynamic, bounded by a sliding window,
-    # every key kept for a mask that reads them all), holding c_KV (B, 1, S, c) in its ``k`` slot
-    # and the rotated k_R (B, 1, S, r) in ``v``.
+    # every key kept for a mask that reads them all, or the StreamingLLM cache, which evicts
+    # latents as it evicts keys), holding c_KV (B, 1, S, c) in its ``k`` slot and the rotated
+    # k_R (B, 1, S, r) in ``v``; forward reaches it only through Attention.cached_keys.
     new_cache = SoftmaxAttention.new_cache
+    streams = True
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, T, D) -> q (B, H, T, n + r), before RoPE."""
@@ -230,13 +239,13 @@ class MultiHeadLatentAttention(Attention):
         h, n, dv = self.n_heads, self.dims.nope, self.dims.v
         q_nope, q_rope = self.query(x).split([n, self.dims.rope], dim=-1)
         q_rope, ckv, k_rope = self.latent(x, q_rope, position, positions)
-        if cache is not None:
-            ckv, k_rope = cache.update(ckv, k_rope)  # (B, 1, S, c), (B, 1, S, r)
+        c = self.cached_keys(ckv, k_rope, positions, key_mask, cache)  # the latents, evicted too
+        ckv, k_rope = c.k, c.v  # (B, 1, S, c), (B, 1, S, r)
         s = ckv.shape[2]
         bias = position.score_bias(positions, s)  # None for RoPE kinds
         w_uk, w_uv = self.up_weights()
-        core = dict(backend=self.backend_fn, scale=self.scale, mask_fn=self.mask_fn)
-        core.update(window=self.window, key_mask=key_mask, bias=bias, dropout_p=self.dropout_p)
+        core = dict(backend=self.backend_fn, scale=self.scale, mask_fn=c.mask_fn)
+        core.update(window=self.window, key_mask=c.key_mask, bias=bias, dropout_p=self.dropout_p)
         if self.absorb:  # q_C W_UK . c_KV + q_R . k_R over one shared latent "kv head"
             q_lat = torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk)  # (B, H, T, c)
             q = torch.cat([q_lat, q_rope], dim=-1)  # (B, H, T, c + r)

@@ -207,6 +207,12 @@ class MoBAAttention(SoftmaxAttention):
         {"attention": {"moba_block_size": 4, "moba_top_k": 2, "moba_impl": "dense"}},
         {"attention": {"moba_block_size": 2, "moba_top_k": 3, "n_kv_heads": 2}},
     )
+    streams = False  # its forward is its own; StreamingLLM's eviction is refused, see below
+    streams_refusal = (
+        "its gate ranks every past key block by its mean key, and a StreamingLLM cache has "
+        "evicted the blocks between the sinks and the window, the ones it would retrieve; "
+        "over sinks + window only it would be a sliding window with a gate, not MoBA"
+    )
     fields = {
         "moba_block_size": (int, 16),  # bs: tokens per key block
         "moba_top_k": (int, 3),  # blocks a query attends to, its own included
@@ -218,7 +224,7 @@ class MoBAAttention(SoftmaxAttention):
         """A causal mask; 1 <= moba_block_size <= max_seq_len; moba_top_k >= 1; moba_impl
         gathered or dense."""
         a = moba_section(m)
-        if a.mask != "causal":
+        if a.mask not in ("causal", "streaming"):  # streaming: its check quotes streams_refusal
             raise ConfigError(
                 f"model.attention.kind=moba needs model.attention.mask=causal, got {a.mask!r} "
                 "(its gate picks among past blocks; a sliding window would drop them)"

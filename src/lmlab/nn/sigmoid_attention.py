@@ -15,7 +15,9 @@ Masked and padding keys weigh exactly 0 (``sigmoid(-inf) = 0``), a query with no
 outputs 0, GQA shares each kv head among H/K query heads; score biases (ALiBi, T5) add to the
 scores. The weights are always materialised (B, H, T, S) (there is no fused kernel), whatever
 ``model.attention.backend`` says; ``need_weights`` returns them. The KV cache is
-:class:`~lmlab.nn.attention.SoftmaxAttention`'s (dynamic, or bounded by a sliding window).
+:class:`~lmlab.nn.attention.SoftmaxAttention`'s (dynamic, bounded by a sliding window, or the
+StreamingLLM cache of ``mask: streaming``: its forward is softmax attention's, so it streams;
+an evicted key weighs 0 as a masked one does, and b stays -log(max_seq_len)).
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ class SigmoidAttention(SoftmaxAttention):
         {"attention": {"mask": "sliding_window", "window": 4}},
         {"attention": {"mask": "local_global", "window": 3, "global_tokens": 2}},
         {"position": {"kind": "alibi"}},
+        {"attention": {"mask": "streaming", "window": 6, "sink_tokens": 2}},
     )
 
     @staticmethod

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from lmlab.errors import ConfigError
-from lmlab.nn.attention import ATTENTION, SoftmaxAttention
+from lmlab.nn.attention import ATTENTION, CachedKeys, SoftmaxAttention
 from lmlab.nn.kv_cache import LayerKVCache, SlidingWindowKVCache, _nbytes
 from lmlab.nn.masks import MASKS, MaskFn, _query_key_positions
 
@@ -122,11 +122,11 @@ def streaming_visible(
     return (k_pos <= q_pos) & ((k_pos < sink_tokens) | (k_pos > q_pos - (window - sink_tokens)))
 
 
-# The attention kinds that run with the streaming cache: they call the mask's ``keys`` hook
-# (SoftmaxAttention.forward) and are tested with it. A kind with a forward of its own
-# (differential, mla, moba) does not call it; sigmoid reuses that forward but is not yet tested
-# with this mask, so it stays refused.
-STREAMING_KINDS = ("softmax", "sink")
+def streaming_kinds() -> list[str]:
+    """The registered attention kinds that declare ``streams = True`` (their forward reads its
+    keys through :meth:`~lmlab.nn.attention.Attention.cached_keys`, so the mask's ``keys`` hook
+    evicts them), in registry order; plugins included."""
+    return [name for name, cls in ATTENTION.items() if getattr(cls, "streams", False)]
 
 
 def check_streaming(m: ModelConfig) -> None:
@@ -144,11 +144,12 @@ def check_streaming(m: ModelConfig) -> None:
             f"model.attention.sink_tokens must be in [0, model.attention.window - 1 = "
             f"{a.window - 1}] (a query must see itself), got {sink_tokens}"
         )
-    if a.kind not in STREAMING_KINDS:
+    kind = ATTENTION.get(a.kind, "model.attention.kind")
+    if not getattr(kind, "streams", False):
+        why = getattr(kind, "streams_refusal", "it does not declare streams = True")
         raise ConfigError(
-            f"model.attention.mask=streaming needs model.attention.kind "
-            f"{' or '.join(STREAMING_KINDS)} (whose forward routes its keys through the "
-            f"streaming cache), not {a.kind}"
+            f"model.attention.mask=streaming cannot run with model.attention.kind={a.kind}: "
+            f"{why}; kinds that stream: {', '.join(streaming_kinds())}"
         )
     from lmlab.nn.position import POSITION, PositionEncoding
 
@@ -196,6 +197,12 @@ def streaming_mask(
     return streaming_visible(q, k, window, sink_tokens)
 
 
+def _gather_slots(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x (B, K', S, d) -> x at slots ``idx`` (B, n) of each row, (B, K', n, d); k and v may
+    differ in K' and d (MLA caches its latent and its RoPE key)."""
+    return x.gather(2, idx[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
+
+
 class StreamingKVCache:
     """The StreamingLLM cache: keys and values of the first ``sink_tokens`` tokens of each row
     and of its last ``window - sink_tokens - 1``, each (B, K, <= window - 1, hd), with their
@@ -222,8 +229,8 @@ class StreamingKVCache:
     def update(
         self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add keys/values (B, K, T, hd) at ``positions`` (B, T) int64 (-1 = padding); return
-        the kept and the new ones, (B, K, S, hd) (their positions in :attr:`key_positions`),
+        """Add keys/values (B, K', T, d) at ``positions`` (B, T) int64 (-1 = padding); return
+        the kept and the new ones, (B, K', S, d) (their positions in :attr:`key_positions`),
         then keep per row only what a later query can see, at most ``window - 1`` slots."""
         self.seen += k.shape[2]
         if self.k is not None and self.v is not None and self.pos is not None:
@@ -239,8 +246,7 @@ class StreamingKVCache:
         keep = (positions >= 0) & ((positions < self.sink_tokens) | (positions >= lo))  # (B, S)
         # per row: its kept slots first (stable, in order), then filler marked empty
         idx = torch.argsort(keep.to(torch.int8), dim=1, descending=True, stable=True)[:, :keep_n]
-        gather = idx[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-        self.k, self.v = k.gather(2, gather), v.gather(2, gather)  # (B, K, window - 1, hd)
+        self.k, self.v = _gather_slots(k, idx), _gather_slots(v, idx)  # (B, K', window - 1, d)
         self.pos = positions.gather(1, idx).masked_fill(~keep.gather(1, idx), -1)
         return k, v
 
@@ -285,10 +291,12 @@ class StreamingMask:
         positions: torch.Tensor,
         key_mask: torch.Tensor | None,
         cache: LayerKVCache | SlidingWindowKVCache | StreamingKVCache | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, MaskFn, torch.Tensor]:
-        """New keys/values (B, K, T, hd) at ``positions`` (T,) or (B, T) -> (k, v (B, K, S,
-        hd) with the cached ones, a mask function giving the (B, 1, T, S) rule on each row's
-        positions, the (B, S) bool key mask of real keys). ``key_mask`` (B, S_total) bool."""
+    ) -> CachedKeys:
+        """New keys/values (B, K', T, d) at ``positions`` (T,) or (B, T) -> CachedKeys(k, v
+        (B, K', S, d) with the kept ones, a mask function giving the (B, 1, T, S) rule on each
+        row's positions, the (B, S) bool key mask of real keys, their positions (B, S) int64,
+        -1 = empty or padding). ``key_mask`` (B, S_total) bool. This is the streaming branch of
+        :meth:`~lmlab.nn.attention.Attention.cached_keys`."""
         b, t = k.shape[0], k.shape[2]
         q_pos = positions.expand(b, t) if positions.dim() == 1 else positions  # (B, T)
         real = torch.ones_like(q_pos, dtype=torch.bool) if key_mask is None else key_mask[:, -t:]
@@ -305,7 +313,7 @@ class StreamingMask:
         w, n = self.window, self.sink_tokens
         rule = streaming_visible(q_pos[:, :, None], k_pos[:, None, :], w, n)  # (B, T, S)
         structure = (rule & valid[:, None, :] & real[:, :, None])[:, None]  # (B, 1, T, S)
-        return k, v, (lambda *_: structure), valid
+        return CachedKeys(k, v, lambda *_: structure, valid, k_pos)
 
     @classmethod
     def cached_tokens(cls, cfg: ModelConfig, context: int) -> int:
