@@ -253,6 +253,13 @@ class NativeSparseAttention(SoftmaxAttention):
     included); ``nsa_window`` w (the sliding branch's tokens, the query included).
     """
 
+    streams = False  # its forward and cache are its own; StreamingLLM's eviction is refused
+    streams_refusal = (
+        "its compressed and selected branches rank every past key block, and a StreamingLLM "
+        "cache has evicted the blocks between the sinks and the window, the ones selection "
+        "would retrieve; over sinks + window only it would be a sliding window with gates"
+    )
+
     examples: tuple[dict, ...] = (
         {},
         {"attention": {"compress_block": 4, "compress_stride": 2, "select_block": 4}},
@@ -291,7 +298,7 @@ class NativeSparseAttention(SoftmaxAttention):
         """A causal mask; 1 <= d <= l <= l' <= max_seq_len, d | l'; n >= 1; 1 <= w <=
         max_seq_len; no score-bias position kind."""
         a = nsa_section(m)
-        if a.mask != "causal":
+        if a.mask not in ("causal", "streaming"):  # streaming: its check quotes streams_refusal
             raise ConfigError(
                 f"model.attention.kind=nsa needs model.attention.mask=causal, got {a.mask!r} "
                 "(its sliding branch is model.attention.nsa_window)"
