@@ -249,3 +249,63 @@ def test_state_dict_round_trips_to_the_transformers_layout(tmp_path):
     want = {k: v for k, v in ref.state_dict().items() if k != "lm_head.weight"}
     assert back.keys() == want.keys()
     assert all(torch.equal(back[k], v) for k, v in want.items())
+
+
+def test_deepseek_config_json_layout_with_rope_scaling_loads_as_transformers_reads_it(tmp_path):
+    """DeepSeek's own config.json keeps YaRN under the older ``rope_scaling`` ("type": "yarn")
+    with a top-level rope_theta: lmlab reads it as transformers' from_pretrained of the same
+    local folder does."""
+    folder = write_hf_folder(tmp_path, hf_model(rope_parameters=YARN))
+    raw = json.loads((folder / "config.json").read_text())
+    yarn = {k: v for k, v in YARN.items() if k not in ("rope_type", "rope_theta")}
+    del raw["rope_parameters"]
+    raw.update(rope_theta=500.0, rope_scaling={"type": "yarn", **yarn})
+    (folder / "config.json").write_text(json.dumps(raw))
+    ref = transformers.DeepseekV3ForCausalLM.from_pretrained(str(folder)).eval()
+    assert ref.config.rope_parameters["mscale_all_dim"] == 0.707
+    ours, _ = load(folder)
+    assert ours.cfg.position.scaling.kind == "yarn" and ours.cfg.attention.softmax_mscale
+    assert_equal_to_hf(ref, ours, torch.randint(0, VOCAB, (2, 30)))
+
+
+def test_an_lmlab_mla_model_exports_to_deepseek_v3_with_equal_logits(tmp_path):
+    """The other direction: the deepseek-mla preset with YaRN + mscale (softmax_mscale on) ->
+    DeepseekV3Config kwargs and HF tensor names -> equal logits; lmlab export's folder loads back
+    into transformers itself."""
+    from lmlab.config import load_config
+    from lmlab.interop.export import export_model
+    from lmlab.interop.families import match_family
+    from lmlab.models.build import build_model
+
+    run = load_config("configs/deepseek-mla.yaml")
+    cfg = run.model
+    cfg.vocab_size, cfg.n_layers = VOCAB, 1
+    s = cfg.position.scaling
+    s.kind, s.factor, s.original_max_seq_len, s.mscale, s.mscale_all_dim = "yarn", 4.0, 32, 1.0, 0.5
+    cfg.attention._extra["softmax_mscale"] = True
+    torch.manual_seed(0)
+    ours = redraw(build_model(cfg))
+    family, kwargs = match_family(ours.cfg)
+    assert family.model_type == "deepseek_v3"
+    ref = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**kwargs)).eval()
+    ref.load_state_dict(family.from_state(ours.state_dict(), ours.cfg), strict=True)
+    x = torch.randint(0, VOCAB, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x).logits, ref(x).logits, atol=1e-5, rtol=0)
+    result = export_model(write_hf_folder(tmp_path / "src", ref), tmp_path / "out")
+    assert result.model_type == "deepseek_v3" and result.max_abs_diff is not None
+    assert result.max_abs_diff <= 1e-5, result.verify_note
+
+
+def test_a_tensor_beyond_the_last_layer_is_refused(tmp_path, capsys):
+    """A multi-token-prediction layer (DeepSeek's checkpoints hold one after the last layer) or
+    any stray tensor is named, not silently dropped."""
+    from safetensors.torch import load_file, save_file
+
+    folder = write_hf_folder(tmp_path, hf_model())
+    sd = load_file(str(folder / "model.safetensors"))
+    stray = sd["model.layers.1.self_attn.kv_b_proj.weight"].clone()
+    sd["model.layers.2.self_attn.kv_b_proj.weight"] = stray
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    code, _, err = run_cli(capsys, "inspect", folder)
+    assert_one_error(code, err, "layers.2.attn.kv_b_proj.weight")

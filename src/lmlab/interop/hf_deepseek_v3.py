@@ -212,10 +212,10 @@ LAYER_KEYS = {  # HF module under model.layers.{i} -> lmlab module under layers.
 def deepseek_v3_state_dict(
     sd: dict[str, torch.Tensor], cfg: ModelConfig
 ) -> dict[str, torch.Tensor]:
-    """DeepSeek-V3 keys -> lmlab's (a rename; a tied head copied from the embedding). Tensors of
-    the multi-token-prediction layers a DeepSeek checkpoint stores after the last layer
-    (``model.layers.{n_layers}...``, which transformers skips too) are left out. Raises
-    LmlabError naming a weight with no place (an MoE expert, router, ...)."""
+    """DeepSeek-V3 keys -> lmlab's (a rename; a tied head copied from the embedding). Raises
+    LmlabError naming a weight with no place: an MoE expert or router, or a multi-token-prediction
+    layer after the last one (DeepSeek's own checkpoints hold one; their MoE layers are refused
+    before this anyway)."""
     out: dict[str, torch.Tensor] = {}
     for key, value in sd.items():
         if key in LLAMA_KEYS:
@@ -223,13 +223,9 @@ def deepseek_v3_state_dict(
             continue
         parts = key.split(".")  # model.layers.{i}.{module...}.{weight|bias}
         module = ".".join(parts[3:-1])
-        if parts[:2] == ["model", "layers"] and parts[2].isdigit():
-            if int(parts[2]) >= cfg.n_layers:
-                continue  # a multi-token-prediction module (transformers ignores it)
-            if module in LAYER_KEYS:
-                out[f"layers.{parts[2]}.{LAYER_KEYS[module]}.{parts[-1]}"] = value
-                continue
-        raise LmlabError(f"DeepSeek-V3 weight {key!r} has no place in an lmlab model")
+        if parts[:2] != ["model", "layers"] or module not in LAYER_KEYS:
+            raise LmlabError(f"DeepSeek-V3 weight {key!r} has no place in an lmlab model")
+        out[f"layers.{parts[2]}.{LAYER_KEYS[module]}.{parts[-1]}"] = value
     if cfg.tie_embeddings:
         out["lm_head.weight"] = out["embed.weight"]
     return out
