@@ -309,3 +309,16 @@ def test_a_tensor_beyond_the_last_layer_is_refused(tmp_path, capsys):
     save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
     code, _, err = run_cli(capsys, "inspect", folder)
     assert_one_error(code, err, "layers.2.attn.kv_b_proj.weight")
+
+
+def test_softmax_mscale_without_yarn_mscale_all_dim_is_refused():
+    """The field multiplies by yarn_mscale(factor, mscale_all_dim)^2: with no such scaling it
+    would silently do nothing, so validation refuses it by name."""
+    from lmlab.config import load_config
+    from lmlab.errors import ConfigError
+
+    run = load_config("configs/deepseek-mla.yaml")
+    run.model.vocab_size = VOCAB
+    run.model.attention._extra["softmax_mscale"] = True
+    with pytest.raises(ConfigError, match="softmax_mscale .* needs model.position.scaling.kind"):
+        run.validate()

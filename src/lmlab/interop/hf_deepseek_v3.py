@@ -44,8 +44,13 @@ from lmlab.config import (
     NormConfig,
 )
 from lmlab.errors import LmlabError
-from lmlab.interop.families_decoder import _Checks, _common_checks, _rope_checks, _rope_parameters
-from lmlab.interop.hf import LLAMA_KEYS, rope_position_config
+from lmlab.interop.families_decoder import (
+    _Checks,
+    _common_checks,
+    _llama_kwargs,
+    _rope_checks,
+)
+from lmlab.interop.hf import LLAMA_KEYS, llama_state_dict, rope_position_config
 from lmlab.interop.hf_family import HF_FAMILIES, HFFamily
 from lmlab.interop.hf_fields import MAX_EXPERTS, MAX_FFN, MAX_HEADS, MAX_LAYERS, Field, check_value
 from lmlab.nn.mla import MLADims
@@ -212,23 +217,11 @@ LAYER_KEYS = {  # HF module under model.layers.{i} -> lmlab module under layers.
 def deepseek_v3_state_dict(
     sd: dict[str, torch.Tensor], cfg: ModelConfig
 ) -> dict[str, torch.Tensor]:
-    """DeepSeek-V3 keys -> lmlab's (a rename; a tied head copied from the embedding). Raises
-    LmlabError naming a weight with no place: an MoE expert or router, or a multi-token-prediction
-    layer after the last one (DeepSeek's own checkpoints hold one; their MoE layers are refused
-    before this anyway)."""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in sd.items():
-        if key in LLAMA_KEYS:
-            out[LLAMA_KEYS[key]] = value
-            continue
-        parts = key.split(".")  # model.layers.{i}.{module...}.{weight|bias}
-        module = ".".join(parts[3:-1])
-        if parts[:2] != ["model", "layers"] or module not in LAYER_KEYS:
-            raise LmlabError(f"DeepSeek-V3 weight {key!r} has no place in an lmlab model")
-        out[f"layers.{parts[2]}.{LAYER_KEYS[module]}.{parts[-1]}"] = value
-    if cfg.tie_embeddings:
-        out["lm_head.weight"] = out["embed.weight"]
-    return out
+    """DeepSeek-V3 keys -> lmlab's: Llama's rename with the MLA modules (a tied head copied from
+    the embedding). Raises LmlabError naming a weight with no place: an MoE expert or router; a
+    multi-token-prediction layer after the last one (DeepSeek's own checkpoints hold one, but
+    their MoE layers are refused first) is renamed and then refused by the shape check."""
+    return llama_state_dict(sd, cfg.tie_embeddings, LAYER_KEYS, "DeepSeek-V3")
 
 
 def deepseek_v3_hf_state_dict(
@@ -276,12 +269,7 @@ def deepseek_v3_from(cfg: ModelConfig) -> dict[str, Any]:
     c.done()
     d = MLADims.of(cfg)
     return {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.d_ff,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": a.n_heads,
-        "num_key_value_heads": a.n_heads,
+        **_llama_kwargs(cfg),  # head_dim = r, num_key_value_heads = heads
         "q_lora_rank": d.q_lora_rank or None,
         "kv_lora_rank": d.kv_lora_rank,
         "qk_nope_head_dim": d.nope,
@@ -290,14 +278,7 @@ def deepseek_v3_from(cfg: ModelConfig) -> dict[str, Any]:
         "first_k_dense_replace": cfg.n_layers,
         "rope_interleave": interleaved,
         "attention_bias": a.bias,
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm.eps,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "rope_parameters": _rope_parameters(cfg),
         "hidden_act": "silu",
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "pad_token_id": None,
     }
 
 
