@@ -50,7 +50,7 @@ from lmlab.interop.families_decoder import (
     _llama_kwargs,
     _rope_checks,
 )
-from lmlab.interop.hf import LLAMA_KEYS, llama_state_dict, rope_position_config
+from lmlab.interop.hf import HF_ROPE_TYPES, LLAMA_KEYS, llama_state_dict, rope_position_config
 from lmlab.interop.hf_family import HF_FAMILIES, HFFamily
 from lmlab.interop.hf_fields import MAX_EXPERTS, MAX_FFN, MAX_HEADS, MAX_LAYERS, Field, check_value
 from lmlab.nn.mla import MLADims
@@ -139,6 +139,11 @@ def check_deepseek_config(raw: dict[str, Any], path: Path) -> None:
     for group in ("rope_parameters", "rope_scaling"):
         params = raw.get(group) or {}
         kind = params.get("rope_type", params.get("type", "default"))
+        if kind not in HF_ROPE_TYPES:
+            raise LmlabError(
+                f"{path}: {group}.rope_type {kind!r:.30} has no lmlab component; supported: "
+                f"{', '.join(HF_ROPE_TYPES)}"
+            )
         if params.get("mscale_all_dim") and kind != "yarn":
             raise LmlabError(
                 f"{path}: {group}.mscale_all_dim with rope_type {kind!r:.20}: lmlab applies "
