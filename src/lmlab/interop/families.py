@@ -14,7 +14,11 @@ from typing import Any
 
 from lmlab.config import ModelConfig
 from lmlab.errors import LmlabError
-from lmlab.interop import families_decoder, families_encoder  # noqa: F401  (register, in order)
+from lmlab.interop import (  # noqa: F401  (register, in order)
+    families_decoder,
+    families_encoder,
+    hf_deepseek_v3,
+)
 from lmlab.interop.hf_family import HF_FAMILIES, HFFamily, NotRepresentable
 
 __all__ = [

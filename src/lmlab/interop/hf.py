@@ -123,8 +123,15 @@ LLAMA_LAYER_KEYS = {
 }
 
 
-def llama_state_dict(sd: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
-    """Rename a Llama state dict to lmlab's keys (same layout: both use half-split RoPE)."""
+def llama_state_dict(
+    sd: dict[str, torch.Tensor],
+    tied: bool,
+    layer_keys: dict[str, str] = LLAMA_LAYER_KEYS,
+    family: str = "Llama",
+) -> dict[str, torch.Tensor]:
+    """Rename a Llama state dict to lmlab's keys (same layout: both use half-split RoPE);
+    ``layer_keys`` maps the modules under ``model.layers.{i}`` of a family with Llama's
+    top-level names (DeepSeek-V3's attention), ``family`` names it in the error."""
     out: dict[str, torch.Tensor] = {}
     for key, value in sd.items():
         if key in LLAMA_KEYS:
@@ -132,11 +139,11 @@ def llama_state_dict(sd: dict[str, torch.Tensor], tied: bool) -> dict[str, torch
             continue
         parts = key.split(".")  # model.layers.{i}.{module...}.{weight|bias}
         if parts[:2] != ["model", "layers"]:
-            raise LmlabError(f"Llama weight {key!r} has no place in an lmlab model")
+            raise LmlabError(f"{family} weight {key!r} has no place in an lmlab model")
         module = ".".join(parts[3:-1])
-        if module not in LLAMA_LAYER_KEYS:
-            raise LmlabError(f"Llama weight {key!r} has no place in an lmlab model")
-        out[f"layers.{parts[2]}.{LLAMA_LAYER_KEYS[module]}.{parts[-1]}"] = value
+        if module not in layer_keys:
+            raise LmlabError(f"{family} weight {key!r} has no place in an lmlab model")
+        out[f"layers.{parts[2]}.{layer_keys[module]}.{parts[-1]}"] = value
     if tied:
         out["lm_head.weight"] = out["embed.weight"]
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,6 +53,10 @@ class HFFamily:
 
     # Adjusts the config to what the tensors hold (e.g. BERT with or without pooler / MLM head).
     fit_config: Callable[[ModelConfig, dict[str, torch.Tensor]], ModelConfig] | None = None
+
+    # The family's own checks of a parsed config.json (its path given), after the generic ones of
+    # lmlab.interop.hf_fields: raises LmlabError naming the file and the field or layout refused.
+    check_config: Callable[[dict[str, Any], Path], None] | None = None
 
 
 HF_FAMILIES: Registry[HFFamily] = Registry("hf_family")

@@ -304,6 +304,8 @@ def load_hf_folder(folder: str | Path, device: str = "cpu") -> tuple[nn.Module, 
         raise LmlabError(f"{config_path}: model_type is {model_type!r}, not a family name")
     family = family_for(model_type)
     check_hf_config(raw, config_path)
+    if family.check_config is not None:
+        family.check_config(raw, config_path)
     files = weight_files(p)
     stored = read_headers(files)
     meta = {k: t.meta() for k, t in stored.items()}

@@ -48,6 +48,7 @@ from lmlab.nn.attention_core import ATTENTION_BACKENDS
 from lmlab.nn.kv_cache import LayerKVCache, SlidingWindowKVCache
 from lmlab.nn.norm import RMSNorm
 from lmlab.nn.position import POSITION, RotaryPosition, rotary_dim
+from lmlab.nn.rope_scaling import yarn_mscale
 
 if TYPE_CHECKING:
     from lmlab.config import ModelConfig
@@ -79,6 +80,14 @@ class MLADims:
         )
 
 
+def softmax_mscale(m: ModelConfig) -> float:
+    """DeepSeek's softmax-scale multiplier root, yarn_mscale(factor, mscale_all_dim) =
+    0.1 mscale_all_dim ln(factor) + 1 of ``m.position.scaling`` (1.0 without mscale_all_dim):
+    DeepSeek-V2/V3 (and HF's ``yarn_apply_mscale``) multiply 1/sqrt(n + r) by its square."""
+    s = m.position.scaling
+    return yarn_mscale(s.factor, s.mscale_all_dim) if s.mscale_all_dim else 1.0
+
+
 def mla_fields(m: ModelConfig) -> dict[str, Any]:
     """The values of the fields MLA declares, as set on ``m.attention`` (defaults when unset)."""
     return {name: getattr(m.attention, name) for name in MultiHeadLatentAttention.fields}
@@ -92,7 +101,9 @@ class MultiHeadLatentAttention(Attention):
     Fields (``model.attention``): ``kv_lora_rank`` c; ``q_lora_rank`` c' (0: a plain q
     projection); ``qk_nope_head_dim`` n and ``v_head_dim`` dv (0: head_dim);
     ``qk_rope_head_dim`` r (0: the RoPE's rotated channels; if set, it must equal them);
-    ``absorb`` (attention over the latent, W_UK folded into q and W_UV after the softmax).
+    ``absorb`` (attention over the latent, W_UK folded into q and W_UV after the softmax);
+    ``softmax_mscale`` (DeepSeek-V2/V3 with YaRN: the 1/sqrt(n + r) softmax scale times
+    :func:`softmax_mscale` squared, so the scores' temperature follows the context extension).
     """
 
     fields = {
@@ -102,6 +113,7 @@ class MultiHeadLatentAttention(Attention):
         "qk_rope_head_dim": (int, 0),
         "v_head_dim": (int, 0),
         "absorb": (bool, False),
+        "softmax_mscale": (bool, False),
     }
     examples: tuple[dict, ...] = (
         {},
@@ -115,6 +127,18 @@ class MultiHeadLatentAttention(Attention):
                 "absorb": True,
             },
             "position": {"interleaved": True},
+        },
+        {
+            "attention": {"softmax_mscale": True},
+            "position": {
+                "scaling": {
+                    "kind": "yarn",
+                    "factor": 4.0,
+                    "original_max_seq_len": 8,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 0.5,
+                }
+            },
         },
         {"attention": {"mask": "sliding_window", "window": 4}},
         {"attention": {"backend": "math", "absorb": True, "mask": "sliding_window", "window": 4}},
@@ -154,6 +178,14 @@ class MultiHeadLatentAttention(Attention):
         for name in ("qk_norm", "v_norm"):
             if getattr(a, name):
                 raise ConfigError(f"model.attention.{name} is not supported by kind=mla")
+        s = m.position.scaling
+        if f["softmax_mscale"] and not (s.kind == "yarn" and s.mscale_all_dim):
+            raise ConfigError(
+                "model.attention.softmax_mscale multiplies the softmax scale by "
+                "yarn_mscale(factor, mscale_all_dim)^2: it needs model.position.scaling.kind="
+                f"yarn with mscale_all_dim set (got kind={s.kind}, "
+                f"mscale_all_dim={s.mscale_all_dim})"
+            )
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         nn.Module.__init__(self)  # not Attention's: its q/k/v projections are not MLA's
@@ -167,6 +199,8 @@ class MultiHeadLatentAttention(Attention):
         self.absorb = dims.absorb
         self.dropout = a.dropout
         self.scale = (n + r) ** -0.5 if a.scaled else 1.0
+        if mla_fields(cfg)["softmax_mscale"]:  # DeepSeek-V2/V3 with YaRN
+            self.scale *= softmax_mscale(cfg) ** 2
         self.backend = a.backend
         self.backend_fn = ATTENTION_BACKENDS.get(a.backend, "model.attention.backend")
         self.mask_fn = bound_mask(cfg)  # streaming and local_global bound to their fields
