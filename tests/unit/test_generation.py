@@ -404,3 +404,26 @@ def test_a_metaspace_byte_fallback_tokenizer_streams_its_decoded_text():
     model = Scripted(tok.vocab_size, script)
     out = "".join(generate_text(model, tok, "hello", cut, 32, warn=warnings.append))
     assert out == " world 世" and len(warnings) == 1  # the cut 界 is dropped, said so
+
+
+def test_a_model_padded_wider_than_its_tokenizer_never_samples_an_id_without_text():
+    # Hugging Face models often pad the vocabulary (an embedding wider than the tokenizer's);
+    # an id past the tokenizer has no text: generation must never pick one (it used to crash
+    # the char tokenizer with "error: unexpected IndexError").
+    tok = train_tokenizer("abc\n" * 30, TokenizerConfig(kind="char"))
+    torch.manual_seed(0)
+    model = build_model(tiny_model_config(vocab_size=tok.vocab_size + 6)).eval()
+    v = tok.vocab_size
+
+    def favour_padding(module, args, out):  # make the padded ids the most likely ones
+        out.logits[..., v:] += 100.0
+
+    model.register_forward_hook(favour_padding)
+    greedy = SamplingParams(max_new_tokens=20, temperature=0.0)
+    ids = list(generate_ids(model, [0], greedy, 32))
+    assert any(i >= tok.vocab_size for i in ids)  # unlimited, the padded ids do win
+    limited = list(generate_ids(model, [0], greedy, 32, n_tokens=tok.vocab_size))
+    assert limited and all(i < tok.vocab_size for i in limited)
+    sampled = SamplingParams(max_new_tokens=20, temperature=1.0, seed=3)
+    assert len("".join(generate_text(model, tok, "ab", sampled, 32))) > 0
+    assert all(len(t) > 0 for t in generate_texts(model, tok, ["a", "bc"], sampled, 32))

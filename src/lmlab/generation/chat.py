@@ -110,7 +110,9 @@ def stream_reply(
     params.validate()
     stops = stop_ids_of(tokenizer)
     pieces, stop_strings = token_text(tokenizer, prompt_ids), StopStrings(params.stop)
-    for tok in generate_ids(model, prompt_ids, params, max_context, tokenizer.eos_id):
+    for tok in generate_ids(
+        model, prompt_ids, params, max_context, tokenizer.eos_id, tokenizer.vocab_size
+    ):
         if tok in stops:
             break
         text, stopped = stop_strings.push(pieces.push(tok))

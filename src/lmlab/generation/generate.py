@@ -65,10 +65,13 @@ def _decode(
     eos_id: int | None,
     pad_id: int,
     stop_row: Callable[[int, int], bool] | None = None,
+    n_tokens: int | None = None,
 ) -> Iterator[list[int | None]]:
     """The decode loop shared by every entry point. Yields, per step, each row's new token (None
     for a row that has finished: at ``eos_id``, which is not yielded, or once ``stop_row(row,
-    token)`` said so after yielding ``token``).
+    token)`` said so after yielding ``token``). Ids at or above ``n_tokens`` (the tokenizer's
+    vocabulary, when the model's output is padded wider, as many Hugging Face models are) are
+    never sampled.
 
     Each row keeps ``hist`` (prompt + new tokens), ``start`` (where its context begins in
     ``hist``) and ``fed`` (its real tokens in the cache). A step feeds every unfinished row its
@@ -110,8 +113,12 @@ def _decode(
         for i in range(b):
             if done[i]:
                 continue
+            row_logits = logits[i, -1].cpu()
+            if n_tokens is not None and n_tokens < row_logits.shape[-1]:
+                row_logits = row_logits.clone()
+                row_logits[n_tokens:] = float("-inf")  # ids the tokenizer has no text for
             tok = next_token(
-                logits[i, -1].cpu(),
+                row_logits,
                 torch.tensor(hist[i], dtype=torch.long),
                 params.temperature,
                 params.top_k,
@@ -170,16 +177,19 @@ def generate_ids(
     params: SamplingParams,
     max_seq_len: int,
     eos_id: int | None = None,
+    n_tokens: int | None = None,
 ) -> Iterator[int]:
     """Yield new token ids one at a time (the end-of-sequence token is not yielded): the decode
-    loop of :func:`generate_batch` on a batch of one, streamed.
+    loop of :func:`generate_batch` on a batch of one, streamed. Ids at or above ``n_tokens``
+    (None: no limit) are never sampled: pass the tokenizer's vocabulary size when the model's
+    output layer is padded wider than it.
 
     prompt_ids must be non-empty and at most ``max_seq_len`` long (the caller truncates).
     Sampling draws from a generator seeded with ``params.seed``. Raises LmlabError for a bad
     sampling value when called, before any id is asked for (:meth:`SamplingParams.validate`).
     """
     params.validate()
-    return _ids(model, prompt_ids, params, max_seq_len, eos_id)
+    return _ids(model, prompt_ids, params, max_seq_len, eos_id, n_tokens)
 
 
 def _ids(
@@ -188,8 +198,9 @@ def _ids(
     params: SamplingParams,
     max_seq_len: int,
     eos_id: int | None,
+    n_tokens: int | None,
 ) -> Iterator[int]:
-    for toks in _decode(model, [prompt_ids], params, max_seq_len, eos_id, pad_id=0):
+    for toks in _decode(model, [prompt_ids], params, max_seq_len, eos_id, 0, n_tokens=n_tokens):
         if toks[0] is not None:
             yield toks[0]
 
@@ -294,7 +305,8 @@ def generate_texts(
         texts[row] += text
         return stopped[row]
 
-    for _ in _decode(model, ids, params, max_seq_len, tokenizer.eos_id, 0, stop_row=push):
+    n = tokenizer.vocab_size
+    for _ in _decode(model, ids, params, max_seq_len, tokenizer.eos_id, 0, push, n):
         pass
     for row in range(len(prompts)):
         if not stopped[row]:
@@ -333,7 +345,9 @@ def _stream(
     warn: Callable[[str], None],
 ) -> Iterator[str]:
     pieces, stops = token_text(tokenizer, ids), StopStrings(params.stop)
-    for tok in generate_ids(model, ids, params, max_seq_len, tokenizer.eos_id):
+    for tok in generate_ids(
+        model, ids, params, max_seq_len, tokenizer.eos_id, tokenizer.vocab_size
+    ):
         text, stopped = stops.push(pieces.push(tok))
         if text:
             yield text
