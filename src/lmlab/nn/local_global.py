@@ -18,7 +18,16 @@ Positions count real tokens: with a key padding mask the first real token is pos
 row sees exactly what it sees alone.
 
 The KV cache keeps every key (``keeps_all_keys``): a global key is read by all later queries.
-Computation is dense, every T x S score then masked (the mask is the oracle of any sparse kernel).
+
+Two computations of the same numbers. Dense: the (T, S) mask of :func:`local_global_allowed`
+applied to every score by the attention core (the oracle; also the path for ``need_weights``, a
+score bias (ALiBi, T5), a non-softmax backend (sigmoid), the bidirectional form, padding that
+is not left padding, and S < 4 window). Block-sparse (:func:`local_global_sparse`, which the
+attention core runs through the mask's ``sparse_attend`` hook everywhere else, training, prefill,
+chunks and decode steps alike): per query the bq + window - 1 keys of its block's band
+(bq = min(T, window)), the G global keys, and for the Gq global queries every earlier key,
+(B, H, T, bq + window - 1 + G) + (B, H, Gq, S) scores instead of (B, H, T, S). Its declared
+costs (``score_flops_per_token``, ``saved_score_elements``) are the sparse ones.
 """
 
 from __future__ import annotations
@@ -184,20 +193,20 @@ class LocalGlobalMask:
     def saved_score_elements(self, cfg: ModelConfig, seq_len: int) -> int | None:
         """Elements autograd keeps per query of the sparse path (measured with saved-tensor
         hooks, tests/unit/test_local_global_sparse.py): the padded q (H hd), the band's k and
-        v copies (2 K hd L / bq), the weights over L + G (H (L + G)) and their bool mask (a
-        quarter element per slot), with GQA (H > K) the matmul layouts of q and of the band
-        weights (H hd + H L), and the global rows' weights and mask over S keys (1.25 H S Gq /
-        T)."""
+        v copies (2 K hd L / bq), the weights over L + G (H (L + G)) and their bool mask,
+        shared by the heads (a quarter element per slot), with GQA (H > K) the matmul layouts
+        of q and of the band weights (H hd + H L), and the global rows' gathered queries,
+        weights and mask over S keys ((H hd + (H + 1/4) S) Gq / T)."""
         shape = self._shape(cfg, seq_len)
         if shape is None:
             return None
         ell, g, rows = shape
         h, kv, hd = cfg.attention.n_heads, cfg.n_kv_heads, cfg.head_dim
         bq = min(seq_len, cfg.attention.window or 1)
-        band = h * hd + 2 * kv * hd * ell / bq + h * (ell + g) * 1.25
+        band = h * hd + 2 * kv * hd * ell / bq + (h + 0.25) * (ell + g)
         if h > kv:  # the query heads of a kv head are regrouped for the batched matmuls
             band += h * hd + h * ell
-        return int(band + 1.25 * h * rows * seq_len)
+        return int(band + ((h + 0.25) * seq_len + h * hd) * rows)
 
 
 def check_local_global(m: ModelConfig) -> None:
@@ -332,7 +341,9 @@ def local_global_sparse(
     if real is not None:
         seen = F.pad(real, (window - 1, tp - t))[:, s - t :].unfold(1, ell, bq)  # (B, nb, L)
         allowed_band = allowed_band & seen[:, None, None, :, None, :]
-    scores, allowed = [band.flatten(3, 4)], [allowed_band.expand(*band.shape).flatten(3, 4)]
+    bb = 1 if real is None else b  # masks stay (B or 1, 1, 1, ...): shared by the heads
+    allowed_band = allowed_band.expand(bb, 1, 1, nb, bq, ell).reshape(bb, 1, 1, tp, ell)
+    scores, allowed = [band.flatten(3, 4)], [allowed_band]
 
     # global columns: the G global keys, for every query, outside its window
     gk, gk_valid = _first_true(is_global)  # (B', G)
@@ -347,7 +358,7 @@ def local_global_sparse(
         far = qpad[None, :, None] - gk[:, None, :] >= window  # (B', tp, G): before the window
         allowed_cols = (far & gk_valid[:, None, :])[:, None, None]  # (B', 1, 1, tp, G)
         scores.append(cols)
-        allowed.append(allowed_cols.expand(*cols.shape))
+        allowed.append(allowed_cols)
     w, empty = _softmax_rows(torch.cat(scores, -1), torch.cat(allowed, -1), dropout_p)
     y = torch.einsum("bkrnql,bkndl->bkrnqd", w[..., :ell].unflatten(3, (nb, bq)), vb)
     y = y.flatten(3, 4)  # (B, K, R, tp, hdv)
@@ -366,7 +377,7 @@ def local_global_sparse(
         causal = kidx[None, None, :] <= qidx[gq][:, :, None]  # (B', Gq, S)
         if real is not None:
             causal = causal & real[:, None, :]
-        wg, none = _softmax_rows(rows, causal[:, None, None].expand(*rows.shape), dropout_p)
+        wg, none = _softmax_rows(rows, causal[:, None, None], dropout_p)  # mask (B', 1, 1, Gq, S)
         yg = (wg.view(b, n_kv, r * n, s) @ v).view(b, n_kv, r, n, -1)  # (B, K, R, Gq, hdv)
         yg = yg.masked_fill(none, 0.0)
         dump = torch.where(gq_valid, gq, t).expand(b, n)  # invalid slots land in row T
