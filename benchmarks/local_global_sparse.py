@@ -23,7 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from lmlab.nn.attention_core import attend, attention_math, attention_sdpa
-from lmlab.nn.local_global import LocalGlobalMask
+from lmlab.nn.local_global import LocalGlobalMask, sparse_applies
 
 H, HD, WINDOW, GLOBAL = 4, 16, 128, 1
 
@@ -56,7 +56,7 @@ def runners(t: int) -> dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Ten
 def score_elements(t: int, name: str) -> int:
     """Scores computed per call: T x T dense; band (bq + window - 1 per query, bq = window),
     global columns and global rows sparse."""
-    if name != "sparse":
+    if name != "sparse" or not sparse_applies(t, WINDOW, True):  # below 8 window: dense
         return H * t * t
     ell = min(t, WINDOW) + WINDOW - 1
     return H * (t * (ell + GLOBAL) + GLOBAL * t)

@@ -126,7 +126,7 @@ def test_the_core_takes_the_sparse_path_exactly_where_the_rule_says(monkeypatch)
 
     monkeypatch.setattr(LocalGlobalMask, "sparse_attend", spy)
     mask = LocalGlobalMask(1, 0)
-    for s, sparse in ((15, False), (16, True)):  # window 4: sparse from S = 16
+    for s, sparse in ((31, False), (32, True)):  # window 4: sparse from S = 32
         assert sparse_applies(s, 4, True) is sparse
         q, k, v = qkv(1, 2, 2, s, s)
         y, _ = attend(q, k, v, backend=attention_sdpa, scale=1.0, mask_fn=mask, window=4)
