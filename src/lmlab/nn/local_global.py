@@ -236,6 +236,8 @@ local_global_mask = MASKS.register(
         {"attention": {"window": 3}},
         {"attention": {"window": 2, "global_tokens": 2, "global_every": 4}},
         {"attention": {"window": 3, "global_tokens": 0, "global_every": 5, "backend": "math"}},
+        # window 1: S >= 8 window from 8 tokens on, so the contract runs the sparse path
+        {"attention": {"window": 1, "global_tokens": 1, "global_every": 3, "n_kv_heads": 2}},
     ),
 )(LocalGlobalMask())
 
