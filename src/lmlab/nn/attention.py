@@ -250,8 +250,32 @@ class Attention(nn.Module):
         """FLOPs per query token and layer besides the weights: QK^T and AV against ``seq_len``
         keys, 4 T H hd (2 per multiply-add; PaLM, Chowdhery et al. 2022, app. B). Every T x T
         score is computed and then masked, so the mask does not change it (linear attention's
-        parallel form: phi(Q) phi(K)^T and its product with V, the same count)."""
-        return 4 * seq_len * cfg.attention.n_heads * cfg.head_dim
+        parallel form: phi(Q) phi(K)^T and its product with V, the same count), except a mask
+        with a sparse path (:meth:`sparse_mask_cost`), which declares its own."""
+        own = cls.sparse_mask_cost(cfg, "score_flops_per_token", seq_len)
+        return 4 * seq_len * cfg.attention.n_heads * cfg.head_dim if own is None else own
+
+    sparse_mask_path = False  # whether the attention core's mask sparse path runs (softmax)
+
+    @classmethod
+    def sparse_mask_cost(cls, cfg: ModelConfig, name: str, seq_len: int) -> int | None:
+        """The mask's own cost ``name`` (local_global's ``score_flops_per_token`` /
+        ``saved_score_elements``) where its sparse path computes this kind's attention: a kind
+        with ``sparse_mask_path`` (a softmax backend) and a position that adds no score bias;
+        None otherwise, or where the mask declares none or its path does not run."""
+        from lmlab.nn.position import POSITION, PositionEncoding
+
+        own = getattr(MASKS.get(cfg.attention.mask), name, None)
+        position = POSITION.get(cfg.position.kind)
+        if (
+            own is None
+            or not cls.sparse_mask_path
+            or (
+                position.score_bias is not PositionEncoding.score_bias  # ALiBi, T5: dense
+            )
+        ):
+            return None
+        return own(cfg, seq_len)
 
 
 @ATTENTION.register("softmax")
@@ -259,6 +283,7 @@ class SoftmaxAttention(Attention):
     """Scaled dot-product attention with separate q/k/v/o projections; MHA, GQA or MQA."""
 
     streams = True  # its keys go through cached_keys (a subclass with another forward: check)
+    sparse_mask_path = True  # a softmax backend: a mask's sparse path computes its attention
 
     examples: tuple[dict, ...] = (
         {},
@@ -331,7 +356,11 @@ class SoftmaxAttention(Attention):
     def saved_score_elements(cls, cfg: ModelConfig, seq_len: int) -> int:
         """Score elements per query token and layer that autograd keeps for backward: the
         scores and probabilities, 2 H T, on the ``math`` backend; 0 for ``sdpa`` (its fused
-        kernels keep one log-sum-exp per row). See :mod:`lmlab.training.memory`."""
+        kernels keep one log-sum-exp per row); a mask's sparse path its own count, whatever the
+        backend (:meth:`~Attention.sparse_mask_cost`). See :mod:`lmlab.training.memory`."""
+        own = cls.sparse_mask_cost(cfg, "saved_score_elements", seq_len)
+        if own is not None:
+            return own
         return 2 * cfg.attention.n_heads * seq_len if cfg.attention.backend == "math" else 0
 
 

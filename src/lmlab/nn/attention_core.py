@@ -18,7 +18,14 @@ score bias). Three optional attributes, set with :func:`backend_traits`, say wha
 ``returns_weights`` (it returns the weights; otherwise ``need_weights`` uses ``math`` for that
 call), ``takes_bias`` (it takes the score bias as ``bias=`` with a bool mask; otherwise the bias is
 folded into an additive mask) and ``causal_fast_path`` (it takes ``mask=None`` with
-``is_causal=``/``enable_gqa=`` keywords, so plain causal attention builds no mask at all).
+``is_causal=``/``enable_gqa=`` keywords, so plain causal attention builds no mask at all);
+``softmax`` marks a backend computing the softmax formula, the one a mask's sparse path computes.
+
+A mask may offer a sparse path: a ``sparse_attend(q, k, v, *, scale, window, key_mask,
+dropout_p) -> (B, H, T, hdv) or None`` attribute that computes the same softmax over only the
+keys it allows (local_global: :mod:`lmlab.nn.local_global`). :func:`attend` calls it for a
+softmax backend without ``need_weights`` or a score bias; None (or any other call) runs the
+dense masked formula, which is its oracle.
 """
 
 from __future__ import annotations
@@ -42,12 +49,14 @@ def backend_traits(
     returns_weights: bool = False,
     takes_bias: bool = False,
     causal_fast_path: bool = False,
+    softmax: bool = False,
 ) -> AttentionFn:
     """Declare what a backend function can do beyond the plain call (module docstring); returns
-    ``fn`` itself, with the three flags set as attributes."""
+    ``fn`` itself, with the four flags set as attributes."""
     fn.returns_weights = returns_weights  # type: ignore[attr-defined]
     fn.takes_bias = takes_bias  # type: ignore[attr-defined]
     fn.causal_fast_path = causal_fast_path  # type: ignore[attr-defined]
+    fn.softmax = softmax  # type: ignore[attr-defined]
     return fn
 
 
@@ -107,10 +116,10 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2] if p.isdigit()
 
 ATTENTION_BACKENDS.register(
     "sdpa", "PyTorch's fused scaled_dot_product_attention: fast, returns no weights."
-)(backend_traits(attention_sdpa, causal_fast_path=True))
+)(backend_traits(attention_sdpa, causal_fast_path=True, softmax=True))
 ATTENTION_BACKENDS.register(
     "math", "The formula spelled out: materialises and can return the attention weights."
-)(backend_traits(attention_math, returns_weights=True, takes_bias=True))
+)(backend_traits(attention_math, returns_weights=True, takes_bias=True, softmax=True))
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -149,6 +158,12 @@ def attend(
     t, s = q.shape[2], k.shape[2]
     if need_weights and not getattr(backend, "returns_weights", False):
         backend = attention_math  # the one backend that materialises the weights
+    sparse = getattr(mask_fn, "sparse_attend", None)
+    softmax = getattr(backend, "softmax", False)
+    if sparse is not None and softmax and not need_weights and bias is None:
+        y = sparse(q, k, v, scale=scale, window=window, key_mask=key_mask, dropout_p=dropout_p)
+        if y is not None:  # the mask's sparse path; None: it does not apply to this call
+            return y, None
     plain_causal = bias is None and key_mask is None and mask_fn is causal_mask
     if getattr(backend, "causal_fast_path", False) and plain_causal and (s == t or t == 1):
         # no mask to build: s == t is causal over the new tokens, t == 1 sees every cached key

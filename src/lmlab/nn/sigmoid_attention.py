@@ -134,6 +134,8 @@ class SigmoidAttention(SoftmaxAttention):
         if b is not None and not math.isfinite(b):
             raise ConfigError(f"model.attention.sigmoid_bias must be a finite number, got {b}")
 
+    sparse_mask_path = False  # no softmax: every score computed, the mask applied (dense)
+
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__(cfg, layer_idx)
         self.offset = sigmoid_bias(cfg)  # b, added to every score
