@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lmlab.config import TrainConfig
+from lmlab.config import ModelConfig, TrainConfig
 from lmlab.errors import ConfigError
 from lmlab.models import build_model
 from lmlab.training import checkpoint as ck
@@ -132,6 +132,24 @@ def test_muon_leaves_an_untied_head_and_the_moe_router_to_adamw_and_takes_each_e
     assert not any("router" in n or "lm_head" in n or "embed" in n for n in names)
     assert "layers.0.ffn.experts.1.down_proj.weight" in names
     assert all(n.endswith("_proj.weight") for n in names)
+
+
+@pytest.mark.parametrize("kind", ["encoder", "encoder_decoder"])
+def test_muon_takes_every_layer_matrix_of_encoders_and_encoder_decoders(kind):
+    """Encoder blocks and an encoder-decoder's decoder blocks (self- and cross-attention) are
+    Muon's; the embeddings and an encoder's pooler and MLM head transform stay with AdamW."""
+    cfg = ModelConfig(kind=kind, d_model=32, n_layers=2, max_seq_len=32, vocab_size=50)
+    cfg.attention.n_heads = 4
+    if kind == "encoder":
+        cfg.attention.mask = "bidirectional"
+    model = build_model(cfg)
+    names = muon_param_names(model)
+    matrices = [n for n, p in model.named_parameters() if p.ndim == 2]
+    left = {"encoder": ["embed.weight", "token_type.weight", "pooler.weight", "mlm_dense.weight"]}
+    assert [n for n in matrices if n not in names] == left.get(kind, ["embed.weight"])
+    assert len(names) == (12 if kind == "encoder" else 12 + 20)
+    if kind == "encoder_decoder":
+        assert "decoder.layers.1.cross_attn.k_proj.weight" in names
 
 
 def test_schedule_factor_scales_muon_lr_and_adamw_lr_alike():

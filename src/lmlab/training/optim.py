@@ -42,17 +42,18 @@ def param_groups(
 
 def muon_param_names(model: nn.Module) -> list[str]:
     """The parameters Muon updates under ``train.optimizer: muon``: the 2-D weight of every
-    nn.Linear inside a transformer block (attention q/k/v/o and MLA projections, FFN
+    nn.Linear inside a transformer block (a BLOCK or, in an encoder-decoder, a DECODER_BLOCK:
+    attention q/k/v/o, cross-attention and MLA projections, FFN
     gate/up/down, each MoE expert's own (F, D) / (D, F) matrices), as Keller Jordan's Muon and
     modded-nanogpt do for the hidden layers. Left to AdamW: the token embedding, the LM head
     (tied or not), learned positions, norms, biases, per-head scalars and vectors, an MoE
     router (a classifier over experts, not a hidden layer) and any Linear outside the blocks
     (an encoder's pooler and MLM head)."""
     from lmlab.models.counting import variant_types
-    from lmlab.nn.block import BLOCK
+    from lmlab.nn.block import BLOCK, DECODER_BLOCK
 
     embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    block_types = variant_types(BLOCK)
+    block_types = variant_types(BLOCK) + variant_types(DECODER_BLOCK)
     names: list[str] = []
     seen: set[int] = set()
     for bname, block in model.named_modules():
