@@ -107,6 +107,7 @@ FIELD_RANGES: dict[str, Range] = {
     "train.beta2": _UNIT,
     "train.muon_lr": _positive_up_to(10.0),
     "train.muon_momentum": _UNIT,
+    "train.muon_weight_decay": Range(0, 10.0),
     "train.decay_fraction": _PROB,
     "train.grad_clip": Range(0, 1e6),
     "train.max_skipped_steps": _count(0, 10**6),

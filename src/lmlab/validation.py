@@ -232,6 +232,7 @@ def _optimizer_rules(t: TrainConfig) -> None:
     choice(t.schedule, SCHEDULES, "train.schedule")
     choice(t.decay_shape, DECAY_SHAPES, "train.decay_shape")
     positive(t.muon_lr, "train.muon_lr")
+    positive(t.muon_weight_decay, "train.muon_weight_decay", allow_zero=True)
     if not 0.0 <= t.muon_momentum < 1.0:
         raise ConfigError(f"train.muon_momentum must be in [0, 1), got {t.muon_momentum}")
     if not 0.0 <= t.decay_fraction <= 1.0:

@@ -116,7 +116,8 @@ def test_muon_holds_the_blocks_matrices_and_adamw_the_rest():
     adamw = [name_of[id(p)] for g in opt.adamw.param_groups for p in g["params"]]
     assert "embed.weight" in adamw and "final_norm.weight" in adamw
     assert sorted(adamw + expected) == sorted(name_of.values())  # each parameter once
-    assert opt.muon.param_groups[0]["momentum"] == 0.95 and opt.muon.param_groups[0]["nesterov"]
+    group = opt.muon.param_groups[0]
+    assert (group["momentum"], group["weight_decay"], group["nesterov"]) == (0.95, 0.01, True)
 
 
 def test_muon_leaves_an_untied_head_and_the_moe_router_to_adamw_and_takes_each_expert():
@@ -315,3 +316,16 @@ def test_resuming_with_another_optimizer_is_refused(tmp_path):
     other.train.optimizer = "adamw"
     with pytest.raises(LmlabError, match="train.optimizer"):
         train(other, resume=tmp_path / "r", max_steps=4, progress=False)
+
+
+def test_muon_gets_its_own_lr_momentum_and_weight_decay():
+    cfg = tiny_config(
+        train={"optimizer": "muon", "muon_lr": 0.03, "muon_momentum": 0.9, "muon_weight_decay": 0.2}
+    )
+    cfg.model.vocab_size = 50
+    opt = build_optimizer(build_model(cfg.model), cfg.train)
+    group = opt.muon.param_groups[0]
+    assert (group["lr"], group["momentum"], group["weight_decay"]) == (0.03, 0.9, 0.2)
+    assert group["ns_steps"] == 5 and group["ns_coefficients"] == NS
+    assert group["adjust_lr_fn"] is None  # torch's "original": sqrt(max(1, rows / cols))
+    assert [g["weight_decay"] for g in opt.adamw.param_groups] == [cfg.train.weight_decay, 0.0]

@@ -146,8 +146,11 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     the fused kernel when the parameters' device supports it; muon = :class:`MuonWithAdamW`
     (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/): Muon at
     ``train.muon_lr`` with momentum ``train.muon_momentum`` (Nesterov), 5 Newton-Schulz steps,
-    torch's "original" lr adjustment sqrt(max(1, rows / cols)) and ``train.weight_decay``, over
-    :func:`muon_param_names`; AdamW as above over the rest."""
+    torch's "original" lr adjustment sqrt(max(1, rows / cols)) and decoupled weight decay
+    ``train.muon_weight_decay`` (the parameter x (1 - lr x decay) each step), over
+    :func:`muon_param_names`; AdamW as above over the rest. The defaults (lr 0.02, decay 0.01,
+    momentum 0.95) are those of Keller Jordan's Muon README; 0.02 x 0.01 shrinks a matrix per
+    step as much as AdamW's default 2e-3 x 0.1. torch's own default lr, 1e-3, is not used."""
     if cfg.optimizer != "muon":
         return _adamw(param_groups(model, cfg.weight_decay), cfg)
     params = dict(model.named_parameters())
@@ -155,7 +158,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     muon = torch.optim.Muon(
         [{"params": hidden, "base_lr": cfg.muon_lr}],
         lr=cfg.muon_lr,
-        weight_decay=cfg.weight_decay,
+        weight_decay=cfg.muon_weight_decay,
         momentum=cfg.muon_momentum,
         nesterov=True,
     )
