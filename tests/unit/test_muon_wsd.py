@@ -1,6 +1,7 @@
 """train.optimizer: muon (torch.optim.Muon on the blocks' matrices, AdamW on the rest) and
 train.schedule: wsd (warmup-stable-decay)."""
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -329,3 +330,35 @@ def test_muon_gets_its_own_lr_momentum_and_weight_decay():
     assert group["ns_steps"] == 5 and group["ns_coefficients"] == NS
     assert group["adjust_lr_fn"] is None  # torch's "original": sqrt(max(1, rows / cols))
     assert [g["weight_decay"] for g in opt.adamw.param_groups] == [cfg.train.weight_decay, 0.0]
+
+
+def test_muon_with_adamw_state_dict_round_trips_into_a_fresh_optimizer():
+    """After a step, state_dict -> load_state_dict into a new optimizer of the same model gives
+    equal state, and both then take the same next step."""
+    cfg = tiny_config(train={"optimizer": "muon"})
+    cfg.model.vocab_size = 50
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    twin = build_model(cfg.model)
+    twin.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 50, (2, 8))
+
+    def step(m, opt):
+        m(ids, targets=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    opt = build_optimizer(model, cfg.train)
+    step(model, opt)
+    twin.load_state_dict(model.state_dict())
+    other = build_optimizer(twin, cfg.train)
+    other.load_state_dict(copy.deepcopy(opt.state_dict()))  # torch's load keeps the tensors
+    a, b = opt.state_dict()["state"], other.state_dict()["state"]
+    assert a.keys() == b.keys() and len(a) == len(list(model.parameters()))
+    assert all(torch.equal(a[i][k], b[i][k]) for i in a for k in a[i])
+    assert len(other.state) == len(a)  # the merged view
+    step(model, opt)
+    step(twin, other)
+    assert all(
+        torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters(), strict=True)
+    )

@@ -78,14 +78,19 @@ class MuonWithAdamW(torch.optim.Optimizer):
     parameters in that order, as one torch optimizer would, and ``load_state_dict`` splits it
     back. Muon's state is ``momentum_buffer`` (the parameter's shape); AdamW's ``step``,
     ``exp_avg``, ``exp_avg_sq``. Muon's groups carry ``base_lr`` (``train.muon_lr``), which
-    :func:`set_lr` scales by the schedule."""
+    :func:`set_lr` scales by the schedule. Only ``step``, ``zero_grad``, ``state_dict`` and
+    ``load_state_dict`` are its own: torch's optimizer hooks and ``add_param_group`` are not
+    supported (the base class is not initialised)."""
 
     def __init__(self, muon: torch.optim.Muon, adamw: torch.optim.AdamW) -> None:
         self.muon, self.adamw = muon, adamw
         self.optimizers = (muon, adamw)
         self.param_groups = [*muon.param_groups, *adamw.param_groups]
         self.defaults = {}
-        self.state = {}  # type: ignore[assignment]  # each part keeps its own
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]  # each part keeps its own: a merged view
+        return {**self.muon.state, **self.adamw.state}
 
     def __repr__(self) -> str:
         return f"MuonWithAdamW({self.muon!r}, {self.adamw!r})"
