@@ -22,7 +22,7 @@ from lmlab.training.optim import (
     muon_param_names,
     set_lr,
 )
-from tests.helpers import assert_one_error, run_cli, tiny_config
+from tests.helpers import assert_one_error, run_cli, snapshot, tiny_config
 
 NS = (3.4445, -4.7750, 2.0315)  # Jordan et al. 2024's quintic coefficients
 
@@ -284,28 +284,33 @@ def full_vocab(run: Path) -> int:
 
 
 def test_muon_state_of_the_wrong_key_or_shape_is_refused(tmp_path, capsys):
+    """A crafted optimizer.safetensors: an AdamW key on a Muon parameter (added, or in place of
+    its buffer) or a buffer of another shape is one error naming the file and the tensor, and
+    the run folder is left as it was."""
     from lmlab.training.trainer import train
 
-    train(_muon_run(2, lr_decay_steps=4), out=tmp_path / "r", progress=False)
-    path = ck.latest_checkpoint(tmp_path / "r") / ck.OPTIMIZER_FILE
+    run = tmp_path / "r"
+    train(_muon_run(2, lr_decay_steps=4), out=run, progress=False)
+    path = ck.latest_checkpoint(run) / ck.OPTIMIZER_FILE
     good = load_file(path)
     key = "layers.0.attn.q_proj.weight"
+    buf = good[f"{key}::momentum_buffer"]
+    swapped = {k: v for k, v in good.items() if k != f"{key}::momentum_buffer"}
     cases = [
-        ({f"{key}::exp_avg": torch.zeros(32, 32)}, "'exp_avg' is not Muon state"),
-        ({f"{key}::momentum_buffer": torch.zeros(3)}, f"{key}::momentum_buffer of shape (3,)"),
+        ({**good, f"{key}::exp_avg": torch.zeros(32, 32)}, "'exp_avg' is not Muon state"),
+        ({**swapped, f"{key}::exp_avg": buf.clone()}, "'exp_avg' is not Muon state"),
+        (
+            {**good, f"{key}::momentum_buffer": torch.zeros(3)},
+            f"{key}::momentum_buffer of shape (3,)",
+        ),
+        ({**good, "embed.weight::momentum_buffer": torch.zeros(3)}, "is not AdamW state"),
     ]
-    for extra, needle in cases:
-        tensors = dict(good)
-        tensors.update(extra)
+    for tensors, needle in cases:
         save_file(tensors, str(path))
-        code, _, err = run_cli(capsys, "train", "--resume", str(tmp_path / "r"), "--max-steps", "4")
+        before = snapshot(run)
+        code, _, err = run_cli(capsys, "train", "--resume", str(run), "--max-steps", "4")
         assert_one_error(code, err, f"optimizer state {path}", needle)
-    tensors = dict(good)
-    del tensors[f"{key}::momentum_buffer"]
-    tensors[f"{key}::exp_avg"] = good[f"{key}::momentum_buffer"].clone()
-    save_file(tensors, str(path))
-    code, _, err = run_cli(capsys, "train", "--resume", str(tmp_path / "r"), "--max-steps", "4")
-    assert_one_error(code, err, "is not Muon state")
+        assert snapshot(run) == before
 
 
 def test_resuming_with_another_optimizer_is_refused(tmp_path):

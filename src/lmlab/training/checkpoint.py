@@ -108,13 +108,14 @@ def _known_state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...] | Non
     return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
 
 
-def _state_keys(optimizer: torch.optim.Optimizer) -> list[tuple[str, ...] | None]:
-    """The state keys of each parameter (in ``param_groups`` order): those of the optimizer
-    that holds it (the parts of a combined optimizer such as
-    :class:`~lmlab.training.optim.MuonWithAdamW`, listed in its ``optimizers``)."""
-    out: list[tuple[str, ...] | None] = []
+def _state_keys(optimizer: torch.optim.Optimizer) -> list[tuple[str, tuple[str, ...] | None]]:
+    """For each parameter (in ``param_groups`` order) the name of the optimizer that holds it
+    and the state keys it keeps (a combined optimizer such as
+    :class:`~lmlab.training.optim.MuonWithAdamW` lists its parts in ``optimizers``)."""
+    out: list[tuple[str, tuple[str, ...] | None]] = []
     for part in getattr(optimizer, "optimizers", (optimizer,)):
-        out += [_known_state_keys(part)] * sum(len(g["params"]) for g in part.param_groups)
+        n = sum(len(g["params"]) for g in part.param_groups)
+        out += [(type(part).__name__, _known_state_keys(part))] * n
     return out
 
 
@@ -143,9 +144,8 @@ def load_optimizer_tensors(
             raise CheckpointError(
                 f"{source} holds {key!r}, which names no parameter of this model's optimizer"
             )
-        keys = keys_of[index[pname]]
+        owner, keys = keys_of[index[pname]]
         if keys is not None and skey not in keys:
-            owner = "Muon" if keys == ("momentum_buffer",) else type(optimizer).__name__
             raise CheckpointError(
                 f"{source} holds {key!r}: {skey!r} is not {owner} state ({', '.join(keys)})"
             )
@@ -163,7 +163,7 @@ def load_optimizer_tensors(
             raise CheckpointError(f"{source} holds non-finite or negative values in {key}")
         state.setdefault(index[pname], {})[skey] = value if scalar else _place(value, param)
     for i, got in state.items():
-        lacking = [k for k in keys_of[i] or () if k not in got]
+        lacking = [k for k in keys_of[i][1] or () if k not in got]
         if lacking:
             raise CheckpointError(f"{source} lacks {names[i]}::{lacking[0]}")
     sd = optimizer.state_dict()
