@@ -108,7 +108,7 @@ FIELD_RANGES: dict[str, Range] = {
     "train.muon_lr": _positive_up_to(10.0),
     "train.muon_momentum": _UNIT,
     "train.muon_weight_decay": Range(0, 10.0),
-    "train.decay_fraction": _PROB,
+    "train.decay_fraction": Range(0, 1),
     "train.grad_clip": Range(0, 1e6),
     "train.max_skipped_steps": _count(0, 10**6),
     "train.eval_every": _count(1, MAX_STEPS),

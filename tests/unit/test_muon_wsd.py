@@ -367,3 +367,14 @@ def test_muon_with_adamw_state_dict_round_trips_into_a_fresh_optimizer():
     assert all(
         torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters(), strict=True)
     )
+
+
+@pytest.mark.parametrize(
+    "fraction, want", [(0.0, [1.0, 1.0, 1.0, 0.0]), (1.0, [1.0, 2 / 3, 1 / 3, 0.0])]
+)
+def test_wsd_decay_fraction_ends_are_accepted(fraction, want):
+    """0: only the last step is at min_lr; 1: the whole run after the warmup decays."""
+    cfg = tiny_config(train={"schedule": "wsd", "decay_fraction": fraction, "max_steps": 4})
+    t = cfg.train
+    t.lr, t.min_lr, t.warmup_steps = 1.0, 0.0, 0
+    assert [lr_at(s, t) for s in range(4)] == pytest.approx(want, abs=1e-15)

@@ -218,8 +218,9 @@ def wsd_lr_at(step: int, cfg: TrainConfig) -> float:
     N = max(1, round(``decay_fraction`` * D)) steps, from step E = D - N to the last step
     D - 1, decay from ``lr`` (the step before E) to ``min_lr`` (at D - 1): progress
     x = (s - E + 1) / N, lr = min_lr + (lr - min_lr) * f(x) with f(x) = 1 - x (linear) or
-    1 - sqrt(x) (sqrt, Hägele et al.'s "1-sqrt"). ``min_lr`` after D - 1. The warmup wins
-    where the two overlap (a decay that starts inside it begins at the warmup's end)."""
+    1 - sqrt(x) (sqrt, Hägele et al.'s "1-sqrt"). ``min_lr`` after D - 1. As in the cosine,
+    at least one step is at the peak ``lr`` (W - 1; step 0 when W = 0) before the decay: a
+    decay that would start earlier starts after it, E = max(D - N, W, 1)."""
     decay_steps = cfg.lr_decay_steps or cfg.max_steps
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -227,7 +228,7 @@ def wsd_lr_at(step: int, cfg: TrainConfig) -> float:
     if step >= last:
         return cfg.min_lr
     n = max(1, round(cfg.decay_fraction * decay_steps))
-    start = max(decay_steps - n, cfg.warmup_steps)  # the first step below lr
+    start = max(decay_steps - n, cfg.warmup_steps, 1)  # the first step below lr
     if step < start:
         return cfg.lr
     x = (step - start + 1) / (last - start + 1)  # (0, 1]: 1 at the last step
