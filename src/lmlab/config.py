@@ -281,6 +281,13 @@ class TrainConfig:
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.99
+    optimizer: str = "adamw"  # adamw | muon (Muon on the blocks' matrices, AdamW on the rest)
+    muon_lr: float = 0.02  # Muon's peak lr (the schedule scales it like train.lr)
+    muon_momentum: float = 0.95  # Muon's Nesterov momentum
+    muon_weight_decay: float = 0.01  # Muon's decoupled weight decay (x its lr per step)
+    schedule: str = "cosine"  # cosine | wsd (warmup, constant, decay over the last steps)
+    decay_fraction: float = 0.2  # wsd: share of the run's steps spent decaying to min_lr
+    decay_shape: str = "linear"  # wsd: linear | sqrt (1 - sqrt, Hägele et al. 2024)
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     max_skipped_steps: int = 3  # consecutive NaN/Inf loss or gradient steps skipped, then stop
     eval_every: int = 250

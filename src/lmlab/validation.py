@@ -30,10 +30,11 @@ import lmlab.models.init  # noqa: F401
 import lmlab.nn as lnn
 import lmlab.training.objectives as objectives
 from lmlab.checks import choice, positive
-from lmlab.config import ModelConfig, RunConfig, variant_fields
+from lmlab.config import ModelConfig, RunConfig, TrainConfig, variant_fields
 from lmlab.config_ranges import check_ranges
 from lmlab.errors import ConfigError
 from lmlab.registry import Registry, families
+from lmlab.training.optim import DECAY_SHAPES, OPTIMIZERS, SCHEDULES
 
 SECTIONS = ("model", "data", "train")
 
@@ -222,3 +223,22 @@ def _train_rules(cfg: RunConfig) -> None:
     choice(t.precision, ["bf16", "fp32", "auto"], "train.precision")
     choice(t.device, ["auto", "cpu", "cuda", "mps"], "train.device")
     choice(t.parallel, ["ddp", "fsdp"], "train.parallel")
+    _optimizer_rules(t)
+
+
+def _optimizer_rules(t: TrainConfig) -> None:
+    """train.optimizer / schedule and their fields (:mod:`lmlab.training.optim`)."""
+    choice(t.optimizer, OPTIMIZERS, "train.optimizer")
+    choice(t.schedule, SCHEDULES, "train.schedule")
+    choice(t.decay_shape, DECAY_SHAPES, "train.decay_shape")
+    positive(t.muon_lr, "train.muon_lr")
+    positive(t.muon_weight_decay, "train.muon_weight_decay", allow_zero=True)
+    if not 0.0 <= t.muon_momentum < 1.0:
+        raise ConfigError(f"train.muon_momentum must be in [0, 1), got {t.muon_momentum}")
+    if not 0.0 <= t.decay_fraction <= 1.0:
+        raise ConfigError(f"train.decay_fraction must be in [0, 1], got {t.decay_fraction}")
+    if t.optimizer == "muon" and t.parallel == "fsdp":
+        raise ConfigError(
+            "train.optimizer=muon does not run with train.parallel=fsdp: Muon orthogonalises each "
+            "whole matrix, which FSDP2 shards across ranks; use train.parallel=ddp"
+        )

@@ -122,7 +122,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One torchrun job of 2 ranks x 2 micro-batches: DDP 3 steps, FSDP2 2 steps; and a
     1-process FSDP run (2 steps, grad_accum 2) resumed with 2 ranks to step 3."""
     base = tmp_path_factory.mktemp("dist")
-    runs = {name: base / name for name in ("ddp2", "fsdp2", "fsdp1to2")}
+    runs = {name: base / name for name in ("ddp2", "fsdp2", "fsdp1to2", "ddp2muon")}
     train(config(grad_accum_steps=2, parallel="fsdp"), out=runs["fsdp1to2"], max_steps=2)
     jobs = [
         {"config": config(grad_accum_steps=2).to_dict(), "out": str(runs["ddp2"])},
@@ -132,6 +132,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "max_steps": 2,
         },
         {"resume": str(runs["fsdp1to2"]), "max_steps": STEPS},
+        {"config": config(grad_accum_steps=1, **MUON).to_dict(), "out": str(runs["ddp2muon"])},
     ]
     (base / "jobs.json").write_text(json.dumps(jobs))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
@@ -151,6 +152,20 @@ def test_ddp_two_ranks_equal_one_process_with_accumulation(ref4, two_ranks):
     # optimizer moments too (rank 0 writes the whole AdamW state)
     opt = "checkpoints/step-000003/optimizer.safetensors"
     assert max_diff(load_file(str(run / opt)), load_file(str(ref4 / opt))) < TOL
+
+
+MUON = {"optimizer": "muon", "schedule": "wsd"}
+
+
+def test_ddp_two_ranks_with_muon_follow_one_process(two_ranks, tmp_path):
+    """train.optimizer: muon under DDP (2 ranks x 1 micro-batch) follows one process with
+    grad_accum_steps=2, to 1e-4: Muon's Newton-Schulz runs in bfloat16, where the last-bit
+    gradient differences of 1 vs 2 threads could round apart (measured: equal)."""
+    ref = tmp_path / "ref"
+    train(config(grad_accum_steps=2, **MUON), out=ref, progress=False)
+    assert max_diff(weights(ref, 1), weights(ref, STEPS)) > 1e-3  # the weights move
+    for step in range(1, STEPS + 1):
+        assert max_diff(weights(two_ranks["ddp2muon"], step), weights(ref, step)) < 1e-4
 
 
 def test_fsdp2_two_ranks_equal_one_process_with_accumulation(ref4, two_ranks):

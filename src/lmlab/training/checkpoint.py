@@ -97,12 +97,26 @@ def _place(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(local, like.device_mesh, like.placements, src_data_rank=None)
 
 
-def _adam_state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...] | None:
-    """The per-parameter state keys of Adam/AdamW (None for another optimizer: not checked)."""
+def _known_state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...] | None:
+    """The per-parameter state keys of Adam/AdamW or Muon (None for another optimizer: not
+    checked)."""
+    if isinstance(optimizer, torch.optim.Muon):
+        return ("momentum_buffer",)
     if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
         return None
     amsgrad = any(g.get("amsgrad") for g in optimizer.param_groups)
     return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+
+
+def _state_keys(optimizer: torch.optim.Optimizer) -> list[tuple[str, tuple[str, ...] | None]]:
+    """For each parameter (in ``param_groups`` order) the name of the optimizer that holds it
+    and the state keys it keeps (a combined optimizer such as
+    :class:`~lmlab.training.optim.MuonWithAdamW` lists its parts in ``optimizers``)."""
+    out: list[tuple[str, tuple[str, ...] | None]] = []
+    for part in getattr(optimizer, "optimizers", (optimizer,)):
+        n = sum(len(g["params"]) for g in part.param_groups)
+        out += [(type(part).__name__, _known_state_keys(part))] * n
+    return out
 
 
 def load_optimizer_tensors(
@@ -112,7 +126,8 @@ def load_optimizer_tensors(
     source: str = "the optimizer state",
 ) -> None:
     """Inverse of :func:`optimizer_tensors`. Every tensor is checked before the optimizer sees
-    it: its key names a parameter the optimizer holds and (Adam/AdamW) a state key it keeps, with
+    it: its key names a parameter the optimizer holds and (Adam/AdamW, Muon) a state key the
+    optimizer holding that parameter keeps, with
     all of that parameter's keys present; it is a finite floating-point tensor; ``step`` is a
     non-negative scalar and every other tensor has its parameter's whole shape. State of an
     FSDP2-sharded parameter is cut to this rank's shard. Raises CheckpointError naming
@@ -120,7 +135,7 @@ def load_optimizer_tensors(
     names = _optimizer_param_names(optimizer, model)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     index = {n: i for i, n in enumerate(names)}
-    keys = _adam_state_keys(optimizer)
+    keys_of = _state_keys(optimizer)
     state: dict[int, dict[str, torch.Tensor]] = {}
     for key in sorted(tensors):
         value = tensors[key]
@@ -129,10 +144,10 @@ def load_optimizer_tensors(
             raise CheckpointError(
                 f"{source} holds {key!r}, which names no parameter of this model's optimizer"
             )
+        owner, keys = keys_of[index[pname]]
         if keys is not None and skey not in keys:
             raise CheckpointError(
-                f"{source} holds {key!r}: {skey!r} is not {type(optimizer).__name__} state "
-                f"({', '.join(keys)})"
+                f"{source} holds {key!r}: {skey!r} is not {owner} state ({', '.join(keys)})"
             )
         if not value.is_floating_point():
             raise CheckpointError(f"{source} holds {key} as {value.dtype}, not floating point")
@@ -148,7 +163,7 @@ def load_optimizer_tensors(
             raise CheckpointError(f"{source} holds non-finite or negative values in {key}")
         state.setdefault(index[pname], {})[skey] = value if scalar else _place(value, param)
     for i, got in state.items():
-        lacking = [k for k in keys or () if k not in got]
+        lacking = [k for k in keys_of[i][1] or () if k not in got]
         if lacking:
             raise CheckpointError(f"{source} lacks {names[i]}::{lacking[0]}")
     sd = optimizer.state_dict()

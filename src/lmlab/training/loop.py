@@ -39,7 +39,7 @@ from lmlab.training.guard import (
 from lmlab.training.hardware import autocast, matmul_peak, synchronize
 from lmlab.training.metrics import MetricsLogger, plot_losses, truncate_metrics
 from lmlab.training.objectives import Objective
-from lmlab.training.optim import lr_at
+from lmlab.training.optim import lr_at, set_lr
 from lmlab.training.resolve import PreparedRun, ResolvedRun
 
 
@@ -240,9 +240,7 @@ class Trainer:
         backward, gradients clipped, the update applied when loss and gradient are finite.
         Runs inside :meth:`fit` (which sets up the forward function and counters)."""
         tc, par, objective, world_size = self.tc, self.par, self.objective, self.par.world_size
-        lr = lr_at(step, tc)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        lr = set_lr(self.optimizer, step, tc)
         # Each micro-batch's loss is a mean over its targets; weighting it by its share of the
         # step's targets (all micro-batches, all ranks) makes the step's loss and gradient those
         # of one batch holding them all. When every micro-batch holds as many targets (CLM) this

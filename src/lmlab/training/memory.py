@@ -7,7 +7,8 @@ D d_model, H heads, K kv heads, hd head_dim, F d_ff, V vocab, E experts, k exper
 
     weights      4 P    fp32 master weights
     gradients    4 P    fp32
-    optimizer    8 P    AdamW's exp_avg and exp_avg_sq, fp32
+    optimizer    8 P    AdamW's exp_avg and exp_avg_sq, fp32 (train.optimizer: muon: 4 per
+                        parameter Muon holds, its momentum buffer, and 8 for the rest)
     autocast     2 P    the bf16 weight copies autocast keeps for backward (bf16 only)
     activations  B T [L (8 D + a (2 D + (3 H + 2 K) hd + n + c k F + s) + 4 E) + (4 + a) D
                  + (a + 8) V]
@@ -120,7 +121,24 @@ def estimate_training_memory(cfg: RunConfig) -> MemoryEstimate:
     per_layer = 8 * d + a * (2 * d + p_ + n + s) + hidden + stream
     per_token = m.n_layers * per_layer + (4 + a) * d + (a + 8) * (m.vocab_size or 0)
     activations = t.batch_size * seq * per_token
-    return MemoryEstimate(p, 4 * p, 4 * p, 8 * p, 2 * p if a == 2 else 0, activations)
+    return MemoryEstimate(
+        p, 4 * p, 4 * p, _optimizer_bytes(model, t), 2 * p if a == 2 else 0, activations
+    )
+
+
+def _optimizer_bytes(model: torch.nn.Module, t: Any) -> int:
+    """Optimizer state bytes: AdamW's two fp32 moments (8 per parameter); under
+    ``train.optimizer: muon`` Muon's one fp32 momentum buffer (4) for the parameters it holds
+    (:func:`lmlab.training.optim.muon_param_names`) and AdamW's 8 for the rest."""
+    from lmlab.models.counting import num_params
+    from lmlab.training.optim import muon_param_names
+
+    p = num_params(model)
+    if t.optimizer != "muon":
+        return 8 * p
+    params = dict(model.named_parameters())
+    p_muon = sum(params[n].numel() for n in muon_param_names(model))
+    return 4 * p_muon + 8 * (p - p_muon)
 
 
 MEMINFO = Path("/proc/meminfo")
@@ -256,7 +274,7 @@ def check_training_memory(cfg: RunConfig, device: torch.device) -> MemoryEstimat
         for name, value in (
             ("weights", est.weights),
             ("gradients", est.gradients),
-            ("AdamW state", est.optimizer),
+            ("AdamW state" if t.optimizer != "muon" else "Muon + AdamW state", est.optimizer),
             ("autocast copies", est.autocast),
             (f"activations for batch {t.batch_size} x {seq} tokens", est.activations),
         )

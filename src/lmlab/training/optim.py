@@ -1,4 +1,8 @@
-"""AdamW with decoupled weight decay on matrices only, and the warmup + cosine LR schedule."""
+"""The optimizers (AdamW with decoupled weight decay on matrices only; Muon for the hidden
+matrices with AdamW for the rest) and the LR schedules (warmup + cosine; warmup-stable-decay).
+
+Steps are optimizer steps (0-based); learning rates are per unit gradient (AdamW) or per unit
+orthogonalised update (Muon)."""
 
 from __future__ import annotations
 
@@ -10,14 +14,21 @@ from torch import nn
 
 from lmlab.config import TrainConfig
 
+OPTIMIZERS = ("adamw", "muon")  # train.optimizer
+SCHEDULES = ("cosine", "wsd")  # train.schedule
+DECAY_SHAPES = ("linear", "sqrt")  # train.decay_shape (wsd)
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+
+def param_groups(
+    model: nn.Module, weight_decay: float, exclude: set[int] | None = None
+) -> list[dict[str, Any]]:
     """Two AdamW groups: weight decay on the 2-D weights of linear layers; none on norms, biases
-    and embeddings (token embeddings, a tied LM head, learned positions)."""
+    and embeddings (token embeddings, a tied LM head, learned positions). Parameters whose id is
+    in ``exclude`` (those Muon holds) are left out."""
     embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        if not p.requires_grad:
+        if not p.requires_grad or id(p) in (exclude or ()):
             continue
         if p.ndim >= 2 and id(p) not in embedding_ids and not name.startswith("position."):
             decay.append(p)
@@ -29,10 +40,105 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW (Loshchilov & Hutter 2019) over :func:`param_groups`; the fused kernel when the
-    parameters' device supports it."""
-    groups = param_groups(model, cfg.weight_decay)
+def muon_param_names(model: nn.Module) -> list[str]:
+    """The parameters Muon updates under ``train.optimizer: muon``: the 2-D weight of every
+    nn.Linear inside a transformer block (a BLOCK or, in an encoder-decoder, a DECODER_BLOCK:
+    attention q/k/v/o, cross-attention and MLA projections, FFN
+    gate/up/down, each MoE expert's own (F, D) / (D, F) matrices), as Keller Jordan's Muon and
+    modded-nanogpt do for the hidden layers. Left to AdamW: the token embedding, the LM head
+    (tied or not), learned positions, norms, biases, per-head scalars and vectors, an MoE
+    router (a classifier over experts, not a hidden layer) and any Linear outside the blocks
+    (an encoder's pooler and MLM head)."""
+    from lmlab.models.counting import variant_types
+    from lmlab.nn.block import BLOCK, DECODER_BLOCK
+
+    embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    block_types = variant_types(BLOCK) + variant_types(DECODER_BLOCK)
+    names: list[str] = []
+    seen: set[int] = set()
+    for bname, block in model.named_modules():
+        if not isinstance(block, block_types) or not isinstance(block, nn.Module):
+            continue
+        for mname, m in block.named_modules():
+            if not isinstance(m, nn.Linear) or mname.rpartition(".")[2] == "router":
+                continue
+            w = m.weight
+            if w.ndim == 2 and w.requires_grad and id(w) not in embedding_ids | seen:
+                seen.add(id(w))
+                names.append(f"{bname}.{mname}.weight")
+    return names
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Muon (``torch.optim.Muon``) over :func:`muon_param_names`, AdamW over the rest, stepped
+    together as one optimizer.
+
+    ``param_groups`` is Muon's group followed by AdamW's two (the same dicts the two hold, so
+    setting a group's ``lr`` reaches the optimizer that owns it); ``state_dict`` numbers the
+    parameters in that order, as one torch optimizer would, and ``load_state_dict`` splits it
+    back. Muon's state is ``momentum_buffer`` (the parameter's shape); AdamW's ``step``,
+    ``exp_avg``, ``exp_avg_sq``. Muon's groups carry ``base_lr`` (``train.muon_lr``), which
+    :func:`set_lr` scales by the schedule. Only ``step``, ``zero_grad``, ``state_dict`` and
+    ``load_state_dict`` are its own: torch's optimizer hooks and ``add_param_group`` are not
+    supported (the base class is not initialised)."""
+
+    def __init__(self, muon: torch.optim.Muon, adamw: torch.optim.AdamW) -> None:
+        self.muon, self.adamw = muon, adamw
+        self.optimizers = (muon, adamw)
+        self.param_groups = [*muon.param_groups, *adamw.param_groups]
+        self.defaults = {}
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]  # each part keeps its own: a merged view
+        return {**self.muon.state, **self.adamw.state}
+
+    def __repr__(self) -> str:
+        return f"MuonWithAdamW({self.muon!r}, {self.adamw!r})"
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        self.muon.step()
+        self.adamw.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.muon.zero_grad(set_to_none)
+        self.adamw.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[int, Any] = {}
+        groups: list[dict[str, Any]] = []
+        offset = 0
+        for opt in self.optimizers:
+            sd = opt.state_dict()
+            for i, s in sd["state"].items():
+                state[i + offset] = s
+            for g in sd["param_groups"]:
+                groups.append({**g, "params": [i + offset for i in g["params"]]})
+            offset += sum(len(g["params"]) for g in opt.param_groups)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        offset, g0 = 0, 0
+        for opt in self.optimizers:
+            n = sum(len(g["params"]) for g in opt.param_groups)
+            k = len(opt.param_groups)
+            groups = [
+                {**g, "params": [i - offset for i in g["params"]]}
+                for g in state_dict["param_groups"][g0 : g0 + k]
+            ]
+            state = {
+                int(i) - offset: s
+                for i, s in state_dict["state"].items()
+                if offset <= int(i) < offset + n
+            }
+            opt.load_state_dict({"state": state, "param_groups": groups})
+            offset, g0 = offset + n, g0 + k
+        self.param_groups = [*self.muon.param_groups, *self.adamw.param_groups]
+
+
+def _adamw(groups: list[dict[str, Any]], cfg: TrainConfig) -> torch.optim.AdamW:
     kwargs: dict[str, Any] = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": 1e-8}
     try:
         return torch.optim.AdamW(groups, fused=True, **kwargs)
@@ -40,7 +146,50 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
         return torch.optim.AdamW(groups, **kwargs)
 
 
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """``train.optimizer``: adamw = AdamW (Loshchilov & Hutter 2019) over :func:`param_groups`,
+    the fused kernel when the parameters' device supports it; muon = :class:`MuonWithAdamW`
+    (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/): Muon at
+    ``train.muon_lr`` with momentum ``train.muon_momentum`` (Nesterov), 5 Newton-Schulz steps,
+    torch's "original" lr adjustment sqrt(max(1, rows / cols)) and decoupled weight decay
+    ``train.muon_weight_decay`` (the parameter x (1 - lr x decay) each step), over
+    :func:`muon_param_names`; AdamW as above over the rest. The defaults (lr 0.02, decay 0.01,
+    momentum 0.95) are those of Keller Jordan's Muon README; 0.02 x 0.01 shrinks a matrix per
+    step as much as AdamW's default 2e-3 x 0.1. torch's own default lr, 1e-3, is not used."""
+    if cfg.optimizer != "muon":
+        return _adamw(param_groups(model, cfg.weight_decay), cfg)
+    params = dict(model.named_parameters())
+    hidden = [params[n] for n in muon_param_names(model)]
+    muon = torch.optim.Muon(
+        [{"params": hidden, "base_lr": cfg.muon_lr}],
+        lr=cfg.muon_lr,
+        weight_decay=cfg.muon_weight_decay,
+        momentum=cfg.muon_momentum,
+        nesterov=True,
+    )
+    rest = _adamw(param_groups(model, cfg.weight_decay, {id(p) for p in hidden}), cfg)
+    return MuonWithAdamW(muon, rest)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig) -> float:
+    """Set every group's lr for optimizer step ``step``; return the schedule's lr
+    (:func:`lr_at`). A group with ``base_lr`` (Muon's) gets base_lr * lr_at / train.lr: the
+    schedule's factor, the same as AdamW's groups."""
+    lr = lr_at(step, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = group["base_lr"] * (lr / cfg.lr) if "base_lr" in group else lr
+    return lr
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for optimizer step ``step`` (0-based) under ``train.schedule`` (cosine:
+    :func:`cosine_lr_at`; wsd: :func:`wsd_lr_at`)."""
+    if cfg.schedule == "wsd":
+        return wsd_lr_at(step, cfg)
+    return cosine_lr_at(step, cfg)
+
+
+def cosine_lr_at(step: int, cfg: TrainConfig) -> float:
     """Learning rate for optimizer step ``step`` (0-based) of a run with D = ``lr_decay_steps``
     (default ``max_steps``) decay steps and W = ``warmup_steps``.
 
@@ -58,3 +207,30 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.min_lr
     progress = (step - peak) / (last - peak)  # 0 at the peak, 1 at the last step
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+
+def wsd_lr_at(step: int, cfg: TrainConfig) -> float:
+    """Warmup-stable-decay (Hu et al. 2024, MiniCPM; Hägele et al. 2024, "Scaling Laws and
+    Compute-Optimal Training Beyond Fixed Training Durations") for step ``step`` (0-based) of a
+    run of D = ``lr_decay_steps`` (default ``max_steps``) steps, W = ``warmup_steps``.
+
+    Warmup lr * (s + 1) / W for s < W (as the cosine's); then ``lr`` held; then the last
+    N = max(1, round(``decay_fraction`` * D)) steps, from step E = D - N to the last step
+    D - 1, decay from ``lr`` (the step before E) to ``min_lr`` (at D - 1): progress
+    x = (s - E + 1) / N, lr = min_lr + (lr - min_lr) * f(x) with f(x) = 1 - x (linear) or
+    1 - sqrt(x) (sqrt, Hägele et al.'s "1-sqrt"). ``min_lr`` after D - 1. As in the cosine,
+    at least one step is at the peak ``lr`` (W - 1; step 0 when W = 0) before the decay: a
+    decay that would start earlier starts after it, E = max(D - N, W, 1)."""
+    decay_steps = cfg.lr_decay_steps or cfg.max_steps
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    last = decay_steps - 1
+    if step >= last:
+        return cfg.min_lr
+    n = max(1, round(cfg.decay_fraction * decay_steps))
+    start = max(decay_steps - n, cfg.warmup_steps, 1)  # the first step below lr
+    if step < start:
+        return cfg.lr
+    x = (step - start + 1) / (last - start + 1)  # (0, 1]: 1 at the last step
+    f = 1.0 - (math.sqrt(x) if cfg.decay_shape == "sqrt" else x)
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * f
