@@ -13,6 +13,7 @@ from lmlab.nn.mla import MultiHeadLatentAttention  # noqa: F401  (registers atte
 from lmlab.nn.moba import MoBAAttention  # noqa: F401  (registers attention kind moba)
 from lmlab.nn.moe import ROUTERS, MoE, moe_losses
 from lmlab.nn.norm import NORM
+from lmlab.nn.nsa import NativeSparseAttention  # noqa: F401  (registers attention kind nsa)
 from lmlab.nn.position import POSITION, PositionEncoding
 from lmlab.nn.sinks import SinkAttention  # noqa: F401  (registers attention sink, mask streaming)
 
