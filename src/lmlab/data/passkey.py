@@ -3,7 +3,7 @@
 Each training document hides a random ``KEY_LEN``-digit key in filler text and asks for it
 ``distance`` characters later (character level: one token per character)::
 
-    <filler> the key is 73. <filler> what is the key? 73.\\n
+    <filler> the key is 7. <filler> what is the key? 7.\\n
 
 ``distance`` = index of the answer's first digit - index of the key's first digit, in characters
 (tokens). The answer digit i is predicted from the token just before it, which lies
@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from lmlab.errors import ConfigError
 
 CORPUS_NAME = "passkey"
-KEY_LEN = 2  # digits per key (chance level of an exact match: 10**-KEY_LEN)
+KEY_LEN = 1  # digits per key (chance level of an exact match: 10**-KEY_LEN)
 KEY_PREFIX = "the key is "
 KEY_END = ". "
 QUESTION = "what is the key? "
-MIN_DISTANCE = KEY_LEN + len(KEY_END) + len(QUESTION)  # no filler between key and question: 21
+MIN_DISTANCE = KEY_LEN + len(KEY_END) + len(QUESTION)  # no filler between key and question: 20
 TRAIN_MAX_DISTANCE = 224  # characters; training windows are 256 tokens in the experiment
 TRAIN_CHARS = 2_000_000  # characters of the train split (about 14k documents)
 VAL_CHARS = 100_000
