@@ -157,7 +157,7 @@ def plot_passkey(
 ) -> Path:
     """Accuracy against distance, one line per variant (mean over seeds, min/max band).
     groups: variant -> one {distance (str or int): accuracy} per seed. ``receptive``: a dashed
-    line at the sliding window's receptive field (tokens)."""
+    line at the sliding window's receptive field (tokens); a dotted one at chance, 10**-KEY_LEN."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -175,9 +175,10 @@ def plot_passkey(
             ax.fill_between(xs, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.2)
     if receptive:
         ax.axvline(receptive, ls="--", color="gray", lw=1, label=f"window reach ({receptive})")
+    ax.axhline(10.0**-KEY_LEN, ls=":", color="black", lw=1, label="chance")
     ax.set_ylim(-0.03, 1.03)
     ax.set_xlabel("distance from key to answer (tokens)")
-    ax.set_ylabel(f"exact-match accuracy ({KEY_LEN} digits)")
+    ax.set_ylabel(f"exact-match accuracy ({KEY_LEN}-digit key)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
