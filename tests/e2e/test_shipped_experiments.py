@@ -15,7 +15,7 @@ EXPERIMENTS = sorted((Path(__file__).parents[2] / "experiments").glob("*.yaml"))
 
 
 def test_one_experiment_per_claim():
-    assert len(EXPERIMENTS) == 8
+    assert len(EXPERIMENTS) == 9
     for path in EXPERIMENTS:
         exp = load_experiment(path)
         assert len(exp.seeds) >= 2, f"{path.name}: needs >= 2 seeds to judge seed noise"
@@ -40,4 +40,4 @@ def test_smoke(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     for name in exp.eval.inference:
         assert f"| `{name}` (" in report
     assert all(p.is_file() for p in res.plots)
-    assert len(res.plots) == 2 + bool(exp.eval.lengths)
+    assert len(res.plots) == 2 + bool(exp.eval.lengths) + (exp.eval.passkey is not None)

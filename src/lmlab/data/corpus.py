@@ -90,7 +90,8 @@ def split_text(text: str, val_fraction: float) -> dict[str, str]:
 
 
 def load_corpus(source: str | Path, val_fraction: float = 0.1) -> Corpus:
-    """Resolve ``source``: a bundled name, a text file, or a folder with train/valid[/test].txt;
+    """Resolve ``source``: a bundled name, ``passkey`` (generated, :mod:`lmlab.data.passkey`),
+    a text file, or a folder with train/valid[/test].txt;
     (source, target) pairs (``synthetic:NAME``, a .tsv or .jsonl file, :mod:`lmlab.data.pairs`)
     become one ``source<TAB>target`` line per pair, split by pair.
 
@@ -102,6 +103,10 @@ def load_corpus(source: str | Path, val_fraction: float = 0.1) -> Corpus:
     if is_pairs_source(src):  # seq2seq pairs: their source<TAB>target lines, split by pair
         pairs = load_pairs(src, val_fraction)
         return Corpus(src, {k: pairs_text(v) for k, v in pairs.items()}, [src])
+    if src == "passkey":  # generated: lmlab.data.passkey
+        from lmlab.data.passkey import passkey_splits
+
+        return Corpus(src, passkey_splits(), [])
     if src in BUNDLED:
         path = CORPORA_DIR / BUNDLED[src]
         return Corpus(src, split_text(read_text(path), val_fraction), [str(path)])

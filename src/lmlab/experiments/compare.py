@@ -19,8 +19,9 @@ without checkpoint starts afresh. A run whose loss or gradients stay non-finite
 After training each run is measured once: parameters, training tokens/s (from metrics.jsonl, over
 every session), KV-cache bytes per token (K and V over all layers, float32 parameters), decode
 tokens/s (batch 1, KV cache, greedy, ``decode_tokens`` steps after 4 warm-up steps, on the
-training device) and, with ``eval.lengths``, the loss at each context length on the validation
-split, also for each ``eval.inference`` variant.
+training device), with ``eval.passkey`` the retrieval accuracy per distance
+(:mod:`lmlab.evaluation.passkey`) and, with ``eval.lengths``, the loss at each context length on
+the validation split, also for each ``eval.inference`` variant.
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ def measure_key(exp: Experiment) -> dict[str, Any]:
         "batch_size": ev.batch_size,
         "inference": {k: asdict(v) for k, v in ev.inference.items()},
         "decode_tokens": exp.decode_tokens,
+        **({"passkey": asdict(ev.passkey)} if ev.passkey is not None else {}),
     }
 
 
@@ -225,6 +227,15 @@ def measure_run(
         kv_cache_bytes_per_token=kv_cache_bytes_per_token(cfg.model, dtype_bytes),
         decode_tokens_per_s=decode_tokens_per_s(model, exp.decode_tokens, cfg.model.max_seq_len),
     )
+    if exp.eval.passkey is not None:
+        from lmlab.evaluation.passkey import greedy_answerer, passkey_accuracy, prompt_length
+
+        acc = passkey_accuracy(
+            greedy_answerer(model, loaded.tokenizer),
+            exp.eval.passkey,
+            prompt_length(cfg.model.max_seq_len),
+        )
+        summary["passkey"] = {str(d): a for d, a in acc.items()}
     if exp.eval.lengths:
         ids = equal_token_ids(
             _val_ids(run, cfg, loaded.tokenizer, exp.eval.max_tokens), exp.eval.lengths

@@ -229,12 +229,22 @@ def write_report(exp: Experiment, out: Path, summaries: list[dict[str, Any]]) ->
             )
         )
 
+    if exp.eval.passkey is not None:
+        from lmlab.evaluation.passkey import PLOT, plot_passkey, window_reach
+
+        acc = {v: [r.get("passkey") or {} for r in runs] for v, runs in groups.items()}
+        reach = window_reach([exp.config(v, exp.seeds[0]).model for v in exp.variants])
+        title = f"{exp.name}: passkey accuracy vs distance"
+        plots.append(plot_passkey(acc, out / PLOT, title, reach))
+
     ref_name = next(iter(exp.variants))
     head = ["variant", "val loss (nats/token)", "perplexity", "params", "train tokens/s"]
     head += ["KV cache bytes/token", "decode tokens/s", "steps"]
     moe = any(r.get("expert_load") is not None for r in summaries)
     head += ["expert load max/mean"] if moe else []
     head += [f"loss @{n}" for n in lengths]
+    pk = exp.eval.passkey
+    head += [f"passkey acc @{d}" for d in pk.distances] if pk is not None else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, inference, runs in rows:
         vals = _finite([r.get("val_loss") for r in runs if not r.get("diverged")])
@@ -267,6 +277,14 @@ def write_report(exp: Experiment, out: Path, summaries: list[dict[str, Any]]) ->
                 cells.append(f"{mean:.4f}" + (f" ± {std:.4f}" if std is not None else ""))
             else:
                 cells.append("n/a")
+        if pk is not None:
+            from lmlab.evaluation.passkey import accuracy_cells
+
+            cells += (
+                accuracy_cells(runs, pk.distances)
+                if inference is None
+                else [""] * len(pk.distances)
+            )
         lines.append("| " + " | ".join(cells) + " |")
 
     ref_vals = _finite([r.get("val_loss") for r in groups[ref_name] if not r.get("diverged")])
@@ -312,6 +330,13 @@ def write_report(exp: Experiment, out: Path, summaries: list[dict[str, Any]]) ->
             f" loss @L: the val split in non-overlapping windows of L tokens "
             f"({exp.eval.max_tokens or 'all'} tokens)."
             if lengths
+            else ""
+        )
+        + (
+            " passkey acc @d: exact-match accuracy of the greedy answer to prompts whose key "
+            f"lies d tokens before the answer ({pk.samples} prompts per distance), mean ± "
+            "standard deviation over seeds."
+            if pk is not None
             else ""
         )
         + (

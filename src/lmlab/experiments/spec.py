@@ -14,6 +14,8 @@ eval:                            # optional
   max_tokens: 16385              # text scored per length (default: the whole val split)
   inference:                     # extra rows: a trained variant with inference-time overrides
     gqa-ntk: {variant: gqa, set: {model.position.scaling.kind: ntk}}
+  passkey: {distances: [24, 64, 192], samples: 100}   # data.corpus passkey only:
+                                 # retrieval accuracy per distance (lmlab.evaluation.passkey)
 decode_tokens: 64                # decode tokens/s is timed over this many cached steps
 ```
 
@@ -57,7 +59,7 @@ TOP_LEVEL = (
     "decode_tokens",
 )
 BUDGET_KINDS = ("steps", "tokens", "time_s")
-EVAL_FIELDS = ("lengths", "max_tokens", "inference", "batch_size")
+EVAL_FIELDS = ("lengths", "max_tokens", "inference", "batch_size", "passkey")
 # Upper bounds of the experiment's own numbers (a run's config fields have theirs in lmlab.config)
 BUDGET_MAX = {"steps": 1e9, "tokens": 1e15, "time_s": 1e8}  # 1e8 s is three years
 MAX_EVAL_TOKENS = 1 << 40
@@ -107,6 +109,7 @@ class EvalSpec:
     max_tokens: int | None = None
     batch_size: int = 8
     inference: dict[str, InferenceVariant] = field(default_factory=dict)
+    passkey: Any = None  # a lmlab.evaluation.passkey.PasskeyEval, or None
 
 
 @dataclass
@@ -147,10 +150,14 @@ class Experiment:
 
     def smoke(self) -> Experiment:
         """The CI version: every variant 2 steps of 2 sequences, the first seed, one eval batch,
-        one window per eval length, 4 decode tokens."""
+        one window per eval length, 2 passkey prompts per distance, 4 decode tokens."""
         lengths = self.eval.lengths
+        pk = self.eval.passkey
         ev = dataclasses.replace(
-            self.eval, max_tokens=(max(lengths) + 1) if lengths else None, batch_size=1
+            self.eval,
+            max_tokens=(max(lengths) + 1) if lengths else None,
+            batch_size=1,
+            passkey=dataclasses.replace(pk, samples=2) if pk is not None else None,
         )
         return dataclasses.replace(
             self,
@@ -254,6 +261,10 @@ def _eval(raw: Any, variants: dict[str, Any], where: str) -> EvalSpec:
         if key not in EVAL_FIELDS:
             raise ConfigError(f"{where}: eval.{key} is unknown; allowed: {', '.join(EVAL_FIELDS)}")
     spec = EvalSpec()
+    if raw.get("passkey") is not None:
+        from lmlab.evaluation.passkey import parse_passkey_eval
+
+        spec.passkey = parse_passkey_eval(raw["passkey"], where)
     if raw.get("lengths") is not None:
         if not isinstance(raw["lengths"], list):
             raise ConfigError(f"{where}: eval.lengths must be a list of context lengths")
@@ -376,7 +387,16 @@ def experiment_from_dict(raw: Any, path: Path | None = None) -> Experiment:
                     f"{owned[key]} field sets for every variant; remove it"
                 )
     for vname in parsed:  # every variant's config must be valid before anything trains
-        exp.config(vname, seeds[0])
+        cfg = exp.config(vname, seeds[0])
+        if exp.eval.passkey is not None:
+            from lmlab.evaluation.passkey import check_passkey_config
+
+            check_passkey_config(
+                exp.eval.passkey,
+                cfg.data.corpus,
+                cfg.model.max_seq_len,
+                f"{where}: variant {vname!r}",
+            )
     return exp
 
 
