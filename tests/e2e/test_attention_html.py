@@ -67,3 +67,28 @@ def test_attention_window_draws_a_slice_with_its_positions(tiny_run: Path, tmp_p
         capsys, "attention", str(tiny_run), "--text", "ROMEO:", "--window", "9:12", "--no-plot"
     )
     assert_one_error(code, err, "--window", "6 tokens")
+
+
+def test_an_html_path_the_pngs_would_take_is_refused_before_anything_is_written(
+    tiny_run: Path, tmp_path: Path, capsys
+):
+    for html, out in (
+        (tmp_path / "maps" / "layer-00.png", tmp_path / "maps"),  # a PNG's own name
+        (tmp_path / "same", tmp_path / "same"),  # the PNG folder itself
+    ):
+        code, _, err = run_cli(
+            capsys, "attention", str(tiny_run), "--text", "ROMEO:", "--out", str(out),
+            "--html", str(html), "--device", "cpu",
+        )  # fmt: skip
+        assert_one_error(code, err, "--html", "another file name" if html != out else "folder")
+        assert not out.exists()  # nothing written, not even the folder
+    code, _, err = run_cli(
+        capsys, "attention", str(tiny_run), "--text", "ROMEO:", "--no-plot", "--html", ""
+    )
+    assert_one_error(code, err, "--html needs a file name")
+    page = tmp_path / "maps2" / "maps.html"  # a page of its own inside --out is fine
+    code, _, _ = run_cli(
+        capsys, "attention", str(tiny_run), "--text", "ROMEO:", "--out", str(page.parent),
+        "--html", str(page), "--device", "cpu",
+    )  # fmt: skip
+    assert code == 0 and page.is_file() and (page.parent / "layer-00.png").is_file()

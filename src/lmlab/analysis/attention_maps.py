@@ -27,6 +27,7 @@ saturating the softmax, or a head that only attends to the sink / to itself).
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -378,6 +379,8 @@ def attention_report(
 
     if html is not None:
         check_html_out(html)
+        if out is not None:
+            _check_html_beside_pngs(html, out)
     if (text is None) == (source is None):
         raise LmlabError("give --text (decoder or encoder models) or --source (encoder-decoder)")
     if target is not None and source is None:
@@ -411,6 +414,25 @@ def attention_report(
             _save_page(html, Path(path).name, {"self": ("self-attention", shown)}, layers, heads)
         )
     return AttentionReport(maps.query_labels, stats, files, _thresholds())
+
+
+PNG_NAME = re.compile(r"(?:(?:cross|encoder|decoder)-)?layer-\d+\.png")
+
+
+def _check_html_beside_pngs(html: str | Path, out: str | Path) -> None:
+    """Refuse, before any work, an ``--html`` path that is the ``--out`` folder or the name of
+    a PNG the command writes there (``[cross-|encoder-|decoder-]layer-LL.png``)."""
+    h, o = Path(html).resolve(), Path(out).resolve()
+    if h == o:
+        raise LmlabError(
+            f"--html {html} is the --out folder of the PNGs; give the page a file name of its "
+            f"own (e.g. {Path(out) / 'maps.html'})"
+        )
+    if h.parent == o and PNG_NAME.fullmatch(h.name):
+        raise LmlabError(
+            f"--html {html} is the name of a PNG that --out {out} receives; give the page "
+            "another file name (e.g. maps.html)"
+        )
 
 
 def _seq2seq_report(

@@ -159,6 +159,8 @@ def _count_packed(value: object) -> int:
 def check_html_out(path: str | Path, flag: str = "--html") -> Path:
     """Refuse an HTML output path before any work: an existing file (never overwritten), a
     folder, a path under a file or a name too long (:func:`lmlab.fsutil.check_out_path`)."""
+    if not str(path).strip():
+        raise LmlabError(f"{flag} needs a file name (got an empty one)")
     p = check_out_path(path, flag, folder=False, what="the page")
     if os.path.lexists(p):
         raise LmlabError(f"{flag} {p} already exists; choose another file name or remove it")
