@@ -39,7 +39,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -203,8 +203,12 @@ def run(
     block: int,
     device: torch.device,
     only: Sequence[str] = (),
+    max_prefill_s: float = float("inf"),
+    done: Callable[[list[Point], dict[str, str], dict[str, ModelConfig]], None] | None = None,
 ) -> tuple[list[Point], dict[str, str], dict[str, ModelConfig]]:
-    """Measure every design at every length, interleaved within each length.
+    """Measure every design at every length, interleaved within each length; ``done`` is called
+    with the results so far after each length. A design whose prefill took longer than
+    ``max_prefill_s`` is not run at the longer lengths (listed in skipped with its time).
 
     Returns (points, skipped design -> reason, design -> its config)."""
     max_len = max(lengths) + new_tokens + 1
@@ -227,6 +231,8 @@ def run(
     points: list[Point] = []
     order = list(models)
     for length in lengths:
+        if not order:
+            break
         prompt = torch.randint(0, VOCAB, (1, length), generator=gen).to(device)
         new_ids = torch.randint(0, VOCAB, (1, new_tokens + 1), generator=gen).to(device)
         runs: dict[str, list[tuple[int, float, float, int | None]]] = {n: [] for n in order}
@@ -245,6 +251,15 @@ def run(
                     list(prefills), list(decodes),
                 )
             )  # fmt: skip
+        for p in points[-len(order) :] if order else []:
+            if p.prefill_s > max_prefill_s:
+                order.remove(p.design)
+                skipped[p.design] = (
+                    f"not run past {length:,} tokens: its prefill took {p.prefill_s:.0f} s "
+                    f"(> --max-prefill-s {max_prefill_s:g})"
+                )
+        if done is not None:
+            done(points, skipped, {n: c for n, (c, _) in models.items()})
     return points, skipped, {n: c for n, (c, _) in models.items()}
 
 
@@ -360,6 +375,7 @@ def main(argv: Sequence[str] | None = None) -> list[Point]:
     ap.add_argument("--prefill-chunk", type=int, default=2048, help="0: one pass")
     ap.add_argument("--window", type=int, default=None, help="sliding window (default 1024)")
     ap.add_argument("--block", type=int, default=None, help="MoBA block (default 512)")
+    ap.add_argument("--max-prefill-s", type=float, default=30.0, help="drop slower designs")
     ap.add_argument("--designs", nargs="+", default=(), help="only these designs")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
@@ -374,21 +390,22 @@ def main(argv: Sequence[str] | None = None) -> list[Point]:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     started = time.time()
-    points, skipped, cfgs = run(
-        lengths, new_tokens, repeats, args.prefill_chunk, window, block, device, args.designs
-    )
-    conditions = describe(args, device, started, lengths, new_tokens, repeats, window, block)
-    used = {n: a for n, a in all_designs(window, block).items() if n in cfgs}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "attention_scaling.md").write_text(markdown(points, skipped, conditions, used))
-    (out / "attention_scaling.json").write_text(
-        json.dumps(
-            {"conditions": conditions, "skipped": skipped, "points": [asdict(p) for p in points]},
-            indent=1,
-        )
-    )
-    plot(points, out / "attention_scaling.png")
+
+    def write(points: list[Point], skipped: dict[str, str], cfgs: dict[str, ModelConfig]) -> None:
+        conditions = describe(args, device, started, lengths, new_tokens, repeats, window, block)
+        used = {n: a for n, a in all_designs(window, block).items() if n in cfgs}
+        (out / "attention_scaling.md").write_text(markdown(points, skipped, conditions, used))
+        data = {"conditions": conditions, "skipped": skipped, "points": [asdict(p) for p in points]}
+        (out / "attention_scaling.json").write_text(json.dumps(data, indent=1))
+        plot(points, out / "attention_scaling.png")
+
+    chunk = args.prefill_chunk
+    points, _, _ = run(
+        lengths, new_tokens, repeats, chunk, window, block, device, args.designs,
+        args.max_prefill_s, write,
+    )  # fmt: skip
     print((out / "attention_scaling.md").read_text())
     return points
 
