@@ -252,7 +252,7 @@ def run(
                 )
             )  # fmt: skip
         for p in points[-len(order) :] if order else []:
-            if p.prefill_s > max_prefill_s:
+            if p.prefill_s > max_prefill_s and length != lengths[-1]:
                 order.remove(p.design)
                 skipped[p.design] = (
                     f"not run past {length:,} tokens: its prefill took {p.prefill_s:.0f} s "
