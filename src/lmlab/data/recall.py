@@ -19,7 +19,7 @@ its fact. ``distance`` = index of the answer - index of the fact's value =
 ``SLOT * gap`` for a query ``gap`` slots after its fact; the answer is predicted from the
 key just before it, ``distance - 1`` tokens after the value, so a model whose receptive field
 is under ``distance`` tokens (``n_layers * (window - 1) + 1`` for a sliding window) cannot
-retrieve it. About one token in eight is an answer.
+retrieve it. About one token in nine is an answer (14 per 129-character document).
 
 Gaps of training documents are drawn uniform in [1, :data:`MAX_GAP`] slots (placements that
 collide are redrawn; long gaps are rarer than short ones, as fewer free slot pairs fit them).
