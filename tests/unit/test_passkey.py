@@ -23,6 +23,17 @@ from lmlab.data.passkey import (
     passkey_sample,
     passkey_text,
 )
+from lmlab.data.recall import (
+    ASK,
+    DOC_SLOTS,
+    FILLER,
+    KEYS,
+    MAX_GAP,
+    SLOT,
+    farthest,
+    recall_sample,
+    recall_text,
+)
 from lmlab.data.tokenizer import CharTokenizer
 from lmlab.errors import ConfigError
 from lmlab.evaluation.passkey import (
@@ -200,7 +211,7 @@ def test_bad_passkey_spec_is_one_config_error_naming_the_field(change, message):
 def test_passkey_needs_the_passkey_corpus_and_a_mapping():
     exp = passkey_experiment()
     exp["base"]["data"]["corpus"] = "tinyshakespeare"
-    with pytest.raises(ConfigError, match="'full': eval.passkey needs data.corpus: passkey"):
+    with pytest.raises(ConfigError, match="'full': eval.passkey needs data.corpus: passkey or"):
         experiment_from_dict(exp)
     exp = passkey_experiment()
     exp["eval"]["passkey"] = [24]
@@ -216,3 +227,94 @@ def test_bad_passkey_spec_from_the_cli_is_one_error_line(tmp_path, capsys):
     code, _, err = run_cli(capsys, "compare", path, "--out", tmp_path / "out")
     assert_one_error(code, err, str(path), "eval.passkey.samples")
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------- recall corpus
+
+
+def _recall_value(prompt: str, key: str) -> tuple[int, str]:
+    """Index of the value of ``key``'s only fact in ``prompt``, and that value."""
+    assert prompt.count(f"={key}") == 1
+    at = prompt.index(f"={key}") + 2
+    return at, prompt[at]
+
+
+def test_recall_generator_is_deterministic_from_its_seed():
+    assert recall_text(5, 4000) == recall_text(5, 4000)
+    assert recall_text(5, 4000) != recall_text(6, 4000)
+    a, b = random.Random(3), random.Random(3)
+    assert recall_sample(a, 128, 64) == recall_sample(b, 128, 64)
+
+
+@pytest.mark.parametrize("length,distance", [(128, 4), (128, 8), (128, 64), (128, 124), (131, 128)])
+def test_recall_answer_lies_at_the_stated_distance_and_its_fact_is_unique(length, distance):
+    rng = random.Random(0)
+    for _ in range(20):
+        s = recall_sample(rng, length, distance)
+        assert len(s.prompt) == length and s.prompt[-2] == ASK
+        key = s.prompt[-1]
+        assert key in KEYS and s.prompt.count(key) == 2  # its fact and the final query only
+        at, value = _recall_value(s.prompt, key)
+        assert length - at == distance and value == s.answer and value.isdigit()
+        # the distractors: every other query is answered by its own key's earlier fact
+        for m in re.finditer(r"\?([a-z])(\d)", s.prompt):
+            fact_at, fact_value = _recall_value(s.prompt, m.group(1))
+            assert fact_at < m.start() and fact_value == m.group(2)
+        assert s.prompt.count("?") > 3 and s.prompt.count("=") > 3  # distractors, not filler
+
+
+def test_recall_documents_answer_every_query_from_its_fact_within_the_gap_range():
+    docs = recall_text(0, 20_000).split("\n")[:-1]
+    gaps, answers = [], 0
+    for doc in docs:
+        assert len(doc) == DOC_SLOTS * SLOT
+        for i in range(0, len(doc), SLOT):
+            slot = doc[i : i + SLOT]
+            assert slot == FILLER or re.fullmatch(r"[=?][a-z]\d ", slot), slot
+            if slot[0] == ASK:
+                fact_at, value = _recall_value(doc, slot[1])
+                assert value == slot[2] and doc.count(slot[1]) == 2
+                gaps.append((i + 2 - fact_at) // SLOT)
+                answers += 1
+    assert min(gaps) == 1 and max(gaps) == MAX_GAP
+    assert answers / (len(docs) * (DOC_SLOTS * SLOT + 1)) > 0.09  # dense: ~1 answer in 9 chars
+
+
+def test_recall_distances_that_do_not_fit_are_refused():
+    for bad in (0, 3, 6, 126):
+        with pytest.raises(ConfigError, match="recall distance"):
+            recall_sample(random.Random(0), 128, bad)
+    assert farthest(128) == 124 and farthest(129) == 124 and farthest(130) == 128
+
+
+def test_recall_is_a_corpus_name(monkeypatch):
+    import lmlab.data.recall as recall
+
+    monkeypatch.setattr(recall, "TRAIN_CHARS", 20_000)  # the real 2M take seconds to generate
+    corpus = load_corpus("recall")
+    assert set(corpus.splits) == {"train", "val"} and corpus.split("val").count(ASK) > 5000
+    assert corpus.split("train") == recall_text(recall.TRAIN_SEED, 20_000)
+
+
+def test_greedy_answers_of_a_copier_on_recall_prompts():
+    tok = CharTokenizer(sorted(set(recall_text(0, 50_000))))
+    spec = PasskeyEval(distances=[8, 40, 100], samples=12, seed=3, batch_size=5)
+    acc = passkey_accuracy(greedy_answerer(CopyBack(tok.vocab_size, 40), tok), spec, 128, "recall")
+    # right at its distance; elsewhere it copies a distractor's value (right by chance only)
+    assert acc[40] == 1.0 and acc[8] < 0.5 and acc[100] < 0.5
+
+    def lookup(prompts):
+        return [re.search("=" + p[-1] + r"(\d)", p).group(1) for p in prompts]
+
+    assert passkey_accuracy(lookup, spec, 128, "recall") == {8: 1.0, 40: 1.0, 100: 1.0}
+
+
+def test_recall_spec_checks_its_distances():
+    exp = passkey_experiment()
+    exp["base"]["data"]["corpus"] = "recall"
+    exp["eval"]["passkey"]["distances"] = [8, 64, 124]
+    assert experiment_from_dict(exp).eval.passkey.distances == [8, 64, 124]
+    for bad, message in (([8, 66], "multiples of 4"), ([8, 128], "past the farthest key")):
+        exp["eval"]["passkey"]["distances"] = bad
+        with pytest.raises(ConfigError, match=message):
+            experiment_from_dict(exp)

@@ -90,8 +90,9 @@ def split_text(text: str, val_fraction: float) -> dict[str, str]:
 
 
 def load_corpus(source: str | Path, val_fraction: float = 0.1) -> Corpus:
-    """Resolve ``source``: a bundled name, ``passkey`` (generated, :mod:`lmlab.data.passkey`),
-    a text file, or a folder with train/valid[/test].txt;
+    """Resolve ``source``: a bundled name, ``passkey`` or ``recall`` (generated,
+    :mod:`lmlab.data.passkey`, :mod:`lmlab.data.recall`), a text file, or a folder with
+    train/valid[/test].txt;
     (source, target) pairs (``synthetic:NAME``, a .tsv or .jsonl file, :mod:`lmlab.data.pairs`)
     become one ``source<TAB>target`` line per pair, split by pair.
 
@@ -107,6 +108,10 @@ def load_corpus(source: str | Path, val_fraction: float = 0.1) -> Corpus:
         from lmlab.data.passkey import passkey_splits
 
         return Corpus(src, passkey_splits(), [])
+    if src == "recall":  # generated: lmlab.data.recall
+        from lmlab.data.recall import recall_splits
+
+        return Corpus(src, recall_splits(), [])
     if src in BUNDLED:
         path = CORPORA_DIR / BUNDLED[src]
         return Corpus(src, split_text(read_text(path), val_fraction), [str(path)])

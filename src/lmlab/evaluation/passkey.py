@@ -1,6 +1,8 @@
 """Passkey retrieval accuracy against distance (``eval.passkey`` of an experiment).
 
-For each distance d, ``samples`` prompts of :func:`lmlab.data.passkey.passkey_sample` (exactly
+For each distance d, ``samples`` prompts of :func:`lmlab.data.passkey.passkey_sample` (corpus
+``passkey``) or :func:`lmlab.data.recall.recall_sample` (corpus ``recall``; the key is then the
+queried key's value, d a multiple of 4) (exactly
 ``length`` characters, one key whose first digit lies d characters before the answer) are
 continued greedily for ``KEY_LEN`` tokens; the accuracy is the fraction whose continuation equals
 the key exactly (chance: 10**-KEY_LEN). Prompts are deterministic from (seed, d), so every
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lmlab.data import recall
 from lmlab.data.passkey import CORPUS_NAME, KEY_LEN, KEY_PREFIX, MIN_DISTANCE, passkey_sample
 from lmlab.errors import ConfigError
 from lmlab.safeio import short_repr
@@ -30,6 +33,7 @@ FIELDS = ("distances", "samples", "seed", "batch_size")
 MAX_SAMPLES = 10_000
 MAX_DISTANCES = 64
 PLOT = "passkey_accuracy_vs_distance.png"
+CORPORA = (CORPUS_NAME, recall.CORPUS_NAME)
 
 # prompts -> the model's continuation of each, ``KEY_LEN`` characters
 Answerer = Callable[[list[str]], list[str]]
@@ -75,10 +79,10 @@ def parse_passkey_eval(raw: Any, where: str) -> PasskeyEval:
             f"{where}: eval.passkey.distances must be a list of 1 to {MAX_DISTANCES} integers "
             f"(characters from key to answer), got {short_repr(d)}"
         )
-    if d != sorted(set(d)) or d[0] < MIN_DISTANCE:
+    if d != sorted(set(d)) or d[0] < 1:
         raise ConfigError(
-            f"{where}: eval.passkey.distances must be strictly ascending and >= {MIN_DISTANCE} "
-            f"(the key and the question take {MIN_DISTANCE} characters), got {short_repr(d)}"
+            f"{where}: eval.passkey.distances must be strictly ascending and >= 1, got "
+            f"{short_repr(d)}"
         )
     return PasskeyEval(
         distances=list(d),
@@ -89,13 +93,30 @@ def parse_passkey_eval(raw: Any, where: str) -> PasskeyEval:
 
 
 def check_passkey_config(spec: PasskeyEval, corpus: str, max_seq_len: int, where: str) -> None:
-    """A run evaluated with eval.passkey must train on the passkey corpus, and the farthest
-    distance must fit its context (prompt + answer <= max_seq_len)."""
-    if corpus != CORPUS_NAME:
+    """A run evaluated with eval.passkey must train on the passkey or recall corpus, its
+    distances must suit that corpus (passkey: >= MIN_DISTANCE; recall: multiples of
+    :data:`lmlab.data.recall.SLOT`) and the farthest must fit its context (prompt + answer <=
+    max_seq_len)."""
+    if corpus not in CORPORA:
         raise ConfigError(
-            f"{where}: eval.passkey needs data.corpus: {CORPUS_NAME}, got {short_repr(corpus)}"
+            f"{where}: eval.passkey needs data.corpus: {' or '.join(CORPORA)}, got "
+            f"{short_repr(corpus)}"
         )
-    longest = prompt_length(max_seq_len) - len(KEY_PREFIX)
+    d = spec.distances
+    if corpus == recall.CORPUS_NAME:
+        if any(x < recall.MIN_DISTANCE or x % recall.SLOT for x in d):
+            raise ConfigError(
+                f"{where}: eval.passkey.distances must be multiples of {recall.SLOT} (one fact "
+                f"or query slot of the recall corpus), got {short_repr(d)}"
+            )
+        longest = recall.farthest(prompt_length(max_seq_len))
+    else:
+        if d[0] < MIN_DISTANCE:
+            raise ConfigError(
+                f"{where}: eval.passkey.distances must be >= {MIN_DISTANCE} (the key and the "
+                f"question take {MIN_DISTANCE} characters), got {short_repr(d)}"
+            )
+        longest = prompt_length(max_seq_len) - len(KEY_PREFIX)
     if spec.distances[-1] > longest:
         raise ConfigError(
             f"{where}: eval.passkey.distances go to {spec.distances[-1]}, past the farthest key "
@@ -109,17 +130,23 @@ def prompt_length(max_seq_len: int) -> int:
     return max_seq_len - KEY_LEN + 1
 
 
-def samples_at(spec: PasskeyEval, length: int, distance: int) -> list[Any]:
+def samples_at(
+    spec: PasskeyEval, length: int, distance: int, corpus: str = CORPUS_NAME
+) -> list[Any]:
+    """The ``spec.samples`` prompts at one distance: passkey or recall ones (``corpus``)."""
     rng = random.Random(spec.seed * 1_000_003 + distance)
-    return [passkey_sample(rng, length, distance) for _ in range(spec.samples)]
+    make = recall.recall_sample if corpus == recall.CORPUS_NAME else passkey_sample
+    return [make(rng, length, distance) for _ in range(spec.samples)]
 
 
-def passkey_accuracy(answer: Answerer, spec: PasskeyEval, length: int) -> dict[int, float]:
+def passkey_accuracy(
+    answer: Answerer, spec: PasskeyEval, length: int, corpus: str = CORPUS_NAME
+) -> dict[int, float]:
     """distance -> fraction of ``spec.samples`` prompts of ``length`` characters that ``answer``
-    continues with exactly the key."""
+    continues with exactly the key (the prompts of ``corpus``: passkey or recall)."""
     out: dict[int, float] = {}
     for d in spec.distances:
-        samples = samples_at(spec, length, d)
+        samples = samples_at(spec, length, d, corpus)
         right = 0
         for i in range(0, len(samples), spec.batch_size):
             chunk = samples[i : i + spec.batch_size]

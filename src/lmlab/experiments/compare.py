@@ -234,6 +234,7 @@ def measure_run(
             greedy_answerer(model, loaded.tokenizer),
             exp.eval.passkey,
             prompt_length(cfg.model.max_seq_len),
+            cfg.data.corpus,
         )
         summary["passkey"] = {str(d): a for d, a in acc.items()}
     if exp.eval.lengths:

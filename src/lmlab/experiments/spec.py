@@ -14,7 +14,7 @@ eval:                            # optional
   max_tokens: 16385              # text scored per length (default: the whole val split)
   inference:                     # extra rows: a trained variant with inference-time overrides
     gqa-ntk: {variant: gqa, set: {model.position.scaling.kind: ntk}}
-  passkey: {distances: [24, 64, 192], samples: 100}   # data.corpus passkey only:
+  passkey: {distances: [24, 64, 192], samples: 100}   # data.corpus passkey or recall only:
                                  # retrieval accuracy per distance (lmlab.evaluation.passkey)
 decode_tokens: 64                # decode tokens/s is timed over this many cached steps
 ```
