@@ -169,14 +169,26 @@ def read_headers(files: list[Path]) -> dict[str, StoredTensor]:
     return out
 
 
+def check_finite(name: str, t: torch.Tensor, file: Path) -> None:
+    """Raise CheckpointError naming ``file`` and the tensor when a floating-point tensor holds
+    NaN or inf (a weight that would turn every logit into NaN)."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise CheckpointError(f"{file} is corrupt: non-finite values in {name}")
+
+
 def read_hf_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a Hugging Face folder (single file or shards). Raises CheckpointError."""
+    """All tensors of a Hugging Face folder (single file or shards). Raises CheckpointError
+    for an unreadable file or a floating-point tensor holding NaN or inf (naming the file and
+    the tensor)."""
     sd: dict[str, torch.Tensor] = {}
     for f in weight_files(folder):
         try:
-            sd.update(load_file(str(f)))
+            part = load_file(str(f))
         except Exception as e:  # SafetensorError, OSError, MemoryError ...
             raise CheckpointError(f"{f} is corrupt: {e}") from None
+        for name in sorted(part):
+            check_finite(name, part[name], f)
+        sd.update(part)
     return sd
 
 
