@@ -9,6 +9,7 @@ the file and the field or tensor (exit 2).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,55 @@ def test_gguf_with_non_finite_weight_is_refused(tmp_path, capsys):
     path = write_llama_gguf(tmp_path / "bad.gguf", model)
     code, _, err = run_cli(capsys, "generate", path, "--prompt", "ab")
     assert_one_error(code, err, str(path), "non-finite values in blk.0.ffn_down.weight")
+
+
+def untied_under_tie_flag(tmp_path: Path, model: torch.nn.Module) -> Path:
+    """``model`` (untied, its head redrawn) saved, then config.json set to
+    ``tie_word_embeddings: true``: both tensors stay in the file."""
+    folder = write_hf_folder(tmp_path / "m", model)
+    config = json.loads((folder / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (folder / "config.json").write_text(json.dumps(config))
+    sd = load_file(str(folder / "model.safetensors"))
+    assert not torch.equal(sd["lm_head.weight"], sd["model.embed_tokens.weight"])
+    return folder
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_distinct_lm_head_under_tie_flag_is_kept_as_transformers_does(tmp_path, family):
+    model = (
+        llama_model(tie_word_embeddings=False)
+        if family == "llama"
+        else deepseek_model(tie_word_embeddings=False)
+    )
+    folder = untied_under_tie_flag(tmp_path, model)
+    cls = transformers.LlamaForCausalLM if family == "llama" else transformers.DeepseekV3ForCausalLM
+    ref = cls.from_pretrained(str(folder)).eval()
+    assert ref.config.tie_word_embeddings
+    assert ref.lm_head.weight.data_ptr() != ref.model.embed_tokens.weight.data_ptr()
+    ours, _ = load(folder)
+    assert not ours.cfg.tie_embeddings
+    x = torch.randint(0, ref.config.vocab_size, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x).logits, ref(x).logits, atol=1e-5, rtol=0)
+
+
+def test_head_equal_to_embedding_stays_tied(tmp_path):
+    model = llama_model(tie_word_embeddings=False)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+    folder = write_hf_folder(tmp_path / "m", model)
+    config = json.loads((folder / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (folder / "config.json").write_text(json.dumps(config))
+    ours, _ = load(folder)
+    assert ours.cfg.tie_embeddings
+
+
+def test_distinct_gpt2_head_under_tie_flag_is_refused(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = redraw(transformers.GPT2LMHeadModel(hf_config("gpt2")))
+    folder = write_hf_folder(tmp_path / "g", model)
+    edit_weights(folder, **{"lm_head.weight": torch.randn_like(model.lm_head.weight)})
+    code, _, err = run_cli(capsys, "generate", folder, "--prompt", "ab")
+    assert_one_error(code, err, "config.json", "tie_word_embeddings", "lm_head.weight")
