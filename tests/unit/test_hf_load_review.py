@@ -115,3 +115,52 @@ def test_distinct_gpt2_head_under_tie_flag_is_refused(tmp_path, capsys):
     edit_weights(folder, **{"lm_head.weight": torch.randn_like(model.lm_head.weight)})
     code, _, err = run_cli(capsys, "generate", folder, "--prompt", "ab")
     assert_one_error(code, err, "config.json", "tie_word_embeddings", "lm_head.weight")
+
+
+def with_config(tmp_path: Path, model: torch.nn.Module, **fields) -> Path:
+    """``model`` saved, then config.json's ``fields`` replaced (None: removed)."""
+    folder = write_hf_folder(tmp_path / "c", model)
+    config = json.loads((folder / "config.json").read_text())
+    for k, v in fields.items():
+        config.pop(k, None) if v is None else config.__setitem__(k, v)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_conflicting_rope_parameters_and_rope_scaling_are_refused(tmp_path, capsys, family):
+    model = llama_model() if family == "llama" else deepseek_model()
+    folder = with_config(
+        tmp_path,
+        model,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    )
+    code, _, err = run_cli(capsys, "generate", folder, "--prompt", "ab")
+    assert_one_error(code, err, "config.json", "rope_parameters", "rope_scaling")
+
+
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 500.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize(
+    ("rope", "missing"),
+    [
+        ({k: v for k, v in YARN.items() if k != "factor"}, "factor"),
+        ({"rope_type": "linear", "rope_theta": 500.0}, "factor"),
+        ({"rope_type": "dynamic", "rope_theta": 500.0}, "factor"),
+    ],
+)
+def test_rope_settings_missing_a_required_key_are_refused(tmp_path, capsys, family, rope, missing):
+    model = llama_model() if family == "llama" else deepseek_model()
+    folder = with_config(tmp_path, model, rope_parameters=rope)
+    with pytest.raises(Exception):  # noqa: B017, PT011 (transformers raises KeyError or ValueError)
+        transformers.AutoConfig.from_pretrained(str(folder))
+    code, _, err = run_cli(capsys, "generate", folder, "--prompt", "ab")
+    assert_one_error(code, err, "config.json", f"rope_parameters.{missing} is missing")
