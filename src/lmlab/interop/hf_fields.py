@@ -200,7 +200,7 @@ def check_hf_config(raw: dict[str, Any], path: Path) -> None:
             if name in params:
                 check_value(params[name], field, f"{path}: {group}.{name}")
         kind = params.get("rope_type", params.get("type", "default"))
-        for name in ROPE_REQUIRED.get(kind, ()):
+        for name in ROPE_REQUIRED.get(str(kind), ()):
             if params.get(name) is None:
                 raise LmlabError(f"{path}: {group}.{name} is missing; {kind} needs it")
     both = raw.get("rope_parameters"), raw.get("rope_scaling")
