@@ -164,3 +164,23 @@ def test_rope_settings_missing_a_required_key_are_refused(tmp_path, capsys, fami
         transformers.AutoConfig.from_pretrained(str(folder))
     code, _, err = run_cli(capsys, "generate", folder, "--prompt", "ab")
     assert_one_error(code, err, "config.json", f"rope_parameters.{missing} is missing")
+
+
+def test_deepseek_head_dim_other_than_qk_rope_head_dim_is_refused(tmp_path, capsys):
+    folder = with_config(tmp_path, deepseek_model(), head_dim=16)  # qk_rope_head_dim 8
+    code, _, err = run_cli(capsys, "generate", folder, "--prompt", "ab")
+    assert_one_error(code, err, "config.json", "head_dim (16)", "qk_rope_head_dim (8)")
+
+
+def test_deepseek_head_dim_equal_to_qk_rope_head_dim_loads(tmp_path):
+    ref = deepseek_model()
+    ours, _ = load(with_config(tmp_path, ref, head_dim=8))
+    x = torch.randint(0, ref.config.vocab_size, (1, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x).logits, ref(x).logits, atol=1e-5, rtol=0)
+
+
+def test_deepseek_odd_qk_rope_head_dim_without_head_dim_is_refused(tmp_path, capsys):
+    folder = with_config(tmp_path, deepseek_model(), qk_rope_head_dim=7, head_dim=None)
+    code, _, err = run_cli(capsys, "inspect", folder)
+    assert_one_error(code, err, "config.json", "even number")
