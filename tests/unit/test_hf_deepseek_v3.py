@@ -209,7 +209,7 @@ BAD = [
     ("num_hidden_layers", 3, "DeepSeek-V3 MoE layers"),
     ("rope_parameters", {**YARN, "mscale": None}, "mscale / mscale_all_dim"),
     ("rope_parameters", {"rope_type": "llama3", "factor": 8.0}, "rope_type 'llama3' has no"),
-    ("qk_rope_head_dim", 7, "even number"),
+    ("qk_rope_head_dim", 7, "head_dim (8) differs from qk_rope_head_dim (7)"),
     ("rope_parameters", {"rope_type": "linear", "factor": 2.0, "mscale_all_dim": 1.0}, "yarn only"),
 ]
 

@@ -130,8 +130,10 @@ def _dequantize(tensor: Any, path: Path) -> torch.Tensor:
             "Q4_1, Q5_K, Q8_0, F16 ...)"
         ) from None
     shape = tuple(int(d) for d in reversed(list(tensor.shape)))  # GGML lists fastest dim first
-    out = np.array(arr, dtype=np.float32, copy=True).reshape(shape)
-    return torch.from_numpy(out)
+    out = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True).reshape(shape))
+    if not bool(torch.isfinite(out).all()):
+        raise CheckpointError(f"{path} is corrupt: non-finite values in {tensor.name}")
+    return out
 
 
 def read_gguf(path: str | Path) -> GGUFFile:

@@ -120,6 +120,13 @@ def check_deepseek_config(raw: dict[str, Any], path: Path) -> None:
             "a score-correction bias and shared experts, and no per-layer dense/MoE split: only "
             "configs whose layers are all dense (first_k_dense_replace >= num_hidden_layers) load"
         )
+    head_dim, rope = raw.get("head_dim"), raw.get("qk_rope_head_dim", DEFAULTS["qk_rope_head_dim"])
+    if head_dim is not None and head_dim != rope:
+        raise LmlabError(
+            f"{path}: head_dim ({head_dim!r:.20}) differs from qk_rope_head_dim ({rope}); "
+            "DeepSeek-V3's head_dim is the RoPE channel count (transformers' forward fails "
+            "otherwise): drop head_dim or set it to qk_rope_head_dim"
+        )
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise LmlabError(f"{path}: hidden_act is {act!r:.40}; DeepSeek-V3 loads with silu only")

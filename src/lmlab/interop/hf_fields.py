@@ -174,6 +174,15 @@ def _wanted(field: Field) -> str:
     return f"{noun} {lo}{hi}"
 
 
+# what transformers' rope validation requires of each rope_type lmlab reads (it raises KeyError;
+# yarn's original_max_position_embeddings it fills in from max_position_embeddings, as lmlab does)
+ROPE_REQUIRED: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor",),
+}
+
+
 def check_hf_config(raw: dict[str, Any], path: Path) -> None:
     """Check every setting of :data:`HF_FIELDS` (and of ``rope_parameters``/``rope_scaling``)
     that ``raw`` (a parsed ``config.json``) holds, then the head counts against the width.
@@ -190,6 +199,16 @@ def check_hf_config(raw: dict[str, Any], path: Path) -> None:
         for name, field in ROPE_FIELDS.items():
             if name in params:
                 check_value(params[name], field, f"{path}: {group}.{name}")
+        kind = params.get("rope_type", params.get("type", "default"))
+        for name in ROPE_REQUIRED.get(str(kind), ()):
+            if params.get(name) is None:
+                raise LmlabError(f"{path}: {group}.{name} is missing; {kind} needs it")
+    both = raw.get("rope_parameters"), raw.get("rope_scaling")
+    if all(both) and both[0] != both[1]:
+        raise LmlabError(
+            f"{path}: rope_parameters and rope_scaling are both set and disagree; transformers "
+            "reads rope_scaling, lmlab rope_parameters: keep one of them"
+        )
     for width, heads in (
         ("hidden_size", "num_attention_heads"),
         ("n_embd", "n_head"),

@@ -13,6 +13,7 @@ memory available (:func:`lmlab.training.memory.check_load_memory`, cgroup limits
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from dataclasses import dataclass
@@ -169,14 +170,26 @@ def read_headers(files: list[Path]) -> dict[str, StoredTensor]:
     return out
 
 
+def check_finite(name: str, t: torch.Tensor, file: Path) -> None:
+    """Raise CheckpointError naming ``file`` and the tensor when a floating-point tensor holds
+    NaN or inf (a weight that would turn every logit into NaN)."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise CheckpointError(f"{file} is corrupt: non-finite values in {name}")
+
+
 def read_hf_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a Hugging Face folder (single file or shards). Raises CheckpointError."""
+    """All tensors of a Hugging Face folder (single file or shards). Raises CheckpointError
+    for an unreadable file or a floating-point tensor holding NaN or inf (naming the file and
+    the tensor)."""
     sd: dict[str, torch.Tensor] = {}
     for f in weight_files(folder):
         try:
-            sd.update(load_file(str(f)))
+            part = load_file(str(f))
         except Exception as e:  # SafetensorError, OSError, MemoryError ...
             raise CheckpointError(f"{f} is corrupt: {e}") from None
+        for name in sorted(part):
+            check_finite(name, part[name], f)
+        sd.update(part)
     return sd
 
 
@@ -265,6 +278,57 @@ def _to_state(
         ) from None
 
 
+# (LM head, embedding) as Hugging Face names them, for the families whose lmlab state converter
+# honours model.tie_embeddings (Llama, Mistral, Qwen, Mixtral, DiffLlama, DeepSeek-V3; GPT-NeoX)
+UNTIEABLE_HEADS = {
+    "lm_head.weight": "model.embed_tokens.weight",
+    "embed_out.weight": "gpt_neox.embed_in.weight",
+}
+# families whose converter always ties the head (GPT-2, T5, BART): a distinct one is refused
+TIED_ONLY_HEADS = {
+    "lm_head.weight": ("transformer.wte.weight", "shared.weight", "model.shared.weight"),
+}
+
+
+def untie_stored_head(
+    cfg: ModelConfig, stored: dict[str, StoredTensor], config_path: Path
+) -> ModelConfig:
+    """``cfg`` untied when config.json sets ``tie_word_embeddings: true`` yet the weights hold an
+    LM head that differs from the embedding: transformers then keeps both ("both are present in
+    the checkpoints with different values, so we will NOT tie them"), and so does lmlab. A head
+    equal to the embedding stays tied. For a family lmlab only loads tied (GPT-2, T5, BART)
+    raises CheckpointError naming config.json's tie_word_embeddings and the tensor."""
+    if not cfg.tie_embeddings:
+        return cfg
+    from safetensors import safe_open
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(str(stored[name].file), framework="pt") as f:
+            return f.get_tensor(name)
+
+    pairs = [(h, e, True) for h, e in UNTIEABLE_HEADS.items()]
+    pairs += [(h, e, False) for h, es in TIED_ONLY_HEADS.items() for e in es]
+    for head, embed, can_untie in pairs:
+        if head not in stored or embed not in stored:
+            continue
+        try:
+            same = torch.equal(read(head), read(embed))
+        except Exception as e:  # a corrupt file: shapes differ, bytes unreadable ...
+            raise CheckpointError(f"{stored[head].file} is corrupt: {e}") from None
+        if same:
+            return cfg
+        if not can_untie:
+            raise CheckpointError(
+                f"{config_path}: tie_word_embeddings is true but {stored[head].file} holds a "
+                f"{head} that differs from {embed}; lmlab loads this family only with a tied "
+                "head (set tie_word_embeddings to false only where the family supports it)"
+            )
+        untied = copy.deepcopy(cfg)
+        untied.tie_embeddings = False
+        return untied
+    return cfg
+
+
 def _model_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
@@ -312,6 +376,7 @@ def load_hf_folder(folder: str | Path, device: str = "cpu") -> tuple[nn.Module, 
     cfg = _model_config(family, raw, config_path)
     if family.fit_config is not None:
         cfg = family.fit_config(cfg, meta)
+    cfg = untie_stored_head(cfg, stored, config_path)
     _validate(cfg, config_path)
     with torch.device("meta"):  # shapes only: nothing is allocated
         skeleton = build_model(cfg)
