@@ -98,6 +98,7 @@ class Trainer:
         self.objective, self.val_tokens = objective, val_tokens
         self.model, self.optimizer = model, optimizer
         self.is_main = par.is_main
+        self.auto_precision = res.auto_precision
         self.start_step, self.tokens_seen, self.elapsed_before = 0, 0, 0.0
 
     def resume(self) -> TrainResult | None:
@@ -145,6 +146,12 @@ class Trainer:
             self.peak = self.peak_info.flops * par.world_size
         if self.peak_info is not None and progress is not False:
             source = self.peak_info.source
+            if self.auto_precision:  # what train.precision: auto picked, and why
+                why = "has" if tc.precision == "bf16" else "has no"
+                print(
+                    f"precision: auto -> {tc.precision} ({self.dev.type} {why} bf16 units)",
+                    file=sys.stderr,
+                )
             print(f"MFU denominator (matmul peak): {source}", file=sys.stderr, flush=True)
         purge = self.start_step if self.resuming else None
         self.logger = MetricsLogger(self.run_dir, purge_step=purge) if self.is_main else None

@@ -119,6 +119,7 @@ class ResolvedRun:
     seq_len: int
     precision: str
     objective: str
+    auto_precision: bool = False  # precision was ``auto`` in the config (the log says the pick)
 
 
 def check_precision(cfg: RunConfig, dev: torch.device) -> None:
@@ -137,6 +138,7 @@ def resolve_run(
     filled-in value already, so filling it changes nothing. Raises LmlabError for a precision
     the device cannot run."""
     check_precision(cfg, dev)
+    auto_precision = cfg.train.precision == "auto"
     if new_run and cfg.model.vocab_size not in (None, n := tokenizer.vocab_size):
         msg = f"model.vocab_size is {cfg.model.vocab_size} but the tokenizer has {n} tokens"
         raise LmlabError(f"{msg}; remove model.vocab_size (null: the tokenizer's)")  # not replaced
@@ -144,7 +146,9 @@ def resolve_run(
     if new_run:
         cfg.validate()
     assert cfg.train.seq_len is not None
-    return ResolvedRun(cfg, dev, cfg.train.seq_len, cfg.train.precision, objective_name(cfg))
+    return ResolvedRun(
+        cfg, dev, cfg.train.seq_len, cfg.train.precision, objective_name(cfg), auto_precision
+    )
 
 
 @dataclass

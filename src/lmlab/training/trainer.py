@@ -20,7 +20,6 @@ between them, losses all-reduced); logs, plots and run files are written by rank
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import torch
@@ -185,12 +184,8 @@ def _train(
     else:
         tokenizer = fit_tokenizer(corpus.splits, cfg.data.tokenizer)
         tokenizer = prepare_tokenizer(cfg, tokenizer)  # + the objective's special tokens
-    auto_precision = cfg.train.precision == "auto"
     res = resolve_run(cfg, tokenizer, dev, new_run=not resuming)
     cfg, seq_len = res.cfg, res.seq_len
-    if auto_precision and progress is not False and par.is_main:
-        why = "has bf16 units" if res.precision == "bf16" else "has no bf16 units"
-        print(f"precision: auto -> {res.precision} ({dev.type} {why})", file=sys.stderr)
     check_training_memory(cfg, dev)  # before any weight is allocated
     with par.main_first():
         splits = build_token_cache(corpus, tokenizer, run_dir / "data", resuming)
