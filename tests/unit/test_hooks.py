@@ -195,3 +195,75 @@ def test_state_dict_keys_have_no_hook_entries():
         model = build_model(tiny_model_config(**over))
         assert not any("hook" in k for k in model.state_dict())
         assert len(hook_names(model)) > 0
+
+
+def test_bert_hooks_equal_hf_hidden_states_and_attentions():
+    from lmlab.interop.hf_bert import bert_model_config, bert_state_dict, fit_bert_config
+
+    torch.manual_seed(0)
+    hf = perturb_vectors(transformers.BertModel(hf_config("bert", attn_implementation="eager")))
+    hf.eval()
+    sd = hf.state_dict()
+    cfg = fit_bert_config(bert_model_config(hf.config), sd)
+    ours = build_model(cfg).eval()
+    ours.load_state_dict(bert_state_dict(sd, cfg), strict=True)
+    x = torch.randint(0, 61, (2, 9))
+    mask = torch.ones_like(x)
+    mask[1, 6:] = 0
+    with torch.no_grad():
+        ref = hf(x, attention_mask=mask, output_hidden_states=True, output_attentions=True)
+        _, cache = run_with_cache(ours, x, attention_mask=mask)
+    tol = dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache["layers.0.hook_resid_pre"], ref.hidden_states[0], **tol)
+    for i in range(cfg.n_layers):
+        got = cache[f"layers.{i}.hook_resid_post"]
+        torch.testing.assert_close(got, ref.hidden_states[i + 1], **tol)
+        torch.testing.assert_close(cache[f"layers.{i}.attn.hook_pattern"], ref.attentions[i], **tol)
+
+
+def test_bart_hooks_equal_hf_decoder_states_and_cross_attentions():
+    from lmlab.interop.hf_bart import bart_model_config, bart_state_dict
+
+    hf_cfg = hf_config("bart", attn_implementation="eager")
+    torch.manual_seed(0)
+    hf = perturb_all(transformers.BartForConditionalGeneration(hf_cfg), 0.05).eval()
+    cfg = bart_model_config(hf_cfg)
+    ours = build_model(cfg).eval()
+    ours.load_state_dict(bart_state_dict(hf.state_dict(), cfg), strict=True)
+    src, dec = torch.randint(3, 61, (2, 8)), torch.randint(3, 61, (2, 5))
+    with torch.no_grad():
+        ref = hf(
+            input_ids=src,
+            decoder_input_ids=dec,
+            output_hidden_states=True,
+            output_attentions=True,
+        )
+        out, cache = run_with_cache(ours, src, decoder_input_ids=dec)
+    tol = dict(atol=1e-5, rtol=1e-5)
+    n_dec = len(ref.decoder_attentions)
+    for i in range(n_dec):
+        got = cache[f"decoder.layers.{i}.hook_resid_post"]
+        torch.testing.assert_close(got, ref.decoder_hidden_states[i + 1], **tol)
+        pattern = cache[f"decoder.layers.{i}.cross_attn.hook_pattern"]
+        torch.testing.assert_close(pattern, ref.cross_attentions[i], **tol)
+        pattern = cache[f"decoder.layers.{i}.attn.hook_pattern"]
+        torch.testing.assert_close(pattern, ref.decoder_attentions[i], **tol)
+    for i in range(len(ref.encoder_attentions)):
+        got = cache[f"encoder.layers.{i}.hook_resid_post"]
+        torch.testing.assert_close(got, ref.encoder_hidden_states[i + 1], **tol)
+    torch.testing.assert_close(cache["hook_logits"], ref.logits, **tol)
+    names = hook_names(ours)
+    assert "decoder.layers.0.hook_resid_cross" in names and "encoder.hook_embed" in names
+
+
+def test_a_deep_copy_has_its_own_hook_points():
+    import copy
+
+    model = build_model(tiny_model_config()).eval()
+    twin = copy.deepcopy(model)
+    x = torch.randint(0, 50, (1, 5))
+    seen: list[str] = []
+    run_with_hooks(twin, x, {"layers.1.attn.hook_q": lambda t, n: seen.append(n)})
+    assert seen == ["layers.1.attn.hook_q"]
+    assert twin.layers[1].attn.hook_q is twin.layers[1].attn._modules["hook_q"]
+    assert model.layers[1].attn.hook_q is not twin.layers[1].attn.hook_q

@@ -18,7 +18,7 @@ from lmlab.models.output import ModelOutput
 from lmlab.models.stack import LayerStack, padding_mask
 from lmlab.models.tying import TiedEmbeddingsModule
 from lmlab.nn.block import BLOCK
-from lmlab.nn.hooks import HookPoint
+from lmlab.nn.hooks import HookPoint, fast_hook_lookup
 from lmlab.nn.kv_cache import KVCache
 from lmlab.nn.moe import MoE, moe_losses
 from lmlab.nn.norm import build_norm
@@ -51,6 +51,7 @@ class DecoderLM(TiedEmbeddingsModule):
         if cfg.tie_embeddings:
             self.tie_embeddings()  # lm_head.weight is embed.weight, through every load too
         self.has_moe = any(isinstance(m, MoE) for m in self.modules())  # routing losses to take
+        fast_hook_lookup(self)  # hook points named, one dict lookup each
 
     def reset_parameters(self) -> None:
         """Initialise every weight with the scheme named by ``model.init`` (see models/init.py)."""
