@@ -267,3 +267,21 @@ def test_a_deep_copy_has_its_own_hook_points():
     assert seen == ["layers.1.attn.hook_q"]
     assert twin.layers[1].attn.hook_q is twin.layers[1].attn._modules["hook_q"]
     assert model.layers[1].attn.hook_q is not twin.layers[1].attn.hook_q
+
+
+@pytest.mark.parametrize("kind", ["sink", "differential", "sigmoid"])
+def test_pattern_hooks_hold_what_need_weights_returns(kind):
+    torch.manual_seed(0)
+    model = build_model(tiny_model_config(attention={"n_heads": 4, "kind": kind})).eval()
+    x = torch.randint(0, 50, (2, 7))
+    with torch.no_grad():
+        weights = model(x, need_weights=True).attentions[0]  # (B, H, T, S)
+        _, cache = run_with_cache(model, x, names=lambda n: n.startswith("layers.0.attn.hook_pat"))
+    pattern = cache["layers.0.attn.hook_pattern"]
+    if kind == "sink":  # the sink's column last; need_weights drops it
+        assert pattern.shape[-1] == 8 and torch.equal(pattern[..., :7], weights)
+    elif kind == "differential":  # the first maps, then hook_pattern_2 the second
+        both = torch.cat([pattern, cache["layers.0.attn.hook_pattern_2"]], dim=1)
+        assert torch.equal(both, weights)
+    else:
+        assert torch.equal(pattern, weights)
