@@ -285,3 +285,35 @@ def test_pattern_hooks_hold_what_need_weights_returns(kind):
         assert torch.equal(both, weights)
     else:
         assert torch.equal(pattern, weights)
+
+
+def test_a_replaced_pattern_drives_the_output_and_cached_decoding_is_hooked():
+    torch.manual_seed(0)
+    model = build_model(tiny_model_config(attention={"n_heads": 4, "n_kv_heads": 2})).eval()
+    x = torch.randint(0, 50, (2, 6))
+
+    def first_key_only(w, name):  # every query attends to token 0 alone
+        one_hot = torch.zeros_like(w)
+        one_hot[..., 0] = 1.0
+        return one_hot
+
+    with torch.no_grad():
+        seen = {}
+        run_with_hooks(
+            model,
+            x,
+            [
+                ("layers.0.attn.hook_pattern", first_key_only),
+                ("layers.0.attn.hook_v", lambda t, n: seen.setdefault("v", t)),
+                ("layers.0.attn.hook_z", lambda t, n: seen.setdefault("z", t)),
+            ],
+        )
+        v0 = seen["v"][:, :, :1].repeat_interleave(2, dim=1)  # (B, H, 1, hd): GQA pairs
+        assert torch.equal(seen["z"], v0.expand_as(seen["z"]))
+        cache = model.new_cache()
+        model(x[:, :5], cache=cache)
+        name = "layers.1.attn.hook_pattern"
+        out, got = run_with_cache(model, x[:, 5:], names=[name], cache=cache)
+        assert got["layers.1.attn.hook_pattern"].shape == (2, 4, 1, 6)  # one query, six keys
+        full = model(x, need_weights=True).attentions[1][:, :, 5:]
+        torch.testing.assert_close(got["layers.1.attn.hook_pattern"], full, atol=1e-6, rtol=0)
