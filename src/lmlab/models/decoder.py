@@ -18,6 +18,7 @@ from lmlab.models.output import ModelOutput
 from lmlab.models.stack import LayerStack, padding_mask
 from lmlab.models.tying import TiedEmbeddingsModule
 from lmlab.nn.block import BLOCK
+from lmlab.nn.hooks import HookPoint, fast_hook_lookup
 from lmlab.nn.kv_cache import KVCache
 from lmlab.nn.moe import MoE, moe_losses
 from lmlab.nn.norm import build_norm
@@ -42,10 +43,15 @@ class DecoderLM(TiedEmbeddingsModule):
         self.layers = LayerStack([block_cls(cfg, i) for i in range(cfg.n_layers)])
         self.final_norm = build_norm(cfg) if cfg.final_norm else nn.Identity()
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # hook points (lmlab.hooks) of the model's ends; the layers hold their own
+        self.hook_embed = HookPoint()  # (B, T, D) token embedding (x embed_scale)
+        self.hook_final_norm = HookPoint()  # (B, T, D) the final norm's output
+        self.hook_logits = HookPoint()  # (B, T, V) (or (B, 1, V) with last_only)
         self.reset_parameters()
         if cfg.tie_embeddings:
             self.tie_embeddings()  # lm_head.weight is embed.weight, through every load too
         self.has_moe = any(isinstance(m, MoE) for m in self.modules())  # routing losses to take
+        fast_hook_lookup(self)  # hook points named, one dict lookup each
 
     def reset_parameters(self) -> None:
         """Initialise every weight with the scheme named by ``model.init`` (see models/init.py)."""
@@ -91,16 +97,16 @@ class DecoderLM(TiedEmbeddingsModule):
         x = self.embed(input_ids)  # (B, T, D)
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
-        x = self.position.embed(x, positions)
+        x = self.position.embed(self.hook_embed(x), positions)
         x = self.drop(x)
         out = self.layers(
             x, self.position, positions, key_mask, cache, need_weights, output_hidden_states,
-            self.final_norm,
+            self.normed,
         )  # fmt: skip
         x = out.x
         if last_only:
             x = x[:, -1:, :]
-        logits = self.lm_head(x)  # (B, T, V)
+        logits = self.hook_logits(self.lm_head(x))  # (B, T, V)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(
@@ -114,6 +120,10 @@ class DecoderLM(TiedEmbeddingsModule):
         return ModelOutput(
             logits, loss, cache, out.hidden_states, out.attentions, aux_loss, expert_counts
         )
+
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm of the last layer's output (B, T, D), through ``hook_final_norm``."""
+        return self.hook_final_norm(self.final_norm(x))
 
     def new_cache(self) -> KVCache:
         """An empty cache with one slot per layer, of the kind each attention needs: dynamic,

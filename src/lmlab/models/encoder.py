@@ -24,6 +24,7 @@ from lmlab.models.stack import LayerStack
 from lmlab.models.tying import TiedEmbeddingsModule
 from lmlab.nn.block import BLOCK
 from lmlab.nn.ffn import ACTIVATIONS
+from lmlab.nn.hooks import HookPoint, fast_hook_lookup
 from lmlab.nn.norm import build_norm
 from lmlab.nn.position import POSITION
 
@@ -67,9 +68,14 @@ class EncoderLM(TiedEmbeddingsModule):
         self.mlm_act = ACTIVATIONS.get(cfg.ffn.activation, "model.ffn.activation")
         self.mlm_norm = build_norm(cfg) if cfg.mlm_head else None
         self.lm_head = nn.Linear(d, cfg.vocab_size) if cfg.mlm_head else None
+        # hook points (lmlab.hooks) of the model's ends; the layers hold their own
+        self.hook_embed = HookPoint()  # (B, T, D) token embedding (x embed_scale)
+        self.hook_final_norm = HookPoint()  # (B, T, D) the final norm's output
+        self.hook_logits = HookPoint()  # (B, T, V) or (M, V) with targets; MLM head only
         self.reset_parameters()
         if self.lm_head is not None and cfg.tie_embeddings:
             self.tie_embeddings()  # lm_head.weight is embed.weight, through every load too
+        fast_hook_lookup(self)  # hook points named, one dict lookup each
 
     def reset_parameters(self) -> None:
         """Initialise every weight with the scheme named by ``model.init`` (see models/init.py)."""
@@ -109,7 +115,7 @@ class EncoderLM(TiedEmbeddingsModule):
         x = self.embed(input_ids)  # (B, T, D)
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
-        x = self.position.embed(x, positions)
+        x = self.position.embed(self.hook_embed(x), positions)
         if self.token_type is not None:
             if token_type_ids is None:
                 token_type_ids = torch.zeros_like(input_ids)
@@ -118,7 +124,7 @@ class EncoderLM(TiedEmbeddingsModule):
         key_mask = attention_mask.bool() if attention_mask is not None else None  # (B, T)
         out = self.layers(
             x, self.position, positions, key_mask, None, need_weights, output_hidden_states,
-            self.final_norm,
+            self.normed,
         )  # fmt: skip
         x, hidden, attns = out.x, out.hidden_states, out.attentions
         if self.lm_head is None:
@@ -139,7 +145,11 @@ class EncoderLM(TiedEmbeddingsModule):
         lm_head(LayerNorm(act(dense(h)))) (BERT's ``cls.predictions``)."""
         assert self.mlm_dense is not None and self.mlm_norm is not None
         assert self.lm_head is not None
-        return self.lm_head(self.mlm_norm(self.mlm_act(self.mlm_dense(h))))
+        return self.hook_logits(self.lm_head(self.mlm_norm(self.mlm_act(self.mlm_dense(h)))))
+
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm of the last layer's output (B, T, D), through ``hook_final_norm``."""
+        return self.hook_final_norm(self.final_norm(x))
 
     def pool(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """BERT's pooled output: tanh(dense(h[:, 0])) of the final hidden states (B, T, D) ->

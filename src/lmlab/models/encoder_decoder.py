@@ -33,6 +33,7 @@ from lmlab.models.output import ModelOutput
 from lmlab.models.stack import LayerStack, StackOutput, padding_mask
 from lmlab.models.tying import TiedEmbeddingsModule
 from lmlab.nn.block import BLOCK, DECODER_BLOCK
+from lmlab.nn.hooks import HookPoint, fast_hook_lookup
 from lmlab.nn.kv_cache import EncoderDecoderCache
 from lmlab.nn.norm import build_norm
 from lmlab.nn.position import POSITION
@@ -73,6 +74,12 @@ class Seq2SeqStack(nn.Module):
         block_cls = (DECODER_BLOCK if decoder else BLOCK).get(cfg.block.kind, "model.block.kind")
         self.layers = LayerStack([block_cls(cfg, i) for i in range(n)], cross=decoder)
         self.final_norm = build_norm(cfg) if cfg.final_norm else nn.Identity()
+        self.hook_embed = HookPoint()  # (B, T, D) token embedding (x embed_scale)
+        self.hook_final_norm = HookPoint()  # (B, T, D) the final norm's output
+
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm of the last layer's output (B, T, D), through ``hook_final_norm``."""
+        return self.hook_final_norm(self.final_norm(x))
 
     def forward(
         self,
@@ -88,9 +95,9 @@ class Seq2SeqStack(nn.Module):
         """Token embeddings (B, T, D) at ``positions`` (T,) -> :class:`StackOutput` (output
         (B, T, D), hidden states, self-attention and, in the decoder, cross-attention weights).
         ``memory`` (B, S, D) and ``memory_mask`` (B, S): the encoder output and its padding."""
-        x = self.drop(self.embed_norm(self.position.embed(x, positions)))
+        x = self.drop(self.embed_norm(self.position.embed(self.hook_embed(x), positions)))
         return self.layers(
-            x, self.position, positions, key_mask, cache, need_weights, hidden, self.final_norm,
+            x, self.position, positions, key_mask, cache, need_weights, hidden, self.normed,
             memory, memory_mask,
         )  # fmt: skip
 
@@ -158,9 +165,11 @@ class EncoderDecoderLM(TiedEmbeddingsModule):
         self.output_scale = cfg.d_model**-0.5 if cfg.seq2seq.scale_decoder_output else 1.0
         bias = torch.zeros(1, cfg.vocab_size) if cfg.seq2seq.final_logits_bias else None
         self.register_buffer("final_logits_bias", bias)  # BART: a fixed (1, V) logit offset
+        self.hook_logits = HookPoint()  # (B, T, V) decoder logits (lmlab.hooks)
         self.reset_parameters()
         if cfg.tie_embeddings:
             self.tie_embeddings()  # lm_head.weight is embed.weight, through every load too
+        fast_hook_lookup(self)  # hook points named, one dict lookup each
 
     def reset_parameters(self) -> None:
         """Initialise every weight with the scheme named by ``model.init`` (see models/init.py)."""
@@ -273,6 +282,7 @@ class EncoderDecoderLM(TiedEmbeddingsModule):
         logits = self.lm_head(x * self.output_scale)  # (B, T, V)
         if self.final_logits_bias is not None:
             logits = logits + self.final_logits_bias
+        logits = self.hook_logits(logits)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(

@@ -8,6 +8,7 @@ keep the names ``layers.{i}.attn.q_proj.weight`` ...), called like a block with 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -51,7 +52,7 @@ class LayerStack(nn.ModuleList):
         cache: KVCache | None,
         need_weights: bool,
         output_hidden_states: bool,
-        final_norm: nn.Module,
+        final_norm: Callable[[torch.Tensor], torch.Tensor],
         memory: torch.Tensor | None = None,
         memory_mask: torch.Tensor | None = None,
     ) -> StackOutput:
@@ -68,6 +69,7 @@ class LayerStack(nn.ModuleList):
         cross = cache.cross if isinstance(cache, EncoderDecoderCache) else None
         x = self[0].expand_stream(x)  # type: ignore[operator]  # the block kind's stream
         for i, layer in enumerate(self):
+            x = layer.hook_resid_pre(x)  # type: ignore[operator]
             if output_hidden_states:
                 out.hidden_states.append(layer.reduce_stream(x))  # type: ignore[operator]
             layer_cache = cache.layers[i] if cache is not None else None
@@ -81,6 +83,7 @@ class LayerStack(nn.ModuleList):
                     out.cross_attentions.append(c)
             else:
                 x, w = layer(x, position, positions, key_mask, layer_cache, need_weights)
+            x = layer.hook_resid_post(x)  # type: ignore[operator]
             if need_weights:
                 out.attentions.append(w)
         out.x = final_norm(self[-1].reduce_stream(x))  # type: ignore[operator]

@@ -36,6 +36,7 @@ from lmlab.nn.attention_core import (  # noqa: F401  (re-exported from their old
     attention_sdpa,
     repeat_kv,
 )
+from lmlab.nn.hooks import HookPoint
 from lmlab.nn.kv_cache import LayerCache, LayerKVCache, LinearAttentionState, SlidingWindowKVCache
 from lmlab.nn.masks import MASKS, MaskFn
 from lmlab.nn.norm import RMSNorm
@@ -143,6 +144,14 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg, dim=hd) if a.qk_norm else nn.Identity()
         # v_norm: the same on each v head; with qk_norm, HybridNorm's QKV-norm (Zhuo et al. 2025).
         self.v_norm = RMSNorm(cfg, dim=hd) if a.v_norm else nn.Identity()
+        # named hook points (lmlab.hooks): identities costing one check when unhooked
+        self.hook_q = HookPoint()  # (B, H, T, hd) after QK-norm and rotation
+        self.hook_k = HookPoint()  # (B, K, T, hd) the new tokens' keys, before the cache
+        self.hook_v = HookPoint()  # (B, K, T, hd)
+        self.hook_scores = HookPoint()  # (B, H, T, S) masked pre-softmax scores
+        self.hook_pattern = HookPoint()  # (B, H, T, S) attention weights
+        self.hook_z = HookPoint()  # (B, H, T, hd) per-head output before o_proj
+        self.hook_out = HookPoint()  # (B, T, D) o_proj output
 
     @property
     def dropout_p(self) -> float:
@@ -159,7 +168,7 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_norm(self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)).transpose(1, 2)
         q, k = position.rotate(q, k, positions)  # q (B, H, T, hd), k (B, K, T, hd)
-        return q, k, v
+        return self.hook_q(q), self.hook_k(k), self.hook_v(v)
 
     def attend(
         self,
@@ -170,10 +179,13 @@ class Attention(nn.Module):
         key_mask: torch.Tensor | None,
         bias: torch.Tensor | None,
         need_weights: bool,
+        hooks: tuple[HookPoint, HookPoint] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q (B, H, T, hd), k and v (B, K, S, hd) -> (y (B, H, T, hd), weights (B, H, T, S) or
         None): :func:`~lmlab.nn.attention_core.attend` with this module's backend, scale, GQA
-        ratio, window and dropout; ``mask_fn`` None for no structural mask."""
+        ratio, window and dropout; ``mask_fn`` None for no structural mask. ``hooks``: the
+        (scores, pattern) hook points of this call, default this layer's ``hook_scores`` and
+        ``hook_pattern``."""
         return attend(
             q,
             k,
@@ -187,6 +199,7 @@ class Attention(nn.Module):
             bias=bias,
             dropout_p=self.dropout_p,
             need_weights=need_weights,
+            hooks=(self.hook_scores, self.hook_pattern) if hooks is None else hooks,
         )
 
     def cached_keys(
@@ -221,9 +234,12 @@ class Attention(nn.Module):
         return mask_fn if padded is None or key_mask is None else padded(key_mask)
 
     def merge_heads(self, y: torch.Tensor) -> torch.Tensor:
-        """(B, H, T, hd) -> o_proj of (B, T, H*hd) -> (B, T, D)."""
+        """(B, H, T, hd) -> o_proj of (B, T, H*hd) -> (B, T, D) (through the hook points
+        ``hook_z`` and ``hook_out``)."""
+        y = self.hook_z(y)
         b, _, t, _ = y.shape
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        out = self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        return self.hook_out(out)
 
     def saved_norm_elements(self) -> int:
         """Elements per token autograd keeps for the head norms this layer has (QK-norm,
@@ -449,7 +465,7 @@ class LinearAttention(Attention):
 
         # Parallel form over the new tokens: sim (B, H, T, T), zero where the mask forbids.
         sim = torch.matmul(fq, repeat_kv(fk, rep).transpose(-2, -1))
-        sim = sim.masked_fill(~self.mask_fn(t, t, x.device), 0.0)
+        sim = self.hook_scores(sim.masked_fill(~self.mask_fn(t, t, x.device), 0.0))
         den = sim.sum(-1, keepdim=True)  # (B, H, T, 1)
         past_num = None
         if past is not None:  # recurrent form: the state sums over every earlier token
@@ -457,7 +473,7 @@ class LinearAttention(Attention):
             past_num = torch.matmul(fq, repeat_kv(past.state, rep))  # (B, H, T, hd)
             den = den + torch.matmul(fq, repeat_kv(past.normalizer, rep).unsqueeze(-1))
         den = den.clamp_min(torch.finfo(den.dtype).tiny)  # no visible key: 0 / tiny = 0
-        w = sim / den  # (B, H, T, T) normalised weights over the new tokens
+        w = self.hook_pattern(sim / den)  # (B, H, T, T) normalised weights over the new tokens
         dropout_p = self.dropout_p
         y = torch.matmul(F.dropout(w, p=dropout_p) if dropout_p else w, repeat_kv(v, rep))
         if past_num is not None:

@@ -35,6 +35,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from lmlab.errors import LmlabError
+from lmlab.nn.hooks import HookPoint
 from lmlab.nn.masks import MaskFn, causal_mask, combine_masks
 from lmlab.registry import Registry
 
@@ -68,6 +70,7 @@ def attention_math(
     scale: float,
     dropout_p: float = 0.0,
     bias: torch.Tensor | None = None,
+    scores_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Explicit attention. q (B, H, T, hd), k and v (B, H, S, hd); mask bool (T, S) or
     broadcastable (True = may attend); bias: additive float scores broadcastable to (B, H, T, S).
@@ -75,13 +78,16 @@ def attention_math(
     Returns (out (B, H, T, hd), weights (B, H, T, S), rows summing to 1). A row whose keys are all
     masked gets weights of 0 (and so an output of 0) instead of NaN. The softmax runs in the
     scores' dtype promoted to at least float32 (bf16/fp16 up to float32, float64 stays float64),
-    so a float64 model is a float64 reference.
+    so a float64 model is a float64 reference. ``scores_hook``: called on the masked scores
+    (B, H, T, S) (-inf where masked) before the softmax; what it returns is used.
     """
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, T, S)
     if bias is not None:
         scores = scores + bias
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
+    if scores_hook is not None:
+        scores = scores_hook(scores)
     softmax_dtype = torch.promote_types(scores.dtype, torch.float32)  # promote, never demote
     weights = torch.softmax(scores, dim=-1, dtype=softmax_dtype).nan_to_num(0.0).to(q.dtype)
     if dropout_p > 0.0:
@@ -120,6 +126,7 @@ ATTENTION_BACKENDS.register(
 ATTENTION_BACKENDS.register(
     "math", "The formula spelled out: materialises and can return the attention weights."
 )(backend_traits(attention_math, returns_weights=True, takes_bias=True, softmax=True))
+attention_math.takes_scores_hook = True  # type: ignore[attr-defined]  # see attend(hooks=)
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -141,6 +148,7 @@ def attend(
     bias: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     need_weights: bool = False,
+    hooks: tuple[HookPoint, HookPoint] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Softmax attention of q (B, H, T, hd) over k, v (B, K, S, hd), K = H / ``n_rep``.
 
@@ -153,14 +161,29 @@ def attend(
     ``backend``: a function of :data:`ATTENTION_BACKENDS`; with ``need_weights`` one that cannot
     return weights is replaced by :func:`attention_math` for this call.
 
+    ``hooks``: the (scores, pattern) :class:`~lmlab.nn.hooks.HookPoint` pair of the calling
+    layer. While either has a function registered the call runs as with ``need_weights`` (a
+    backend that returns weights, :func:`attention_math` otherwise; no sparse path): the
+    scores point sees the masked scores (B, H, T, S) before the softmax (backends with a
+    ``takes_scores_hook`` attribute), the pattern point the weights (B, H, T, S) before
+    dropout, and a replaced pattern gives out = pattern @ v. Unhooked, nothing changes.
+
     Returns (out (B, H, T, hd), weights (B, H, T, S) when ``need_weights``, else None).
     """
     t, s = q.shape[2], k.shape[2]
-    if need_weights and not getattr(backend, "returns_weights", False):
+    hooked = hooks is not None and bool(hooks[0].fns or hooks[1].fns)
+    if (need_weights or hooked) and not getattr(backend, "returns_weights", False):
         backend = attention_math  # the one backend that materialises the weights
+    extra: dict = {}
+    if hooked and hooks is not None and hooks[0].fns:
+        if not getattr(backend, "takes_scores_hook", False):
+            raise LmlabError(
+                f"{hooks[0].name}: this attention backend exposes no pre-softmax scores"
+            )
+        extra["scores_hook"] = hooks[0]
     sparse = getattr(mask_fn, "sparse_attend", None)
     softmax = getattr(backend, "softmax", False)
-    if sparse is not None and softmax and not need_weights and bias is None:
+    if sparse is not None and softmax and not (need_weights or hooked) and bias is None:
         y = sparse(q, k, v, scale=scale, window=window, key_mask=key_mask, dropout_p=dropout_p)
         if y is not None:  # the mask's sparse path; None: it does not apply to this call
             return y, None
@@ -183,9 +206,9 @@ def attend(
         every = torch.ones(t, s, dtype=torch.bool, device=q.device)  # no structural mask
         mask, empty = combine_masks(every, key_mask)  # (B, 1, T, S)
     if bias is None:
-        y, w = backend(q, k, v, mask, scale, dropout_p)
+        y, w = backend(q, k, v, mask, scale, dropout_p, **extra)
     elif getattr(backend, "takes_bias", False):
-        y, w = backend(q, k, v, mask, scale, dropout_p, bias=bias)
+        y, w = backend(q, k, v, mask, scale, dropout_p, bias=bias, **extra)
     else:  # fold the bool mask into the additive bias
         bias = bias.to(q.dtype)
         y, w = backend(
@@ -195,7 +218,13 @@ def attend(
             bias if mask is None else bias.masked_fill(~mask, float("-inf")),
             scale,
             dropout_p,
+            **extra,
         )
+    if hooked and hooks is not None and hooks[1].fns and w is not None:
+        replaced = hooks[1](w)  # (B, H, T, S)
+        if replaced is not w:  # an edited pattern: recompute the output from it
+            w = replaced
+            y = torch.matmul(F.dropout(w, p=dropout_p) if dropout_p > 0.0 else w, v)
     if empty is not None:  # queries with no visible key (padding rows) output 0
         y = y.masked_fill(empty, 0.0)
         w = None if w is None else w.masked_fill(empty, 0.0)

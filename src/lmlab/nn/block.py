@@ -14,6 +14,7 @@ from torch import nn
 from lmlab.nn.attention import ATTENTION
 from lmlab.nn.cross_attention import CrossAttention
 from lmlab.nn.ffn import build_ffn
+from lmlab.nn.hooks import HookPoint
 from lmlab.nn.kv_cache import CrossAttentionCache, LayerCache
 from lmlab.nn.norm import build_norm
 from lmlab.registry import Registry
@@ -50,6 +51,11 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.parallel = cfg.block.parallel
         self.residual = cfg.block.residual
+        # the residual stream's hook points (lmlab.hooks); LayerStack runs pre and post
+        self.hook_resid_pre = HookPoint()  # (B, T, D) entering the layer
+        if not self.parallel:  # a parallel block has no stream between its sublayers
+            self.hook_resid_mid = HookPoint()  # (B, T, D) after the attention sublayer
+        self.hook_resid_post = HookPoint()  # (B, T, D) leaving the layer
 
     def add(self, x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
         """The residual connection x + branch (He et al. 2016); only branch with
@@ -94,7 +100,7 @@ class PreNormBlock(Block):
         a = self.attn(self.attn_norm(x), position, positions, key_mask, cache, need_weights)
         if self.parallel:
             return self.add(x, self.drop(a.out) + self.drop(self.ffn(self.ffn_norm(x)))), a.weights
-        x = self.add(x, self.drop(a.out))
+        x = self.hook_resid_mid(self.add(x, self.drop(a.out)))
         x = self.add(x, self.drop(self.ffn(self.ffn_norm(x))))
         return x, a.weights
 
@@ -105,7 +111,7 @@ class PostNormBlock(Block):
 
     def forward(self, x, position, positions, key_mask=None, cache=None, need_weights=False):
         a = self.attn(x, position, positions, key_mask, cache, need_weights)
-        x = self.attn_norm(self.add(x, self.drop(a.out)))
+        x = self.hook_resid_mid(self.attn_norm(self.add(x, self.drop(a.out))))
         x = self.ffn_norm(self.add(x, self.drop(self.ffn(x))))
         return x, a.weights
 
@@ -122,7 +128,7 @@ class HybridNormBlock(Block):
 
     def forward(self, x, position, positions, key_mask=None, cache=None, need_weights=False):
         a = self.attn(x, position, positions, key_mask, cache, need_weights)
-        x = self.add(x, self.drop(a.out))
+        x = self.hook_resid_mid(self.add(x, self.drop(a.out)))
         x = self.ffn_norm(self.add(x, self.drop(self.ffn(x))))
         return x, a.weights
 
@@ -147,6 +153,10 @@ class DecoderBlock(nn.Module):
         self.ffn_norm = build_norm(cfg)
         self.ffn = build_ffn(cfg)
         self.drop = nn.Dropout(cfg.dropout)
+        self.hook_resid_pre = HookPoint()  # (B, T, D) entering the layer
+        self.hook_resid_mid = HookPoint()  # (B, T, D) after self-attention
+        self.hook_resid_cross = HookPoint()  # (B, T, D) after cross-attention
+        self.hook_resid_post = HookPoint()  # (B, T, D) leaving the layer
 
     expand_stream = Block.expand_stream  # the residual stream is x itself
     reduce_stream = Block.reduce_stream
@@ -188,9 +198,9 @@ class PreNormDecoderBlock(DecoderBlock):
         need_weights=False,
     ):
         a = self.attn(self.attn_norm(x), position, positions, key_mask, cache, need_weights)
-        x = x + self.drop(a.out)
+        x = self.hook_resid_mid(x + self.drop(a.out))
         c = self.cross_attn(self.cross_norm(x), memory, memory_mask, cross_cache, need_weights)
-        x = x + self.drop(c.out)
+        x = self.hook_resid_cross(x + self.drop(c.out))
         x = x + self.drop(self.ffn(self.ffn_norm(x)))
         return x, a.weights, c.weights
 
@@ -213,8 +223,8 @@ class PostNormDecoderBlock(DecoderBlock):
         need_weights=False,
     ):
         a = self.attn(x, position, positions, key_mask, cache, need_weights)
-        x = self.attn_norm(x + self.drop(a.out))
+        x = self.hook_resid_mid(self.attn_norm(x + self.drop(a.out)))
         c = self.cross_attn(x, memory, memory_mask, cross_cache, need_weights)
-        x = self.cross_norm(x + self.drop(c.out))
+        x = self.hook_resid_cross(self.cross_norm(x + self.drop(c.out)))
         x = self.ffn_norm(x + self.drop(self.ffn(x)))
         return x, a.weights, c.weights

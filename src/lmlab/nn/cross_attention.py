@@ -53,6 +53,7 @@ class CrossAttention(Attention):
         """
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)).transpose(1, 2)
+        q = self.hook_q(q)  # (B, H, T, hd)
         if cache is not None and cache.filled:
             assert cache.k is not None and cache.v is not None
             k, v = cache.k, cache.v
@@ -62,6 +63,7 @@ class CrossAttention(Attention):
             k, v = self.memory_kv(memory)  # (B, K, S, hd)
             if cache is not None:
                 cache.set(k, v)
+        k, v = self.hook_k(k), self.hook_v(v)  # (B, K, S, hd) over the source, cached or not
         s = k.shape[2]
         if memory_mask is not None and memory_mask.shape != (b, s):
             raise ValueError(

@@ -50,6 +50,7 @@ from torch import nn
 
 from lmlab.errors import ConfigError
 from lmlab.nn.attention import ATTENTION, AttentionOutput, SoftmaxAttention
+from lmlab.nn.hooks import HookPoint
 from lmlab.nn.kv_cache import LayerKVCache, SlidingWindowKVCache
 
 if TYPE_CHECKING:
@@ -125,6 +126,9 @@ class DifferentialAttention(SoftmaxAttention):
         self.lambda_q2 = nn.Parameter(torch.empty(hd).normal_(0.0, std))
         self.lambda_k2 = nn.Parameter(torch.empty(hd).normal_(0.0, std))
         self.eps = cfg.norm.eps  # the per-head RMSNorm's (Hugging Face: rms_norm_eps)
+        # hook_scores / hook_pattern see the first maps (B, H/2, T, S); these the second
+        self.hook_scores_2 = HookPoint()
+        self.hook_pattern_2 = HookPoint()
 
     def lambda_full(self, dtype: torch.dtype) -> torch.Tensor:
         """lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init, a 0-dim tensor of ``dtype``
@@ -160,7 +164,8 @@ class DifferentialAttention(SoftmaxAttention):
         v2 = torch.cat([v[:, :k2], v[:, k2:]], dim=-1)  # (B, K/2, S, 2 hd)
         b1, b2 = _split_heads(position.score_bias(positions, k.shape[2]), self.n_heads)
         y1, w1 = self.attend(q[:, :h2], k[:, :k2], v2, mask_fn, key_mask, b1, need_weights)
-        y2, w2 = self.attend(q[:, h2:], k[:, k2:], v2, mask_fn, key_mask, b2, need_weights)
+        second = (self.hook_scores_2, self.hook_pattern_2)  # the second map's hook points
+        y2, w2 = self.attend(q[:, h2:], k[:, k2:], v2, mask_fn, key_mask, b2, need_weights, second)
         y = self.head_norm(y1 - self.lambda_full(q.dtype) * y2)  # (B, H/2, T, 2 hd)
         w = torch.cat([w1, w2], dim=1) if w1 is not None and w2 is not None else None
         return AttentionOutput(self.merge_heads(y), w)  # (H/2, 2 hd) merge as (H, hd)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmlab.nn.hooks import HookPoint
 from lmlab.registry import Registry
 
 if TYPE_CHECKING:
@@ -70,9 +71,11 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=f.bias)
         self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=f.bias)
         self.down_proj.is_residual_proj = True  # type: ignore[assignment]
+        self.hook_hidden = HookPoint()  # (B, T, F) act(up(x)), what down_proj reads
+        self.hook_out = HookPoint()  # (B, T, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.up_proj(x)))
+        return self.hook_out(self.down_proj(self.hook_hidden(self.act(self.up_proj(x)))))
 
     def saved_activation_bytes(self, act_bytes: int) -> int:
         """Bytes per token autograd keeps of the hidden activations for backward: up(x) and
@@ -96,9 +99,12 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=f.bias)
         self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=f.bias)
         self.down_proj.is_residual_proj = True  # type: ignore[assignment]
+        self.hook_hidden = HookPoint()  # (B, T, F) act(gate(x)) * up(x), what down_proj reads
+        self.hook_out = HookPoint()  # (B, T, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        hidden = self.hook_hidden(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.hook_out(self.down_proj(hidden))
 
     def saved_activation_bytes(self, act_bytes: int) -> int:
         """Bytes per token autograd keeps for backward: gate(x), up(x), act(gate(x)) and the

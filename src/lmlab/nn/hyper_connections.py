@@ -214,6 +214,8 @@ class HyperConnectionBlock(Block):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__(cfg, layer_idx)
+        if hasattr(self, "hook_resid_mid"):  # n streams mixed in, none between the sublayers
+            del self.hook_resid_mid
         self.n_streams, self.d_model = HCOptions.of(cfg).n_streams, cfg.d_model
         self.attn_hc = HyperConnection(cfg, layer_idx)
         self.ffn_hc = HyperConnection(cfg, layer_idx)

@@ -45,6 +45,7 @@ from lmlab.nn.attention import (
     bound_mask,
 )
 from lmlab.nn.attention_core import ATTENTION_BACKENDS
+from lmlab.nn.hooks import HookPoint
 from lmlab.nn.kv_cache import LayerKVCache, SlidingWindowKVCache
 from lmlab.nn.norm import RMSNorm
 from lmlab.nn.position import POSITION, RotaryPosition, rotary_dim
@@ -222,6 +223,14 @@ class MultiHeadLatentAttention(Attention):
         self.kv_b_proj = nn.Linear(c, h * (n + dv), bias=False)  # [W_UK; W_UV] per head
         self.o_proj = nn.Linear(h * dv, d, bias=out_bias)
         self.o_proj.is_residual_proj = True  # type: ignore[assignment]
+        # hook points (lmlab.hooks); q/k/v are the expanded per-head tensors (absorb: false)
+        self.hook_q = HookPoint()  # (B, H, T, n + r)
+        self.hook_k = HookPoint()  # (B, H, S, n + r) over cached + new keys
+        self.hook_v = HookPoint()  # (B, H, S, dv)
+        self.hook_scores = HookPoint()  # (B, H, T, S)
+        self.hook_pattern = HookPoint()  # (B, H, T, S)
+        self.hook_z = HookPoint()  # (B, H, T, dv) per-head output before o_proj
+        self.hook_out = HookPoint()  # (B, T, D)
 
     # The latent cache is softmax attention's layer cache (dynamic, bounded by a sliding window,
     # every key kept for a mask that reads them all, or the StreamingLLM cache, which evicts
@@ -279,6 +288,7 @@ class MultiHeadLatentAttention(Attention):
         bias = position.score_bias(positions, s)  # None for RoPE kinds
         w_uk, w_uv = self.up_weights()
         core = dict(backend=self.backend_fn, scale=self.scale, mask_fn=c.mask_fn)
+        core["hooks"] = (self.hook_scores, self.hook_pattern)
         core.update(window=self.window, key_mask=c.key_mask, bias=bias, dropout_p=self.dropout_p)
         if self.absorb:  # q_C W_UK . c_KV + q_R . k_R over one shared latent "kv head"
             q_lat = torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk)  # (B, H, T, c)
@@ -291,8 +301,10 @@ class MultiHeadLatentAttention(Attention):
             k_nope, v = kv.split([n, dv], dim=-1)
             k = torch.cat([k_nope, k_rope.expand(-1, h, -1, -1)], dim=-1)  # (B, H, S, n + r)
             q = torch.cat([q_nope, q_rope], dim=-1)  # (B, H, T, n + r)
+            q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
             y, w = attend(q, k, v, n_rep=1, need_weights=need_weights, **core)  # type: ignore[arg-type]
-        out = self.o_proj(y.transpose(1, 2).reshape(b, t, h * dv))
+        y = self.hook_z(y)
+        out = self.hook_out(self.o_proj(y.transpose(1, 2).reshape(b, t, h * dv)))
         return AttentionOutput(out, w)
 
     def saved_norm_elements(self) -> int:

@@ -279,7 +279,7 @@ class MoBAAttention(SoftmaxAttention):
         gate = block_gate(q, kc, query_index, self.block_size)
         blocks, valid = select_blocks(gate, query_index, self.block_size, self.top_k)
         bias = position.score_bias(positions, s)  # (H, T, S) or None
-        if self.impl == "dense" or need_weights:
+        if self.impl == "dense" or need_weights or self.hook_pattern.fns or self.hook_scores.fns:
             mask = selection_mask(blocks, valid, key_index, query_index, key_mask, self.block_size)
             y, w = self.attend(q, k, v, lambda *_: mask, key_mask, bias, need_weights)
         else:

@@ -29,6 +29,7 @@ from torch import nn
 from lmlab.checks import choice, positive
 from lmlab.errors import ConfigError
 from lmlab.nn.ffn import FFN
+from lmlab.nn.hooks import HookPoint
 from lmlab.registry import Registry
 
 if TYPE_CHECKING:
@@ -165,6 +166,10 @@ class MoE(nn.Module):
         self.shared_expert = expert_cls(expert_cfg) if f.shared_expert else None
         self.router_logits: torch.Tensor | None = None
         self.expert_counts: torch.Tensor | None = None
+        self.hook_router_logits = HookPoint()  # (N, E) float32, N = B T
+        self.hook_choices = HookPoint()  # (N, top_k) int64 expert indices
+        self.hook_gates = HookPoint()  # (N, top_k) the chosen experts' weights
+        self.hook_out = HookPoint()  # (B, T, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, T, D) -> (B, T, D), same dtype."""
@@ -173,7 +178,9 @@ class MoE(nn.Module):
         dtype = torch.promote_types(self.router.weight.dtype, torch.float32)  # at least float32
         with torch.autocast(flat.device.type, enabled=False):
             logits = F.linear(flat.to(dtype), self.router.weight.to(dtype))  # (N, E)
+        logits = self.hook_router_logits(logits)
         gates, idx = self.route(logits, self.top_k)  # (N, k), (N, k)
+        gates, idx = self.hook_gates(gates), self.hook_choices(idx)
         # Each (token, slot) pair belongs to one expert: writing into (N, k, D) slots and summing
         # is deterministic (no atomic scatter-add) and runs every expert, even on 0 tokens.
         slots = flat.new_zeros(flat.shape[0], self.top_k, flat.shape[-1])  # (N, k, D)
@@ -188,7 +195,7 @@ class MoE(nn.Module):
         with torch.no_grad():
             experts = torch.arange(self.n_experts, device=idx.device)
             self.expert_counts = (idx[..., None] == experts).sum((0, 1))  # (E,) int64
-        return out.reshape(shape).to(x.dtype)
+        return self.hook_out(out.reshape(shape).to(x.dtype))
 
     # ------------------------------------------------------------------ what a token uses
     # Only the layer knows its routing: these answer for it in the parameter and FLOP counts

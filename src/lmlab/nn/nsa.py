@@ -335,6 +335,7 @@ class NativeSparseAttention(SoftmaxAttention):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__(cfg, layer_idx)
+        del self.hook_scores, self.hook_pattern  # three branches: no one (B, H, T, S) map
         a = nsa_section(cfg)
         self.block, self.stride = a.compress_block, a.compress_stride
         self.select_block, self.top_k = a.select_block, a.select_top_k
@@ -363,7 +364,8 @@ class NativeSparseAttention(SoftmaxAttention):
         v = torch.cat([self.v_proj(x), self.window_v_proj(x)], dim=-1).view(b, t, 2 * kv, hd)
         k, v = self.k_norm(k).transpose(1, 2), self.v_norm(v).transpose(1, 2)
         q, k = position.rotate(q, k, positions)  # q (B, H, T, hd), k (B, 2K, T, hd)
-        return (q, *k.split(kv, dim=1), *v.split(kv, dim=1))
+        (k, kw), (v, vw) = k.split(kv, dim=1), v.split(kv, dim=1)
+        return self.hook_q(q), self.hook_k(k), kw, self.hook_v(v), vw  # hooks: branches 1-2
 
     def branches(
         self,

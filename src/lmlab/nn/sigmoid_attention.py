@@ -23,6 +23,7 @@ an evicted key weighs 0 as a masked one does, and b stays -log(max_seq_len)).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -59,6 +60,7 @@ def sigmoid_backend(offset: float) -> AttentionFn:
         scale: float,
         dropout_p: float = 0.0,
         bias: torch.Tensor | None = None,
+        scores_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         scores = torch.matmul(q, k.transpose(-2, -1)) * scale + offset  # (B, H, T, S)
         if bias is not None:
@@ -66,10 +68,14 @@ def sigmoid_backend(offset: float) -> AttentionFn:
         scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
+        if scores_hook is not None:  # the hook point layers.{i}.attn.hook_scores
+            scores = scores_hook(scores)
         w = torch.sigmoid(scores).to(q.dtype)
         return torch.matmul(F.dropout(w, p=dropout_p) if dropout_p > 0.0 else w, v), w
 
-    return backend_traits(sigmoid_math, returns_weights=True, takes_bias=True)
+    fn = backend_traits(sigmoid_math, returns_weights=True, takes_bias=True)
+    fn.takes_scores_hook = True  # type: ignore[attr-defined]
+    return fn
 
 
 def sigmoid_attend(

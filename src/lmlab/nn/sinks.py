@@ -80,7 +80,7 @@ class SinkAttention(SoftmaxAttention):
         super().__init__(cfg, layer_idx)
         self.sinks = nn.Parameter(torch.zeros(self.n_heads))  # (H,) logits, exp(0) = 1 at init
 
-    def attend(self, q, k, v, mask_fn, key_mask, bias, need_weights):
+    def attend(self, q, k, v, mask_fn, key_mask, bias, need_weights, hooks=None):
         """As :meth:`Attention.attend`, with the sink: q (B, H, T, hd), k and v (B, K, S, hd)
         -> (y (B, H, T, hd), weights (B, H, T, S) or None)."""
         b, _, t, _ = q.shape
@@ -97,7 +97,8 @@ class SinkAttention(SoftmaxAttention):
         if key_mask is not None:
             real = key_mask[:, -s:]
             key_mask = torch.cat([real, real.new_ones(real.shape[0], 1)], dim=1)  # (B, S + 1)
-        y, w = super().attend(q, k, v, with_sink_column(mask_fn), key_mask, full_bias, need_weights)
+        sunk = with_sink_column(mask_fn)  # the hooked pattern keeps the sink column (S + 1)
+        y, w = super().attend(q, k, v, sunk, key_mask, full_bias, need_weights, hooks)
         return y, None if w is None else w[..., :s]
 
     @classmethod
