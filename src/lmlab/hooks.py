@@ -26,7 +26,7 @@ tokens, D d_model, H heads, K kv heads, hd head_dim, F d_ff, V vocab, E experts,
 ``hook_logits``                    (B, T, V)
 =================================  ===========================================================
 
-Per attention kind (docs/interp/hooks.md): differential's maps are (B, H/2, T, S) with
+Per attention kind (docs/interpretability.md): differential's maps are (B, H/2, T, S) with
 ``hook_scores_2`` / ``hook_pattern_2`` for the second; sink's pattern has a last column for the
 sink; MLA's q/k/v are the expanded heads (``absorb: false`` only; k, v over all S keys);
 linear's scores are the masked phi(q) phi(k)^T; nsa has no scores or pattern (three branches);
@@ -119,7 +119,7 @@ def _check_fired(names: Sequence[str], fired: set[str]) -> None:
     if missing:
         raise LmlabError(
             f"hook point(s) {', '.join(missing)} did not run in this forward pass (this "
-            "attention kind or configuration does not compute them; see docs/interp/hooks.md)"
+            "attention kind or configuration does not compute them; see docs/interpretability.md)"
         )
 
 
