@@ -378,3 +378,49 @@ def test_wsd_decay_fraction_ends_are_accepted(fraction, want):
     t = cfg.train
     t.lr, t.min_lr, t.warmup_steps = 1.0, 0.0, 0
     assert [lr_at(s, t) for s in range(4)] == pytest.approx(want, abs=1e-15)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_optimizer_state_of_impossible_values_is_refused(tmp_path, capsys, optimizer):
+    """A crafted optimizer.safetensors whose values no optimizer holds (a negative or huge
+    second moment, a first moment or momentum buffer of 3e38, a step of 1e30, 0.5 or beyond
+    the checkpoint's step 2, a parameter's keys partly missing, a Muon parameter's buffer
+    wholly missing) is one error naming the file and the tensor, before any step is taken:
+    the run folder is left as it was (not a later "non-finite weights; lower train.lr")."""
+    from lmlab.training.trainer import train
+
+    run = tmp_path / "r"
+    train(_muon_run(2, lr_decay_steps=4, optimizer=optimizer), out=run, progress=False)
+    path = ck.latest_checkpoint(run) / ck.OPTIMIZER_FILE
+    good = load_file(path)
+
+    def every(suffix, value):
+        return {
+            k: (torch.full_like(v, value) if k.endswith(suffix) else v) for k, v in good.items()
+        }
+
+    emb = "embed.weight"
+    cases = [
+        (every("::exp_avg_sq", -1.0), "::exp_avg_sq"),
+        (every("::exp_avg_sq", 1e31), "::exp_avg_sq"),
+        (every("::exp_avg", 3e38), "::exp_avg "),
+        ({**good, f"{emb}::step": torch.tensor(1e30)}, f"{emb}::step"),
+        ({**good, f"{emb}::step": torch.tensor(0.5)}, f"{emb}::step"),
+        ({**good, f"{emb}::step": torch.tensor(3.0)}, f"{emb}::step = 3"),
+        ({k: v for k, v in good.items() if k != f"{emb}::exp_avg_sq"}, f"lacks {emb}::exp_avg_sq"),
+    ]
+    if optimizer == "muon":
+        q = "layers.0.attn.q_proj.weight::momentum_buffer"
+        cases += [
+            (every("::momentum_buffer", 3e38), "::momentum_buffer"),
+            ({k: v for k, v in good.items() if k != q}, f"lacks {q}"),
+        ]
+    for tensors, needle in cases:
+        save_file(tensors, str(path))
+        before = snapshot(run)
+        code, _, err = run_cli(capsys, "train", "--resume", str(run), "--max-steps", "4")
+        assert_one_error(code, err, f"optimizer state {path}", needle)
+        assert snapshot(run) == before
+    save_file(good, str(path))  # the untouched state still resumes
+    code, _, err = run_cli(capsys, "train", "--resume", str(run), "--max-steps", "3")
+    assert code == 0, err
