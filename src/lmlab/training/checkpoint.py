@@ -496,7 +496,8 @@ def load_optimizer(
     """Load ``optimizer.safetensors`` into ``optimizer`` (checked by
     :func:`load_optimizer_tensors`; ``max_step``: the checkpoint's step). Raises
     CheckpointError when it is missing, corrupt or does not fit; a folder in the old
-    torch.distributed.checkpoint layout (``sharded/``, whose metadata is a pickle) is refused without reading it."""
+    torch.distributed.checkpoint layout (``sharded/``, whose metadata is a pickle) is refused
+    without reading it."""
     path = _checkpoint_file(ckpt, OPTIMIZER_FILE)
     if not os.path.lexists(path):
         if os.path.lexists(ckpt / LEGACY_SHARDED_DIR):
