@@ -424,3 +424,32 @@ def test_optimizer_state_of_impossible_values_is_refused(tmp_path, capsys, optim
     save_file(good, str(path))  # the untouched state still resumes
     code, _, err = run_cli(capsys, "train", "--resume", str(run), "--max-steps", "3")
     assert code == 0, err
+
+
+@pytest.mark.parametrize(
+    "setting, selector",
+    [
+        ("train.muon_lr=0.05", "optimizer=muon only, not adamw"),
+        ("train.muon_momentum=0.9", "optimizer=muon only, not adamw"),
+        ("train.muon_weight_decay=0.1", "optimizer=muon only, not adamw"),
+        ("train.decay_fraction=0.5", "schedule=wsd only, not cosine"),
+        ("train.decay_shape=sqrt", "schedule=wsd only, not cosine"),
+    ],
+)
+def test_muon_and_wsd_fields_off_their_optimizer_or_schedule_are_refused(
+    capsys, tmp_path, setting, selector
+):
+    """A Muon field under train.optimizer: adamw, or a WSD field under train.schedule: cosine,
+    has no effect: one error naming the field (as the generic option rule words it), and no
+    run folder is made."""
+    field, _, value = setting.partition("=")
+    out = tmp_path / "r"
+    code, _, err = run_cli(capsys, "train", "--out", str(out), "--set", setting)
+    assert_one_error(code, err, f"{field} applies to {selector}", "has no effect", value)
+    assert not out.exists()
+
+
+def test_muon_and_wsd_fields_at_their_defaults_or_with_their_owner_are_accepted():
+    tiny_config(train={"optimizer": "adamw", "muon_lr": 0.02, "decay_shape": "linear"})
+    tiny_config(train={"optimizer": "muon", "muon_lr": 0.05, "muon_weight_decay": 0.0})
+    tiny_config(train={"schedule": "wsd", "decay_fraction": 0.5, "decay_shape": "sqrt"})
