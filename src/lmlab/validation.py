@@ -237,6 +237,20 @@ def _optimizer_rules(t: TrainConfig) -> None:
         raise ConfigError(f"train.muon_momentum must be in [0, 1), got {t.muon_momentum}")
     if not 0.0 <= t.decay_fraction <= 1.0:
         raise ConfigError(f"train.decay_fraction must be in [0, 1], got {t.decay_fraction}")
+    # a field read only under one optimizer / schedule, set off its default under another, has
+    # no effect: refused by name, as the generic option rule refuses a variant's foreign option
+    for fields, selector, owner in (
+        (("muon_lr", "muon_momentum", "muon_weight_decay"), "optimizer", "muon"),
+        (("decay_fraction", "decay_shape"), "schedule", "wsd"),
+    ):
+        chosen = getattr(t, selector)
+        for name in fields:
+            value = getattr(t, name)
+            if chosen != owner and value != default_of(t, name):
+                raise ConfigError(
+                    f"train.{name} applies to {selector}={owner} only, not {chosen} "
+                    f"({name}={_yaml(value)} has no effect with train.{selector}={chosen})"
+                )
     if t.optimizer == "muon" and t.parallel == "fsdp":
         raise ConfigError(
             "train.optimizer=muon does not run with train.parallel=fsdp: Muon orthogonalises each "

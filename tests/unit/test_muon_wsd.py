@@ -378,3 +378,78 @@ def test_wsd_decay_fraction_ends_are_accepted(fraction, want):
     t = cfg.train
     t.lr, t.min_lr, t.warmup_steps = 1.0, 0.0, 0
     assert [lr_at(s, t) for s in range(4)] == pytest.approx(want, abs=1e-15)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_optimizer_state_of_impossible_values_is_refused(tmp_path, capsys, optimizer):
+    """A crafted optimizer.safetensors whose values no optimizer holds (a negative or huge
+    second moment, a first moment or momentum buffer of 3e38, a step of 1e30, 0.5 or beyond
+    the checkpoint's step 2, a parameter's keys partly missing, a Muon parameter's buffer
+    wholly missing) is one error naming the file and the tensor, before any step is taken:
+    the run folder is left as it was (not a later "non-finite weights; lower train.lr")."""
+    from lmlab.training.trainer import train
+
+    run = tmp_path / "r"
+    train(_muon_run(2, lr_decay_steps=4, optimizer=optimizer), out=run, progress=False)
+    path = ck.latest_checkpoint(run) / ck.OPTIMIZER_FILE
+    good = load_file(path)
+
+    def every(suffix, value):
+        return {
+            k: (torch.full_like(v, value) if k.endswith(suffix) else v) for k, v in good.items()
+        }
+
+    emb = "embed.weight"
+    cases = [
+        (every("::exp_avg_sq", -1.0), "::exp_avg_sq"),
+        (every("::exp_avg_sq", 1e31), "::exp_avg_sq"),
+        (every("::exp_avg", 3e38), "::exp_avg "),
+        ({**good, f"{emb}::step": torch.tensor(1e30)}, f"{emb}::step"),
+        ({**good, f"{emb}::step": torch.tensor(0.5)}, f"{emb}::step"),
+        ({**good, f"{emb}::step": torch.tensor(3.0)}, f"{emb}::step = 3"),
+        ({k: v for k, v in good.items() if k != f"{emb}::exp_avg_sq"}, f"lacks {emb}::exp_avg_sq"),
+    ]
+    if optimizer == "muon":
+        q = "layers.0.attn.q_proj.weight::momentum_buffer"
+        cases += [
+            (every("::momentum_buffer", 3e38), "::momentum_buffer"),
+            ({k: v for k, v in good.items() if k != q}, f"lacks {q}"),
+        ]
+    for tensors, needle in cases:
+        save_file(tensors, str(path))
+        before = snapshot(run)
+        code, _, err = run_cli(capsys, "train", "--resume", str(run), "--max-steps", "4")
+        assert_one_error(code, err, f"optimizer state {path}", needle)
+        assert snapshot(run) == before
+    save_file(good, str(path))  # the untouched state still resumes
+    code, _, err = run_cli(capsys, "train", "--resume", str(run), "--max-steps", "3")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize(
+    "setting, selector",
+    [
+        ("train.muon_lr=0.05", "optimizer=muon only, not adamw"),
+        ("train.muon_momentum=0.9", "optimizer=muon only, not adamw"),
+        ("train.muon_weight_decay=0.1", "optimizer=muon only, not adamw"),
+        ("train.decay_fraction=0.5", "schedule=wsd only, not cosine"),
+        ("train.decay_shape=sqrt", "schedule=wsd only, not cosine"),
+    ],
+)
+def test_muon_and_wsd_fields_off_their_optimizer_or_schedule_are_refused(
+    capsys, tmp_path, setting, selector
+):
+    """A Muon field under train.optimizer: adamw, or a WSD field under train.schedule: cosine,
+    has no effect: one error naming the field (as the generic option rule words it), and no
+    run folder is made."""
+    field, _, value = setting.partition("=")
+    out = tmp_path / "r"
+    code, _, err = run_cli(capsys, "train", "--out", str(out), "--set", setting)
+    assert_one_error(code, err, f"{field} applies to {selector}", "has no effect", value)
+    assert not out.exists()
+
+
+def test_muon_and_wsd_fields_at_their_defaults_or_with_their_owner_are_accepted():
+    tiny_config(train={"optimizer": "adamw", "muon_lr": 0.02, "decay_shape": "linear"})
+    tiny_config(train={"optimizer": "muon", "muon_lr": 0.05, "muon_weight_decay": 0.0})
+    tiny_config(train={"schedule": "wsd", "decay_fraction": 0.5, "decay_shape": "sqrt"})

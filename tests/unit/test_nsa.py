@@ -261,6 +261,8 @@ def test_need_weights_refused():
         ({"select_block": 5}, "select_block"),  # not a multiple of compress_stride 2
         ({"select_block": 2, "compress_block": 4}, "select_block"),  # < compress_block
         ({"select_top_k": 0}, "select_top_k"),
+        ({"select_top_k": 9}, "select_top_k"),  # > ceil(32 / select_block 4) = 8 blocks
+        ({"select_top_k": 10**23}, "select_top_k"),
         ({"nsa_window": 0}, "nsa_window"),
         ({"nsa_window": 33}, "nsa_window"),  # > max_seq_len 32
         ({"compress_block": 40, "select_block": 40}, "compress_block"),
@@ -272,6 +274,15 @@ def test_need_weights_refused():
 def test_config_errors_name_the_field(attention, field):
     with pytest.raises(ConfigError, match=f"model.attention.{field}"):
         nsa_cfg(**attention)
+
+
+def test_select_top_k_may_reach_every_block_of_the_context():
+    """n = ceil(max_seq_len / l') (every selection block, the last partial one included) is
+    accepted; one more is refused (the bound of the check)."""
+    nsa_cfg(select_top_k=8)  # 32 / 4
+    nsa_cfg(select_top_k=3, select_block=12, compress_block=4)  # ceil(32 / 12) = 3
+    with pytest.raises(ConfigError, match=r"select_top_k must be in \[1, 3\]"):
+        nsa_cfg(select_top_k=4, select_block=12, compress_block=4)
 
 
 def test_score_bias_position_refused():

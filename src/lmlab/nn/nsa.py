@@ -295,7 +295,8 @@ class NativeSparseAttention(SoftmaxAttention):
 
     @classmethod
     def check(cls, m: ModelConfig) -> None:
-        """A causal mask; 1 <= d <= l <= l' <= max_seq_len, d | l'; n >= 1; 1 <= w <=
+        """A causal mask; 1 <= d <= l <= l' <= max_seq_len, d | l'; 1 <= n <=
+        ceil(max_seq_len / l') (more blocks than exist selects nothing more); 1 <= w <=
         max_seq_len; no score-bias position kind."""
         a = nsa_section(m)
         if a.mask not in ("causal", "streaming"):  # streaming: its check quotes streams_refusal
@@ -321,10 +322,12 @@ class NativeSparseAttention(SoftmaxAttention):
                 f"({a.compress_block}), so every past selection block holds a whole "
                 "compressed block"
             )
-        if a.select_top_k < 1:
+        blocks = -(-m.max_seq_len // a.select_block)  # selection blocks in the longest context
+        if not 1 <= a.select_top_k <= blocks:
             raise ConfigError(
-                f"model.attention.select_top_k must be >= 1 (the own block counts), got "
-                f"{a.select_top_k}"
+                f"model.attention.select_top_k must be in [1, {blocks}] (the own block counts; "
+                f"ceil(max_seq_len={m.max_seq_len} / select_block={a.select_block}) blocks "
+                f"exist), got {a.select_top_k}"
             )
         pos = POSITION.get(m.position.kind, "model.position.kind")
         if pos.score_bias is not PositionEncoding.score_bias:

@@ -119,19 +119,68 @@ def _state_keys(optimizer: torch.optim.Optimizer) -> list[tuple[str, tuple[str, 
     return out
 
 
+# Bounds on the optimizer state read from a file (module docstring of load_optimizer_tensors):
+# a first moment or momentum buffer of |x| <= MAX_MOMENT and a second moment in
+# [0, MAX_MOMENT**2] keep the first step after a resume finite (an AdamW update is at most
+# lr x 10 x MAX_MOMENT / eps = lr x 1e24 at step 1, far inside float32), while no gradient of a
+# finite loss comes near them.
+MAX_MOMENT = 1e15
+SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq")
+
+
+def _check_state_values(
+    value: torch.Tensor, key: str, skey: str, source: str, max_step: int | None
+) -> None:
+    """Raise CheckpointError naming ``source`` and ``key`` unless the tensor's values are ones an
+    optimizer could hold: finite; ``step`` an integer from 0 to ``max_step`` (the run's step
+    count; :data:`MAX_STEP` when unknown); a second moment in [0, MAX_MOMENT**2]; any other
+    state within +-MAX_MOMENT."""
+    if not bool(value.isfinite().all()):
+        raise CheckpointError(f"{source} holds non-finite or negative values in {key}")
+    if skey == "step":
+        top = MAX_STEP if max_step is None else max_step
+        step = float(value)
+        if step < 0 or step != math.floor(step) or step > top:
+            raise CheckpointError(
+                f"{source} holds {key} = {step:g}: it must be a whole number of optimizer "
+                f"steps from 0 to {top} (the checkpoint's step)"
+            )
+        return
+    if value.numel() == 0:
+        return
+    if skey in SECOND_MOMENTS:
+        lo, hi = float(value.min()), float(value.max())
+        if lo < 0 or hi > MAX_MOMENT**2:
+            raise CheckpointError(
+                f"{source} holds {key} from {lo:g} to {hi:g}: a second moment lies in "
+                f"[0, {MAX_MOMENT**2:g}]"
+            )
+    elif float(value.abs().max()) > MAX_MOMENT:
+        raise CheckpointError(
+            f"{source} holds {key} up to {float(value.abs().max()):g} in magnitude: optimizer "
+            f"state lies within +-{MAX_MOMENT:g}"
+        )
+
+
 def load_optimizer_tensors(
     optimizer: torch.optim.Optimizer,
     model: nn.Module,
     tensors: dict[str, torch.Tensor],
     source: str = "the optimizer state",
+    max_step: int | None = None,
 ) -> None:
     """Inverse of :func:`optimizer_tensors`. Every tensor is checked before the optimizer sees
     it: its key names a parameter the optimizer holds and (Adam/AdamW, Muon) a state key the
-    optimizer holding that parameter keeps, with
-    all of that parameter's keys present; it is a finite floating-point tensor; ``step`` is a
-    non-negative scalar and every other tensor has its parameter's whole shape. State of an
-    FSDP2-sharded parameter is cut to this rank's shard. Raises CheckpointError naming
-    ``source``, the tensor, and (for a shape) both shapes."""
+    optimizer holding that parameter keeps, with all of that parameter's keys present (a
+    Muon-held parameter, a block's matrix that every step updates, must have its state when
+    any parameter has state; an AdamW-held one may have none: a parameter training never
+    reaches, such as an encoder's pooler, never gets state); it is a finite floating-point
+    tensor; ``step`` is a scalar holding a whole number from 0 to ``max_step`` (the
+    checkpoint's step; :data:`MAX_STEP` when None) and every other tensor has its parameter's
+    whole shape; ``exp_avg_sq`` / ``max_exp_avg_sq`` lie in [0, MAX_MOMENT**2] and
+    ``exp_avg`` / ``momentum_buffer`` within +-:data:`MAX_MOMENT` (so the first step after a
+    resume stays finite). State of an FSDP2-sharded parameter is cut to this rank's shard.
+    Raises CheckpointError naming ``source``, the tensor, and (for a shape) both shapes."""
     names = _optimizer_param_names(optimizer, model)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     index = {n: i for i, n in enumerate(names)}
@@ -159,11 +208,16 @@ def load_optimizer_tensors(
                 f"{source} has {key} of shape {tuple(value.shape)}, but parameter {pname} "
                 f"needs {want}"
             )
-        if not bool(value.isfinite().all()) or (scalar and float(value) < 0):
+        if keys is not None:
+            _check_state_values(value, key, skey, source, max_step)
+        elif not bool(value.isfinite().all()) or (scalar and float(value) < 0):
             raise CheckpointError(f"{source} holds non-finite or negative values in {key}")
         state.setdefault(index[pname], {})[skey] = value if scalar else _place(value, param)
-    for i, got in state.items():
-        lacking = [k for k in keys_of[i][1] or () if k not in got]
+    for i, (owner, keys) in enumerate(keys_of):
+        got = state.get(i)
+        if got is None and not (state and owner == "Muon"):
+            continue  # no state: a parameter no step has reached (AdamW), or a fresh optimizer
+        lacking = [k for k in keys or () if k not in (got or {})]
         if lacking:
             raise CheckpointError(f"{source} lacks {names[i]}::{lacking[0]}")
     sd = optimizer.state_dict()
@@ -436,11 +490,14 @@ def load_model_weights(ckpt: Path, model: nn.Module) -> None:
     model.load_state_dict({n: _place(tensors[f], target[n]) for n, f in source.items()})
 
 
-def load_optimizer(ckpt: Path, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+def load_optimizer(
+    ckpt: Path, optimizer: torch.optim.Optimizer, model: nn.Module, max_step: int | None = None
+) -> None:
     """Load ``optimizer.safetensors`` into ``optimizer`` (checked by
-    :func:`load_optimizer_tensors`). Raises CheckpointError when it is missing, corrupt or does
-    not fit; a folder in the old torch.distributed.checkpoint layout (``sharded/``, whose
-    metadata is a pickle) is refused without reading it."""
+    :func:`load_optimizer_tensors`; ``max_step``: the checkpoint's step). Raises
+    CheckpointError when it is missing, corrupt or does not fit; a folder in the old
+    torch.distributed.checkpoint layout (``sharded/``, whose metadata is a pickle) is refused
+    without reading it."""
     path = _checkpoint_file(ckpt, OPTIMIZER_FILE)
     if not os.path.lexists(path):
         if os.path.lexists(ckpt / LEGACY_SHARDED_DIR):
@@ -457,7 +514,7 @@ def load_optimizer(ckpt: Path, optimizer: torch.optim.Optimizer, model: nn.Modul
         tensors = load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"checkpoint file {path} is corrupt: {_short(e)}") from None
-    load_optimizer_tensors(optimizer, model, tensors, f"optimizer state {path}")
+    load_optimizer_tensors(optimizer, model, tensors, f"optimizer state {path}", max_step)
 
 
 def _short(e: BaseException) -> str:
@@ -477,7 +534,7 @@ def load_checkpoint(
         state = read_trainer_state(ckpt)
         load_model_weights(ckpt, model)
         if optimizer is not None:
-            load_optimizer(ckpt, optimizer, model)
+            load_optimizer(ckpt, optimizer, model, int(state["step"]))
     except CheckpointError as e:
         raise CheckpointError(f"{e}{other_checkpoints(ckpt)}") from None
     return state
