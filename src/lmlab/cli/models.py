@@ -190,7 +190,8 @@ ATTENTION = Command(
     arguments=_attention_arguments,
     run=cmd_attention,
     epilog='example: lmlab attention runs/minigpt --text "ROMEO: But soft" --layer 0 '
-    '--out maps; lmlab attention runs/seq2seq-reverse --source "abcdefgh" --out maps',
+    '--out maps; lmlab attention runs/minigpt --text "ROMEO: But soft" --html maps.html '
+    '(an interactive page); lmlab attention runs/seq2seq-reverse --source "abcdefgh" --out maps',
 )
 
 
