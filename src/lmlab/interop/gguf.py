@@ -38,6 +38,7 @@ from lmlab.config import (
 from lmlab.errors import CheckpointError, LmlabError
 from lmlab.interop import hf_fields as F
 from lmlab.interop.rope_layout import gguf_unpermute
+from lmlab.training.weights_fit import check_finite
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -131,8 +132,7 @@ def _dequantize(tensor: Any, path: Path) -> torch.Tensor:
         ) from None
     shape = tuple(int(d) for d in reversed(list(tensor.shape)))  # GGML lists fastest dim first
     out = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True).reshape(shape))
-    if not bool(torch.isfinite(out).all()):
-        raise CheckpointError(f"{path} is corrupt: non-finite values in {tensor.name}")
+    check_finite(tensor.name, out, path)
     return out
 
 

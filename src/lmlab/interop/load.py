@@ -34,6 +34,7 @@ from lmlab.models.build import build_model
 from lmlab.safeio import inside, read_json_object, regular_file
 from lmlab.training.hardware import resolve_device
 from lmlab.training.memory import check_load_memory
+from lmlab.training.weights_fit import check_finite
 
 MAX_SHARDS = 10_000
 SAFETENSORS_DTYPES = {
@@ -168,13 +169,6 @@ def read_headers(files: list[Path]) -> dict[str, StoredTensor]:
                 f"{f} is corrupt: not a readable safetensors file ({e})"
             ) from None
     return out
-
-
-def check_finite(name: str, t: torch.Tensor, file: Path) -> None:
-    """Raise CheckpointError naming ``file`` and the tensor when a floating-point tensor holds
-    NaN or inf (a weight that would turn every logit into NaN)."""
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-        raise CheckpointError(f"{file} is corrupt: non-finite values in {name}")
 
 
 def read_hf_state_dict(folder: Path) -> dict[str, torch.Tensor]:

@@ -37,7 +37,7 @@ from torch import nn
 from lmlab.errors import CheckpointError
 from lmlab.fsutil import check_free_space, writing
 from lmlab.safeio import KiB, MiB, inside, read_bytes, read_json_object
-from lmlab.training.weights_fit import check_weights_fit, safetensors_header
+from lmlab.training.weights_fit import check_finite, check_weights_fit, safetensors_header
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -484,8 +484,7 @@ def load_model_weights(ckpt: Path, model: nn.Module) -> None:
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"checkpoint file {path} is corrupt: {_short(e)}") from None
     for name, t in tensors.items():
-        if t.is_floating_point() and not bool(t.isfinite().all()):
-            raise CheckpointError(f"checkpoint file {path} is corrupt: non-finite values in {name}")
+        check_finite(name, t, path, label="checkpoint file ")
     target = model.state_dict()
     model.load_state_dict({n: _place(tensors[f], target[n]) for n, f in source.items()})
 

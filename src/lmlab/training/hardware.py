@@ -82,14 +82,15 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
 def planned_precision(train: Any) -> str:
     """The precision a run of ``train`` (a TrainConfig) would use on this machine without
-    starting one: ``auto`` resolved against the device ``train.device`` names (``auto``:
-    CUDA when torch sees a GPU, else the CPU; an absent device counts as the CPU)."""
+    starting one: ``auto`` resolved against the device :func:`resolve_device` picks for
+    ``train.device`` (a device this machine lacks counts as the CPU)."""
     if train.precision != "auto":
         return str(train.precision)
-    cuda = train.device == "cuda" or (train.device == "auto" and torch.cuda.is_available())
-    return resolve_precision(
-        "auto", torch.device("cuda" if cuda and torch.cuda.is_available() else "cpu")
-    )
+    try:
+        device = resolve_device(train.device)
+    except LmlabError:
+        device = torch.device("cpu")
+    return resolve_precision("auto", device)
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:

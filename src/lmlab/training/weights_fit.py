@@ -128,3 +128,11 @@ def check_weights_fit(
                 " (lmlab checkpoints keep the model's own dtype)",
             )  # fmt: skip
     return source
+
+
+def check_finite(name: str, t: torch.Tensor, file: str | Path, label: str = "") -> None:
+    """Raise CheckpointError ``{label}{file} is corrupt: non-finite values in {name}`` when a
+    floating-point tensor holds NaN or inf (a weight that would turn every logit into NaN).
+    Run checkpoints, Hugging Face folders and GGUF files all read weights through this."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise CheckpointError(f"{label}{file} is corrupt: non-finite values in {name}")
