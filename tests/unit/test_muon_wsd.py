@@ -283,6 +283,17 @@ def full_vocab(run: Path) -> int:
     return int(load_file(ck.latest_checkpoint(run) / ck.MODEL_FILE)["embed.weight"].shape[0])
 
 
+def _assert_each_state_refused(capsys, run: Path, path: Path, cases: list) -> None:
+    """Write each (tensors, needle) optimizer state to ``path``: resuming ``run`` gives one
+    error naming the file and ``needle``, and leaves the run folder as it was."""
+    for tensors, needle in cases:
+        save_file(tensors, str(path))
+        before = snapshot(run)
+        code, _, err = run_cli(capsys, "train", "--resume", str(run), "--max-steps", "4")
+        assert_one_error(code, err, f"optimizer state {path}", needle)
+        assert snapshot(run) == before
+
+
 def test_muon_state_of_the_wrong_key_or_shape_is_refused(tmp_path, capsys):
     """A crafted optimizer.safetensors: an AdamW key on a Muon parameter (added, or in place of
     its buffer) or a buffer of another shape is one error naming the file and the tensor, and
@@ -305,12 +316,7 @@ def test_muon_state_of_the_wrong_key_or_shape_is_refused(tmp_path, capsys):
         ),
         ({**good, "embed.weight::momentum_buffer": torch.zeros(3)}, "is not AdamW state"),
     ]
-    for tensors, needle in cases:
-        save_file(tensors, str(path))
-        before = snapshot(run)
-        code, _, err = run_cli(capsys, "train", "--resume", str(run), "--max-steps", "4")
-        assert_one_error(code, err, f"optimizer state {path}", needle)
-        assert snapshot(run) == before
+    _assert_each_state_refused(capsys, run, path, cases)
 
 
 def test_resuming_with_another_optimizer_is_refused(tmp_path):
@@ -415,12 +421,7 @@ def test_optimizer_state_of_impossible_values_is_refused(tmp_path, capsys, optim
             (every("::momentum_buffer", 3e38), "::momentum_buffer"),
             ({k: v for k, v in good.items() if k != q}, f"lacks {q}"),
         ]
-    for tensors, needle in cases:
-        save_file(tensors, str(path))
-        before = snapshot(run)
-        code, _, err = run_cli(capsys, "train", "--resume", str(run), "--max-steps", "4")
-        assert_one_error(code, err, f"optimizer state {path}", needle)
-        assert snapshot(run) == before
+    _assert_each_state_refused(capsys, run, path, cases)
     save_file(good, str(path))  # the untouched state still resumes
     code, _, err = run_cli(capsys, "train", "--resume", str(run), "--max-steps", "3")
     assert code == 0, err
