@@ -243,3 +243,17 @@ def test_nsa_and_bad_arguments_are_refused_by_name():
     ]:
         with pytest.raises(LmlabError, match=needle):
             detect_heads(model, **kwargs)
+
+
+def test_the_figure_has_one_annotated_layer_by_head_heatmap_per_detector():
+    from lmlab.analysis.heads_report import plot_scores
+
+    model = build_model(tiny_model_config()).eval()
+    scores = detect_heads(model, seq_len=4, batch=1)
+    fig = plot_scores(scores)
+    panels = [ax for ax in fig.axes if ax.get_label() in DETECTORS]
+    assert [ax.get_label() for ax in panels] == list(DETECTORS)
+    for ax, det in zip(panels, DETECTORS, strict=True):
+        assert ax.images[0].get_array().shape == (2, 4)  # layers x heads
+        texts = [t.get_text() for t in ax.texts]
+        assert texts == [f"{getattr(s, det):.2f}" for s in scores]  # layer-major, as drawn

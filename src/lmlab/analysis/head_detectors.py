@@ -10,7 +10,7 @@ the key the behaviour predicts", averaged over queries and sequences:
   Heads").
 - ``induction``: on random tokens repeated twice (x_0 .. x_{L-1} x_0 .. x_{L-1}), query L + j ->
   key j + 1, the token after the previous occurrence of the query's token, over j = 0 .. L-1
-  (Olsson et al. 2022; the measurement of Elhage et al. 2021 and TransformerLens).
+  (Olsson et al. 2022's repeated-random-tokens measurement, as TransformerLens runs it).
 - ``duplicate_token``: on the same input, query L + j -> key j, the earlier copy of the same
   token (the duplicate-token heads of Wang et al. 2022, "Interpretability in the Wild", IOI).
 - ``sink``: query i -> key 0, over queries i >= 1 (the "attention sink" of Xiao et al. 2023,
@@ -19,16 +19,18 @@ the key the behaviour predicts", averaged over queries and sequences:
   attention the head gives to "nothing" (:func:`sink_scores` with ``sink_column=True``).
 
 TransformerLens's ``detect_head`` scores a head as sum(A * P) / sum(A) over the whole map for a
-detection pattern P; lmlab averages the one predicted weight over the chosen query rows, which
-equals it when every row sums to 1 and each row has one predicted key (our three token patterns
-do: the random blocks hold each token once). The random tokens are drawn without replacement
-within a block (so "the previous occurrence" is one position) from the vocabulary less the
-special ids, with a seeded ``torch.Generator``.
+0/1 detection pattern P; lmlab averages the one predicted weight over the query rows the
+behaviour defines. Restricted to those rows (each summing to 1 with one predicted key, which
+the random blocks guarantee by holding each token once) the two are the same number; the
+whole-map ratio also counts rows with no predicted key (row 0; the first copy, for induction
+and duplicate-token), which scales it down (about by half for induction). The random tokens
+are drawn without replacement within a block (so "the previous occurrence" is one position)
+from the vocabulary less the special ids, with a seeded ``torch.Generator``.
 
 A head is flagged a kind when its score is >= its threshold (:data:`THRESHOLDS`, 0.4 each): 40%
 of its attention on one predicted key, where a uniform causal head puts 1 / (i + 1) on it
 (mean 0.06 at T = 64, 0.04 at T = 100), and where the detector literature draws its line
-(TransformerLens's tutorials use 0.4 for induction heads).
+(induction-score recipes built on TransformerLens commonly flag heads above 0.4).
 
 Model kinds: a decoder as above. An encoder (bidirectional) is scored the same way: the
 scores are still defined (its query L + j may also attend forward), but induction is a causal

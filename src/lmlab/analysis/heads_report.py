@@ -143,7 +143,8 @@ def heads_report(
     """Load the model at ``path`` (anything lmlab.interop.load.load accepts), score every head
     (:func:`detect_heads`; special token ids of its tokenizer are never drawn), and write
     ``out/heads.png`` unless ``out`` is None and the page ``html`` if given. ``text``: also
-    score previous-token and sink on it. An existing ``html`` is refused before the model is
+    score previous-token and sink on it (an encoder's framed as in training, [CLS] ... [SEP]).
+    An existing ``html`` is refused before the model is
     loaded. Progress goes to stderr. Raises LmlabError for bad arguments (see detect_heads)."""
     from lmlab.analysis.html_view import check_html_out, write_page
     from lmlab.interop.load import load
@@ -167,7 +168,8 @@ def heads_report(
         if tokenizer is None:
             raise LmlabError("this model has no tokenizer (no tokenizer.json), so --text "
                              "cannot be encoded")  # fmt: skip
-        text_ids = tokenizer.encode(text)
+        encoder = getattr(getattr(model, "cfg", None), "kind", None) == "encoder"
+        text_ids = tokenizer.encode_for_model(text) if encoder else tokenizer.encode(text)
     _progress("scoring heads on repeated random tokens")
     scores = detect_heads(model, seq_len, batch, seed, avoid=avoid, text_ids=text_ids)
     files: list[Path] = []
