@@ -1,6 +1,6 @@
 """``lmlab heads``: the table and summary, ``--json`` (exactly a list of per-head records on
 stdout, progress on stderr), ``OUT/heads.png``, ``--html`` (refused before any work when the
-file exists) and one error line for a bad ``--seq-len``."""
+file exists) and one error line for a bad ``--seq-len``, ``--batch``, ``--seed`` or ``--text``."""
 
 from __future__ import annotations
 
@@ -74,16 +74,19 @@ def test_heads_html_that_exists_is_refused_before_the_model_is_loaded(
 
 
 @pytest.mark.parametrize(
-    ("value", "needle"),
+    ("argv", "needle"),
     [
-        ("0", "--seq-len must be >= 1"),
-        ("1", "--seq-len must be >= 2"),
-        ("17", "more than the model's context of 32"),
-        ("x", "--seq-len"),
+        (["--seq-len", "0"], "--seq-len must be >= 1"),
+        (["--seq-len", "1"], "--seq-len must be >= 2"),
+        (["--seq-len", "17"], "more than the model's context of 32"),
+        (["--seq-len", "x"], "--seq-len"),
+        (["--batch", "0"], "--batch must be >= 1"),
+        (["--seed", "-1"], "--seed must be in [0, 2^63)"),
+        (["--text", ""], "--text is empty"),
+        (["--text", "R"], "--text is 1 tokens"),
     ],
 )
-def test_a_bad_seq_len_is_one_error_line(tiny_run: Path, capsys, value: str, needle: str):
-    code, out, err = run_cli(capsys, "heads", tiny_run, "--seq-len", value, "--no-plot",
-                             "--device", "cpu")  # fmt: skip
+def test_a_bad_argument_is_one_error_line(tiny_run: Path, capsys, argv: list[str], needle: str):
+    code, out, err = run_cli(capsys, "heads", tiny_run, *argv, "--no-plot", "--device", "cpu")
     assert_one_error(code, err, needle)
     assert out == ""
