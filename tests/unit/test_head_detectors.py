@@ -12,8 +12,10 @@ from lmlab.analysis.head_detectors import (
     DETECTORS,
     detect_heads,
     duplicate_token_pattern_scores,
+    duplicate_token_scores,
     format_scores,
     induction_pattern_scores,
+    induction_scores,
     previous_token_scores,
     repeated_random_tokens,
     sink_scores,
@@ -146,6 +148,10 @@ def test_a_hand_set_previous_token_head_scores_one_and_a_uniform_head_its_exact_
     assert uniform.induction == pytest.approx(sum(1 / (8 + j + 1) for j in range(8)) / 8)
     assert uniform.kinds == []
     assert "previous-token heads (>= 0.4): L0H0 1.00" in format_scores(scores)
+    ind = induction_scores(model, seq_len=8, batch=2, seed=1)
+    assert ind.shape == (1, 2) and ind.tolist() == [[built.induction, uniform.induction]]
+    dup = duplicate_token_scores(model, seq_len=8, batch=2, seed=1)
+    assert dup.tolist() == [[built.duplicate_token, uniform.duplicate_token]]
 
 
 def weights_scores(model: torch.nn.Module, seq_len: int, batch: int, seed: int) -> list[float]:

@@ -257,6 +257,35 @@ def repeated_random_tokens(
     return torch.cat([first, first], dim=1)
 
 
+def repeated_token_scores(
+    model: nn.Module,
+    detector: str,
+    seq_len: int | None = None,
+    batch: int = DEFAULT_BATCH,
+    seed: int = 0,
+    avoid: Collection[int] = (),
+) -> torch.Tensor:
+    """One detector's scores of every head, (n_layers, H) float64, on the repeated random
+    tokens of :func:`detect_heads` (same arguments and refusals)."""
+    scores = detect_heads(model, seq_len, batch, seed, avoid=avoid)
+    n_heads = max(s.head for s in scores) + 1
+    return torch.tensor([getattr(s, detector) for s in scores], dtype=torch.float64).view(
+        -1, n_heads
+    )
+
+
+def induction_scores(model: nn.Module, **kwargs: Any) -> torch.Tensor:
+    """(n_layers, H) float64: mean attention from position L + j to key j + 1 on random tokens
+    repeated twice (keywords: seq_len, batch, seed, avoid, as :func:`detect_heads`)."""
+    return repeated_token_scores(model, "induction", **kwargs)
+
+
+def duplicate_token_scores(model: nn.Module, **kwargs: Any) -> torch.Tensor:
+    """(n_layers, H) float64: mean attention from position L + j to key j (the earlier copy)
+    on the same input as :func:`induction_scores`."""
+    return repeated_token_scores(model, "duplicate_token", **kwargs)
+
+
 def _model_specials(model: nn.Module) -> set[int]:
     """The special ids a model's config names (encoder-decoder pad / start / end)."""
     s2s = getattr(getattr(model, "cfg", None), "seq2seq", None)
