@@ -82,12 +82,12 @@ class LayerStack(nn.ModuleList):
         recorded from its hook points for this call (module docstring); False records nothing.
         Raises LmlabError before any layer runs where a kind has no map for the call (nsa;
         linear attention over cached tokens)."""
-        own, cross = self.map_points(cache) if need_weights else ([], [])
+        args = (x, position, positions, key_mask, cache, output_hidden_states, final_norm)
+        if not need_weights:  # nothing registered, nothing recorded
+            return self.run(*args, memory, memory_mask)
+        own, cross = self.map_points(cache)
         with recording([p for _, points in own + cross for p in points]) as seen:
-            out = self.run(
-                x, position, positions, key_mask, cache, output_hidden_states, final_norm,
-                memory, memory_mask,
-            )  # fmt: skip
+            out = self.run(*args, memory, memory_mask)
         recorded = iter(seen)
         out.attentions = [attention_map(attn, points, recorded) for attn, points in own]
         out.cross_attentions = [attention_map(attn, points, recorded) for attn, points in cross]
