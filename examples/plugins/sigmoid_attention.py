@@ -33,9 +33,10 @@ class SigmoidAttention(SoftmaxAttention):
         super().__init__(cfg, layer_idx)
         self.score_offset = -math.log(cfg.max_seq_len)  # b = -log(n)
 
-    def forward(self, x, position, positions, key_mask=None, cache=None, need_weights=False):
-        """x (B, T, D) -> AttentionOutput(out (B, T, D), weights (B, H, T, S) or None);
-        arguments as :meth:`SoftmaxAttention.forward`."""
+    def forward(self, x, position, positions, key_mask=None, cache=None):
+        """x (B, T, D) -> AttentionOutput(out (B, T, D)); arguments as
+        :meth:`SoftmaxAttention.forward`. The weights (B, H, T, S) pass through ``hook_pattern``:
+        that is what ``need_weights=True`` and ``run_with_cache`` return as its map."""
         t = x.shape[1]
         q, k, v = self.project(x, position, positions)  # (B, H, T, hd), (B, K, T, hd) x 2
         if cache is not None:
@@ -54,7 +55,8 @@ class SigmoidAttention(SoftmaxAttention):
         w = torch.sigmoid(scores.masked_fill(~mask, float("-inf")))  # (B, H, T, S)
         if empty is not None:  # a query with no visible key (padding) outputs 0
             w = w.masked_fill(empty, 0.0)
+        w = self.hook_pattern(w)  # the attention map; a hook may read or replace it
         if self.training and self.dropout > 0.0:
             w = torch.nn.functional.dropout(w, p=self.dropout)
         y = torch.matmul(w, v)  # (B, H, T, hd)
-        return AttentionOutput(self.merge_heads(y), w if need_weights else None)
+        return AttentionOutput(self.merge_heads(y))

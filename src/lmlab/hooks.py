@@ -31,7 +31,9 @@ Per attention kind (docs/interpretability.md): differential's maps are (B, H/2, 
 sink; MLA's q/k/v are the expanded heads (``absorb: false`` only; k, v over all S keys);
 linear's scores are the masked phi(q) phi(k)^T; nsa has no scores or pattern (three branches);
 moba runs its dense path while a scores/pattern hook is on. A scores or pattern hook makes that
-layer use the math formula for the call (the fused kernel never materialises them).
+layer use the math formula for the call (the fused kernel never materialises them). A model
+forward with ``need_weights=True`` records the same points for that call (its ``attentions``
+are the patterns, :mod:`lmlab.models.stack`), after any function registered here.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The shared helpers of the test suite, in one place: import them from here
 (``from tests.helpers import run_cli, tiny_config``).
 
+- :mod:`.attention_maps`: one attention module's forward with its map (as need_weights builds it).
 - :mod:`.cli`: the CLI run in-process, the one-error-line check, folder snapshots, a time limit.
 - :mod:`.configs`: the tiny lmlab run configs (TINY, its ``--set`` forms, encoder, seq2seq).
 - :mod:`.hf_models`: tiny random Hugging Face configs per reference family, weight perturbations,
@@ -10,6 +11,7 @@
 Fixtures stay in tests/conftest.py.
 """
 
+from tests.helpers.attention_maps import forward_with_map
 from tests.helpers.cli import (
     assert_one_error,
     assert_unchanged,
@@ -60,6 +62,7 @@ __all__ = [
     "assert_unchanged",
     "encoder_config",
     "encoder_run_config",
+    "forward_with_map",
     "hf_config",
     "llama_cpp_permute",
     "perturb_all",

@@ -91,7 +91,7 @@ def test_a_backend_declaring_takes_bias_and_returns_weights_receives_both():
     try:
         q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
         bias = torch.randn(2, 4, 4)
-        kw = dict(scale=0.3, mask_fn=causal_mask, bias=bias, need_weights=True)
+        kw = dict(scale=0.3, mask_fn=causal_mask, bias=bias)
         y, w = attend(q, k, v, backend=ATTENTION_BACKENDS["biased"], **kw)
         assert seen["bias"] is bias and w is not None
         y_math, w_math = attend(q, k, v, backend=attention_math, **kw)
@@ -107,7 +107,7 @@ def test_attend_zeroes_queries_that_see_no_key_and_shares_kv_heads():
     for backend in (attention_sdpa, attention_math):
         y, w = attend(
             q, k, v, backend=backend, scale=0.3, n_rep=2, mask_fn=sliding_window_mask,
-            window=2, key_mask=key_mask, need_weights=backend is attention_math,
+            window=2, key_mask=key_mask,
         )  # fmt: skip
         assert torch.equal(y[0, :, :3], torch.zeros(4, 3, 8))
         assert y[0, :, 3:].abs().sum() > 0 and y[1].abs().sum(-1).min() > 0

@@ -21,7 +21,7 @@ from lmlab.nn.masks import (
     sliding_window_mask,
 )
 from lmlab.nn.position import POSITION, NoPosition, PositionEncoding, sinusoidal_table
-from tests.helpers import tiny_model_config
+from tests.helpers import forward_with_map, tiny_model_config
 
 V = 37
 
@@ -175,12 +175,12 @@ def test_linear_attention_equals_explicit_float64_formula(mask):
     attn = LinearAttention(cfg).double()
     h = torch.randn(2, 5, cfg.d_model, dtype=torch.float64)
     with torch.no_grad():
-        got = attn(h, NoPosition(cfg), torch.arange(5), need_weights=True)
+        got, weights = forward_with_map(attn, h, NoPosition(cfg), torch.arange(5))
         torch.testing.assert_close(got.out, _linear_reference(attn, h, mask == "causal"))
-    assert got.weights is not None and got.weights.shape == (2, 4, 5, 5)
-    torch.testing.assert_close(got.weights.sum(-1), torch.ones(2, 4, 5, dtype=torch.float64))
+    assert weights.shape == (2, 4, 5, 5)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 4, 5, dtype=torch.float64))
     if mask == "causal":
-        assert (got.weights.triu(1) == 0).all()
+        assert (weights.triu(1) == 0).all()
 
 
 def test_linear_attention_parallel_form_equals_recurrent_form_in_float64():

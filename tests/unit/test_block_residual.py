@@ -19,7 +19,7 @@ def test_without_residual_a_block_is_its_branches_composed(kind):
     position = POSITION.get("rope")(cfg)
     x = torch.randn(2, 5, cfg.d_model)
     pos = torch.arange(5)
-    y, _ = block(x, position, pos)
+    y = block(x, position, pos)
     if kind == "pre":  # attn(norm(x)), then ffn(norm(.)): no x added
         a = block.attn(block.attn_norm(x), position, pos).out
         expected = block.ffn(block.ffn_norm(a))

@@ -14,6 +14,7 @@ import torch
 
 from lmlab.models import build_model
 from lmlab.nn.attention_core import attend, attention_math, attention_sdpa, repeat_kv
+from lmlab.nn.hooks import HookPoint
 from lmlab.nn.local_global import (
     LocalGlobalMask,
     local_global_allowed,
@@ -135,8 +136,11 @@ def test_the_core_takes_the_sparse_path_exactly_where_the_rule_says(monkeypatch)
             y, dense_reference(q * 8**0.5, k, v, 4, 1, 0), atol=1e-12, rtol=0
         )
     q, k, v = qkv(1, 2, 2, 32, 32)
-    attend(q, k, v, backend=attention_math, scale=1.0, mask_fn=mask, window=4, need_weights=True)
-    assert calls == []  # weights asked for: the dense math path, the hook not even called
+    pattern = HookPoint()
+    pattern.fns.append(lambda w, _: None)  # a pattern hook on (as need_weights records it)
+    hooks = (HookPoint(), pattern)
+    attend(q, k, v, backend=attention_math, scale=1.0, mask_fn=mask, window=4, hooks=hooks)
+    assert calls == []  # weights materialised: the dense math path, the sparse one not called
     hole = torch.ones(1, 32, dtype=torch.bool)
     hole[0, 10] = False  # padding after a real token: positions are not index - offset
     attend(

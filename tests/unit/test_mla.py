@@ -13,6 +13,7 @@ from lmlab.errors import ConfigError
 from lmlab.models.build import build_model
 from lmlab.nn.mla import MultiHeadLatentAttention
 from lmlab.nn.position import POSITION
+from tests.helpers.attention_maps import forward_with_map
 from tests.helpers.configs import tiny_model_config
 
 H, D, C, CQ, N, R, DV = 4, 32, 20, 12, 6, 8, 5  # heads, d_model, c, c', nope, rope, v
@@ -109,11 +110,10 @@ def test_absorbed_equals_expanded_float64(q_lora_rank):
         x = torch.randn(2, 11, D, dtype=dtype, generator=torch.Generator().manual_seed(2))
         pos = torch.arange(11)
         with torch.no_grad():
-            full = expanded(x, position, pos, need_weights=True)
-            lat = absorbed.eval()(x, position, pos, need_weights=True)
+            full, w_full = forward_with_map(expanded, x, position, pos)
+            lat, w_lat = forward_with_map(absorbed.eval(), x, position, pos)
             assert (full.out - lat.out).abs().max() < tol
-            assert full.weights is not None and lat.weights is not None
-            assert (full.weights - lat.weights).abs().max() < tol
+            assert (w_full - w_lat).abs().max() < tol
             cache = absorbed.new_cache()  # prefill 6, then one token at a time
             steps = [absorbed(x[:, :6], position, pos[:6], cache=cache).out]
             steps += [

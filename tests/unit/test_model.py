@@ -85,7 +85,7 @@ def test_parallel_block_adds_both_branches_of_the_same_input():
     layer = model.layers[0].eval()
     x = torch.randn(2, 5, 32)
     with torch.no_grad():
-        got, _ = layer(x, model.position, torch.arange(5))
+        got = layer(x, model.position, torch.arange(5))
         attn = layer.attn(layer.attn_norm(x), model.position, torch.arange(5)).out
         expected = x + attn + layer.ffn(layer.ffn_norm(x))
     torch.testing.assert_close(got, expected)

@@ -25,6 +25,7 @@ from lmlab.nn.attention import ATTENTION
 from lmlab.nn.attention_core import attention_math
 from lmlab.nn.masks import position_ids_from_attention_mask
 from lmlab.nn.position import POSITION
+from tests.helpers.attention_maps import forward_with_map
 from tests.helpers.cli import assert_one_error, run_cli
 from tests.helpers.configs import tiny_model_config
 
@@ -252,7 +253,7 @@ def test_need_weights_refused():
     cfg, m, pos = build()
     x, _, positions = padded_batch(cfg, t=6, pad=(0,))
     with pytest.raises(LmlabError, match="nsa has no single attention map"):
-        m(x, pos, positions, need_weights=True)
+        forward_with_map(m, x, pos, positions)
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from lmlab.nn.local_global import LocalGlobalMask, local_global_mask
 from lmlab.nn.masks import MASKS, causal_mask, position_ids_from_attention_mask, sliding_window_mask
 from lmlab.nn.position import NoPosition
 from lmlab.nn.sigmoid_attention import SigmoidAttention, sigmoid_attend
-from tests.helpers import tiny_model_config
+from tests.helpers import forward_with_map, tiny_model_config
 
 V = 50
 
@@ -86,16 +86,16 @@ def test_sigmoid_module_bias_is_minus_log_max_seq_len_and_weights_are_the_sigmoi
     assert attn.offset == -math.log(cfg.max_seq_len)
     h = torch.randn(2, 5, cfg.d_model, dtype=torch.float64)
     with torch.no_grad():
-        got = attn(h, NoPosition(cfg), torch.arange(5), need_weights=True)
+        got, weights = forward_with_map(attn, h, NoPosition(cfg), torch.arange(5))
         q = (h @ attn.q_proj.weight.T).view(2, 5, 4, -1).transpose(1, 2)
         k = (h @ attn.k_proj.weight.T).view(2, 5, 2, -1).transpose(1, 2)
         v = (h @ attn.v_proj.weight.T).view(2, 5, 2, -1).transpose(1, 2)
         y, w = _sigmoid_reference(q, k, v, attn.offset, causal_mask(5, 5)[None].expand(2, 5, 5))
         out = y.transpose(1, 2).reshape(2, 5, -1) @ attn.o_proj.weight.T
     torch.testing.assert_close(got.out, out, atol=1e-12, rtol=1e-12)
-    torch.testing.assert_close(got.weights, w, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(weights, w, atol=1e-12, rtol=1e-12)
     # rows do not sum to 1 (no normalisation), but start near it: sum_j sigmoid(~0 - log n) ~ T/n
-    assert not torch.allclose(got.weights.sum(-1), torch.ones(2, 4, 5, dtype=torch.float64))
+    assert not torch.allclose(weights.sum(-1), torch.ones(2, 4, 5, dtype=torch.float64))
 
 
 def test_sigmoid_bias_field_sets_b_is_refused_elsewhere_and_must_be_finite():

@@ -12,6 +12,7 @@ from lmlab.nn.attention import SoftmaxAttention
 from lmlab.nn.masks import sliding_window_mask
 from lmlab.nn.position import POSITION
 from lmlab.nn.sinks import SinkAttention, StreamingKVCache, streaming_mask
+from tests.helpers.attention_maps import forward_with_map
 from tests.helpers.configs import tiny_model_config
 
 
@@ -96,10 +97,10 @@ def test_sink_backends_agree_and_weights_drop_the_sink():
     x = torch.randn(2, 9, 32)
     with torch.no_grad():
         o1 = a_sdpa(x, position, torch.arange(9)).out
-        out = a_math(x, position, torch.arange(9), need_weights=True)
+        out, weights = forward_with_map(a_math, x, position, torch.arange(9))
     assert torch.allclose(o1, out.out, atol=1e-6)
-    assert out.weights is not None and out.weights.shape == (2, 4, 9, 9)
-    assert bool((out.weights.sum(-1) < 1).all())  # the sink takes the rest
+    assert weights.shape == (2, 4, 9, 9)
+    assert bool((weights.sum(-1) < 1).all())  # the sink takes the rest
 
 
 def test_sink_logits_to_minus_inf_equal_softmax_attention():

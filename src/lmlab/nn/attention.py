@@ -76,8 +76,10 @@ state). `KVCache.nbytes()` reports its bytes.
 
 @dataclass
 class AttentionOutput:
+    """What an attention forward returns: out (B, T, D). Its attention map is not returned:
+    it is what the layer's ``hook_pattern`` sees (:meth:`Attention.map_points`)."""
+
     out: torch.Tensor  # (B, T, D)
-    weights: torch.Tensor | None  # (B, H, T, S) when requested
 
 
 @dataclass
@@ -108,8 +110,11 @@ def bound_mask(cfg: ModelConfig) -> MaskFn:
 class Attention(nn.Module):
     """What both attention kinds share: q/k/v/o projections, optional QK-norm, the mask.
 
-    Subclasses implement ``forward(x, position, positions, key_mask=None, cache=None,
-    need_weights=False) -> AttentionOutput`` and ``new_cache()`` (their per-layer decoding state).
+    Subclasses implement ``forward(x, position, positions, key_mask=None, cache=None) ->
+    AttentionOutput`` and ``new_cache()`` (their per-layer decoding state). Their attention map
+    is what their ``hook_pattern`` point sees (the attention core calls it on the weights of
+    :meth:`attend`); a model's ``need_weights=True`` records it (:meth:`map_points`,
+    :meth:`attention_map`), so a forward takes no flag for it.
 
     ``streams``: whether the kind runs with ``model.attention.mask: streaming`` (the StreamingLLM
     cache, :mod:`lmlab.nn.sinks`). A kind declares ``streams = True`` when its forward attends
@@ -178,7 +183,6 @@ class Attention(nn.Module):
         mask_fn: MaskFn | None,
         key_mask: torch.Tensor | None,
         bias: torch.Tensor | None,
-        need_weights: bool,
         hooks: tuple[HookPoint, HookPoint] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q (B, H, T, hd), k and v (B, K, S, hd) -> (y (B, H, T, hd), weights (B, H, T, S) or
@@ -198,9 +202,20 @@ class Attention(nn.Module):
             key_mask=key_mask,
             bias=bias,
             dropout_p=self.dropout_p,
-            need_weights=need_weights,
             hooks=(self.hook_scores, self.hook_pattern) if hooks is None else hooks,
         )
+
+    def map_points(self, cache: LayerCache | None) -> tuple[HookPoint, ...]:
+        """The hook points whose tensors make this layer's attention map for a model forward
+        with ``need_weights=True`` and this layer's ``cache`` (the model records them for that
+        call; :meth:`attention_map` joins them): ``hook_pattern``. A kind without one map for
+        the call raises LmlabError here, before the forward runs."""
+        return (self.hook_pattern,)
+
+    def attention_map(self, recorded: list[torch.Tensor]) -> torch.Tensor:
+        """What each of :meth:`map_points` saw in one forward -> this layer's attention map
+        (B, H, T, S), the ``attentions`` entry of the model's output: the pattern itself."""
+        return recorded[0]
 
     def cached_keys(
         self,
@@ -327,21 +342,20 @@ class SoftmaxAttention(Attention):
         positions: torch.Tensor,
         key_mask: torch.Tensor | None = None,
         cache: LayerKVCache | SlidingWindowKVCache | None = None,
-        need_weights: bool = False,
     ) -> AttentionOutput:
-        """x (B, T, D) at absolute ``positions`` (T,) or (B, T) -> AttentionOutput(out (B, T, D),
-        weights (B, H, T, S) or None).
+        """x (B, T, D) at absolute ``positions`` (T,) or (B, T) -> AttentionOutput(out (B, T, D));
+        the weights (B, H, T, S) go through ``hook_pattern``.
 
         ``key_mask`` (B, S_total) bool, True = real token, covers every token seen so far
         (cached + new); padding keys are never attended to, and a query with no key to attend to
         outputs 0. ``cache`` (if given) holds the keys/values of earlier tokens and is extended in
-        place. ``need_weights`` switches to the math backend for this call.
+        place.
         """
         q, k, v = self.project(x, position, positions)
         c = self.cached_keys(k, v, positions, key_mask, cache)  # k, v (B, K, S, hd)
         bias = position.score_bias(positions, c.k.shape[2])  # (H, T, S) or None
-        y, w = self.attend(q, c.k, c.v, c.mask_fn, c.key_mask, bias, need_weights)
-        return AttentionOutput(self.merge_heads(y), w)
+        y, _ = self.attend(q, c.k, c.v, c.mask_fn, c.key_mask, bias)
+        return AttentionOutput(self.merge_heads(y))
 
     # ------------------------------------------------------------------ declared costs
     # What the module cannot show by its weights: per layer, for a ModelConfig (see
@@ -438,23 +452,17 @@ class LinearAttention(Attention):
         positions: torch.Tensor,
         key_mask: torch.Tensor | None = None,
         cache: LayerCache | None = None,
-        need_weights: bool = False,
     ) -> AttentionOutput:
-        """x (B, T, D) -> AttentionOutput(out (B, T, D), weights (B, H, T, T) or None).
+        """x (B, T, D) -> AttentionOutput(out (B, T, D)); the normalised weights over the new
+        tokens (B, H, T, T) go through ``hook_pattern``.
 
         Arguments as :meth:`SoftmaxAttention.forward`; ``cache`` must be a
-        :class:`LinearAttentionState` (TypeError otherwise). ``need_weights`` with earlier tokens
-        in the cache raises LmlabError: the state keeps no per-key information.
+        :class:`LinearAttentionState` (TypeError otherwise).
         """
         t = x.shape[1]
         if cache is not None and not isinstance(cache, LinearAttentionState):
             raise TypeError(f"linear attention needs a LinearAttentionState, got {type(cache)}")
         past = cache if cache is not None and cache.seq_len > 0 else None
-        if need_weights and past is not None:
-            raise LmlabError(
-                "linear attention cannot return weights over cached tokens (its state keeps no "
-                "per-key information); ask for weights on a forward pass without a cache"
-            )
         q, k, v = self.project(x, position, positions)
         if position.score_bias(positions, t + (past.seq_len if past else 0)) is not None:
             raise LmlabError("linear attention has no scores to add a position bias (ALiBi) to")
@@ -480,7 +488,17 @@ class LinearAttention(Attention):
             y = y + past_num / den
         if cache is not None:
             cache.update(fk, v)
-        return AttentionOutput(self.merge_heads(y), w if need_weights else None)
+        return AttentionOutput(self.merge_heads(y))
+
+    def map_points(self, cache: LayerCache | None) -> tuple[HookPoint, ...]:
+        """``hook_pattern`` (B, H, T, T); with earlier tokens in ``cache`` LmlabError: the state
+        keeps no per-key information, so there are no weights over the cached tokens."""
+        if cache is not None and cache.seq_len > 0:
+            raise LmlabError(
+                "linear attention cannot return weights over cached tokens (its state keeps no "
+                "per-key information); ask for weights on a forward pass without a cache"
+            )
+        return (self.hook_pattern,)
 
     # ------------------------------------------------------------------ declared costs
 

@@ -15,8 +15,8 @@ A backend is a function ``fn(q, k, v, mask, scale, dropout_p) -> (out (B, H, T, 
 ``model.attention.backend`` selects; k and v arrive with H heads, ``mask`` is None, a bool mask
 broadcastable to (B, H, T, S) (True = may attend) or an additive float mask (0 or -inf plus any
 score bias). Three optional attributes, set with :func:`backend_traits`, say what more it can do:
-``returns_weights`` (it returns the weights; otherwise ``need_weights`` uses ``math`` for that
-call), ``takes_bias`` (it takes the score bias as ``bias=`` with a bool mask; otherwise the bias is
+``returns_weights`` (it returns the weights; otherwise a hooked call, below, uses ``math``),
+``takes_bias`` (it takes the score bias as ``bias=`` with a bool mask; otherwise the bias is
 folded into an additive mask) and ``causal_fast_path`` (it takes ``mask=None`` with
 ``is_causal=``/``enable_gqa=`` keywords, so plain causal attention builds no mask at all);
 ``softmax`` marks a backend computing the softmax formula, the one a mask's sparse path computes.
@@ -24,8 +24,12 @@ folded into an additive mask) and ``causal_fast_path`` (it takes ``mask=None`` w
 A mask may offer a sparse path: a ``sparse_attend(q, k, v, *, scale, window, key_mask,
 dropout_p) -> (B, H, T, hdv) or None`` attribute that computes the same softmax over only the
 keys it allows (local_global: :mod:`lmlab.nn.local_global`). :func:`attend` calls it for a
-softmax backend without ``need_weights`` or a score bias; None (or any other call) runs the
+softmax backend without a score bias or a scores/pattern hook; None (or any other call) runs the
 dense masked formula, which is its oracle.
+
+Attention maps (``need_weights=True`` of a model's forward, ``run_with_cache`` of
+``hook_pattern``) are what the pattern :class:`~lmlab.nn.hooks.HookPoint` of the call sees: the
+core takes no flag for them.
 """
 
 from __future__ import annotations
@@ -147,7 +151,6 @@ def attend(
     key_mask: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     dropout_p: float = 0.0,
-    need_weights: bool = False,
     hooks: tuple[HookPoint, HookPoint] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Softmax attention of q (B, H, T, hd) over k, v (B, K, S, hd), K = H / ``n_rep``.
@@ -158,21 +161,23 @@ def attend(
     only the last keys); padding keys are never attended to and a query with no key to attend to
     outputs 0 (weights 0), never NaN. ``bias``: additive float scores broadcastable to (B, H, T,
     S) (ALiBi, T5 relative bias) or None. ``dropout_p``: dropout on the weights (pass 0 in eval).
-    ``backend``: a function of :data:`ATTENTION_BACKENDS`; with ``need_weights`` one that cannot
-    return weights is replaced by :func:`attention_math` for this call.
+    ``backend``: a function of :data:`ATTENTION_BACKENDS`.
 
     ``hooks``: the (scores, pattern) :class:`~lmlab.nn.hooks.HookPoint` pair of the calling
-    layer. While either has a function registered the call runs as with ``need_weights`` (a
-    backend that returns weights, :func:`attention_math` otherwise; no sparse path): the
+    layer. While either has a function registered (a user's hook, or the recorder of a model
+    forward with ``need_weights=True``) the call materialises the weights (a backend that
+    returns them, :func:`attention_math` otherwise; no sparse path, no fused fast path): the
     scores point sees the masked scores (B, H, T, S) before the softmax (backends with a
     ``takes_scores_hook`` attribute), the pattern point the weights (B, H, T, S) before
-    dropout, and a replaced pattern gives out = pattern @ v. Unhooked, nothing changes.
+    dropout (0 in the rows of queries with no visible key), and a replaced pattern gives
+    out = pattern @ v. Unhooked, nothing changes.
 
-    Returns (out (B, H, T, hd), weights (B, H, T, S) when ``need_weights``, else None).
+    Returns (out (B, H, T, hd), weights (B, H, T, S) when the backend materialised them, else
+    None).
     """
     t, s = q.shape[2], k.shape[2]
     hooked = hooks is not None and bool(hooks[0].fns or hooks[1].fns)
-    if (need_weights or hooked) and not getattr(backend, "returns_weights", False):
+    if hooked and not getattr(backend, "returns_weights", False):
         backend = attention_math  # the one backend that materialises the weights
     extra: dict = {}
     if hooked and hooks is not None and hooks[0].fns:
@@ -183,12 +188,13 @@ def attend(
         extra["scores_hook"] = hooks[0]
     sparse = getattr(mask_fn, "sparse_attend", None)
     softmax = getattr(backend, "softmax", False)
-    if sparse is not None and softmax and not (need_weights or hooked) and bias is None:
+    if sparse is not None and softmax and not hooked and bias is None:
         y = sparse(q, k, v, scale=scale, window=window, key_mask=key_mask, dropout_p=dropout_p)
         if y is not None:  # the mask's sparse path; None: it does not apply to this call
             return y, None
     plain_causal = bias is None and key_mask is None and mask_fn is causal_mask
-    if getattr(backend, "causal_fast_path", False) and plain_causal and (s == t or t == 1):
+    fast = getattr(backend, "causal_fast_path", False) and not hooked
+    if fast and plain_causal and (s == t or t == 1):
         # no mask to build: s == t is causal over the new tokens, t == 1 sees every cached key
         gqa = SDPA_GQA and n_rep > 1
         if not gqa:
@@ -220,12 +226,13 @@ def attend(
             dropout_p,
             **extra,
         )
+    if empty is not None and w is not None:  # queries with no visible key weigh 0 on all keys
+        w = w.masked_fill(empty, 0.0)
     if hooked and hooks is not None and hooks[1].fns and w is not None:
-        replaced = hooks[1](w)  # (B, H, T, S)
+        replaced = hooks[1](w)  # (B, H, T, S), padding rows 0
         if replaced is not w:  # an edited pattern: recompute the output from it
             w = replaced
             y = torch.matmul(F.dropout(w, p=dropout_p) if dropout_p > 0.0 else w, v)
     if empty is not None:  # queries with no visible key (padding rows) output 0
         y = y.masked_fill(empty, 0.0)
-        w = None if w is None else w.masked_fill(empty, 0.0)
-    return y, w if need_weights else None
+    return y, w

@@ -78,9 +78,8 @@ class Block(nn.Module):
         positions: torch.Tensor,
         key_mask: torch.Tensor | None = None,
         cache: LayerCache | None = None,
-        need_weights: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x (B, T, D) -> (x (B, T, D), attention weights (B, H, T, S) or None).
+    ) -> torch.Tensor:
+        """x (B, T, D) -> x (B, T, D).
 
         ``key_mask`` (B, S) bool, True = real token (None: no padding); ``cache``: this layer's
         decoding state. Both go to the attention unchanged."""
@@ -96,24 +95,22 @@ class PreNormBlock(Block):
 
     examples: tuple[dict, ...] = ({}, {"block": {"parallel": True}})
 
-    def forward(self, x, position, positions, key_mask=None, cache=None, need_weights=False):
-        a = self.attn(self.attn_norm(x), position, positions, key_mask, cache, need_weights)
+    def forward(self, x, position, positions, key_mask=None, cache=None):
+        a = self.attn(self.attn_norm(x), position, positions, key_mask, cache)
         if self.parallel:
-            return self.add(x, self.drop(a.out) + self.drop(self.ffn(self.ffn_norm(x)))), a.weights
+            return self.add(x, self.drop(a.out) + self.drop(self.ffn(self.ffn_norm(x))))
         x = self.hook_resid_mid(self.add(x, self.drop(a.out)))
-        x = self.add(x, self.drop(self.ffn(self.ffn_norm(x))))
-        return x, a.weights
+        return self.add(x, self.drop(self.ffn(self.ffn_norm(x))))
 
 
 @BLOCK.register("post")
 class PostNormBlock(Block):
     """norm(x + attn(x)), then norm(x + ffn(x)): the original Transformer (Vaswani et al. 2017)."""
 
-    def forward(self, x, position, positions, key_mask=None, cache=None, need_weights=False):
-        a = self.attn(x, position, positions, key_mask, cache, need_weights)
+    def forward(self, x, position, positions, key_mask=None, cache=None):
+        a = self.attn(x, position, positions, key_mask, cache)
         x = self.hook_resid_mid(self.attn_norm(self.add(x, self.drop(a.out))))
-        x = self.ffn_norm(self.add(x, self.drop(self.ffn(x))))
-        return x, a.weights
+        return self.ffn_norm(self.add(x, self.drop(self.ffn(x))))
 
 
 @BLOCK.register("hybrid")
@@ -126,11 +123,10 @@ class HybridNormBlock(Block):
         super().__init__(dataclasses.replace(cfg, attention=qkv), layer_idx)
         self.attn_norm = nn.Identity()  # the attention input is not normalised
 
-    def forward(self, x, position, positions, key_mask=None, cache=None, need_weights=False):
-        a = self.attn(x, position, positions, key_mask, cache, need_weights)
+    def forward(self, x, position, positions, key_mask=None, cache=None):
+        a = self.attn(x, position, positions, key_mask, cache)
         x = self.hook_resid_mid(self.add(x, self.drop(a.out)))
-        x = self.ffn_norm(self.add(x, self.drop(self.ffn(x))))
-        return x, a.weights
+        return self.ffn_norm(self.add(x, self.drop(self.ffn(x))))
 
 
 # ----------------------------------------------------------------------------- decoder layers
@@ -171,10 +167,8 @@ class DecoderBlock(nn.Module):
         key_mask: torch.Tensor | None = None,
         cache: LayerCache | None = None,
         cross_cache: CrossAttentionCache | None = None,
-        need_weights: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """x (B, T, D) -> (x (B, T, D), self-attention weights (B, H, T, S) or None,
-        cross-attention weights (B, H, T, S_src) or None).
+    ) -> torch.Tensor:
+        """x (B, T, D) -> x (B, T, D).
 
         ``memory_mask`` (B, S_src) bool, True = real source token; ``key_mask`` (B, S) the
         decoder's own padding mask; ``cache`` / ``cross_cache``: this layer's decoding state."""
@@ -195,14 +189,12 @@ class PreNormDecoderBlock(DecoderBlock):
         key_mask=None,
         cache=None,
         cross_cache=None,
-        need_weights=False,
     ):
-        a = self.attn(self.attn_norm(x), position, positions, key_mask, cache, need_weights)
+        a = self.attn(self.attn_norm(x), position, positions, key_mask, cache)
         x = self.hook_resid_mid(x + self.drop(a.out))
-        c = self.cross_attn(self.cross_norm(x), memory, memory_mask, cross_cache, need_weights)
+        c = self.cross_attn(self.cross_norm(x), memory, memory_mask, cross_cache)
         x = self.hook_resid_cross(x + self.drop(c.out))
-        x = x + self.drop(self.ffn(self.ffn_norm(x)))
-        return x, a.weights, c.weights
+        return x + self.drop(self.ffn(self.ffn_norm(x)))
 
 
 @DECODER_BLOCK.register("post")
@@ -220,11 +212,9 @@ class PostNormDecoderBlock(DecoderBlock):
         key_mask=None,
         cache=None,
         cross_cache=None,
-        need_weights=False,
     ):
-        a = self.attn(x, position, positions, key_mask, cache, need_weights)
+        a = self.attn(x, position, positions, key_mask, cache)
         x = self.hook_resid_mid(self.attn_norm(x + self.drop(a.out)))
-        c = self.cross_attn(x, memory, memory_mask, cross_cache, need_weights)
+        c = self.cross_attn(x, memory, memory_mask, cross_cache)
         x = self.hook_resid_cross(self.cross_norm(x + self.drop(c.out)))
-        x = self.ffn_norm(x + self.drop(self.ffn(x)))
-        return x, a.weights, c.weights
+        return self.ffn_norm(x + self.drop(self.ffn(x)))

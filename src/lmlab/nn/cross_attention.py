@@ -41,15 +41,13 @@ class CrossAttention(Attention):
         memory: torch.Tensor | None,
         memory_mask: torch.Tensor | None = None,
         cache: CrossAttentionCache | None = None,
-        need_weights: bool = False,
     ) -> AttentionOutput:
-        """x (B, T, D), memory (B, S, D) -> AttentionOutput(out (B, T, D), weights (B, H, T, S)
-        or None).
+        """x (B, T, D), memory (B, S, D) -> AttentionOutput(out (B, T, D)); the weights
+        (B, H, T, S) go through ``hook_pattern``.
 
         ``memory_mask`` (B, S) bool, True = real source token; a row without any real source
         token outputs 0. ``cache``: read when filled (``memory`` may then be None), else filled
-        from ``memory``. ``need_weights`` switches to the math backend for this call. Raises
-        LmlabError when neither a filled cache nor ``memory`` is given.
+        from ``memory``. Raises LmlabError when neither a filled cache nor ``memory`` is given.
         """
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)).transpose(1, 2)
@@ -70,8 +68,8 @@ class CrossAttention(Attention):
                 f"the source mask must be (B, S) = {(b, s)}, got {tuple(memory_mask.shape)}"
             )
         key_mask = None if memory_mask is None else memory_mask.bool()
-        y, w = self.attend(q, k, v, None, key_mask, None, need_weights)  # no structural mask
-        return AttentionOutput(self.merge_heads(y), w)
+        y, _ = self.attend(q, k, v, None, key_mask, None)  # no structural mask
+        return AttentionOutput(self.merge_heads(y))
 
     # ------------------------------------------------------------------ declared costs
     # Per decoder layer (lmlab.analysis.costs); kv_cache_bytes_per_token (2 K hd bytes, here per

@@ -51,7 +51,7 @@ from torch import nn
 from lmlab.errors import ConfigError
 from lmlab.nn.attention import ATTENTION, AttentionOutput, SoftmaxAttention
 from lmlab.nn.hooks import HookPoint
-from lmlab.nn.kv_cache import LayerKVCache, SlidingWindowKVCache
+from lmlab.nn.kv_cache import LayerCache, LayerKVCache, SlidingWindowKVCache
 
 if TYPE_CHECKING:
     from lmlab.config import ModelConfig
@@ -152,23 +152,30 @@ class DifferentialAttention(SoftmaxAttention):
         positions: torch.Tensor,
         key_mask: torch.Tensor | None = None,
         cache: LayerKVCache | SlidingWindowKVCache | None = None,
-        need_weights: bool = False,
     ) -> AttentionOutput:
-        """x (B, T, D) -> AttentionOutput(out (B, T, D), weights (B, H, T, S) or None); arguments
-        as :meth:`SoftmaxAttention.forward`. The weights are each query head's softmax map, as
-        Hugging Face returns them: heads [0, H/2) the first maps, [H/2, H) the second."""
+        """x (B, T, D) -> AttentionOutput(out (B, T, D)); arguments as
+        :meth:`SoftmaxAttention.forward`. The first maps (B, H/2, T, S) go through
+        ``hook_pattern``, the second through ``hook_pattern_2``."""
         h2, k2 = self.n_heads // 2, self.n_kv_heads // 2
         q, k, v = self.project(x, position, positions)  # (B, H, T, hd), (B, K, T, hd) x 2
         c = self.cached_keys(k, v, positions, key_mask, cache)
         k, v, mask_fn, key_mask = c.k, c.v, c.mask_fn, c.key_mask  # k, v (B, K, S, hd)
         v2 = torch.cat([v[:, :k2], v[:, k2:]], dim=-1)  # (B, K/2, S, 2 hd)
         b1, b2 = _split_heads(position.score_bias(positions, k.shape[2]), self.n_heads)
-        y1, w1 = self.attend(q[:, :h2], k[:, :k2], v2, mask_fn, key_mask, b1, need_weights)
+        y1, _ = self.attend(q[:, :h2], k[:, :k2], v2, mask_fn, key_mask, b1)
         second = (self.hook_scores_2, self.hook_pattern_2)  # the second map's hook points
-        y2, w2 = self.attend(q[:, h2:], k[:, k2:], v2, mask_fn, key_mask, b2, need_weights, second)
+        y2, _ = self.attend(q[:, h2:], k[:, k2:], v2, mask_fn, key_mask, b2, second)
         y = self.head_norm(y1 - self.lambda_full(q.dtype) * y2)  # (B, H/2, T, 2 hd)
-        w = torch.cat([w1, w2], dim=1) if w1 is not None and w2 is not None else None
-        return AttentionOutput(self.merge_heads(y), w)  # (H/2, 2 hd) merge as (H, hd)
+        return AttentionOutput(self.merge_heads(y))  # (H/2, 2 hd) merge as (H, hd)
+
+    def map_points(self, cache: LayerCache | None) -> tuple[HookPoint, ...]:
+        """Both maps' pattern points: ``hook_pattern`` and ``hook_pattern_2``."""
+        return (self.hook_pattern, self.hook_pattern_2)
+
+    def attention_map(self, recorded: list[torch.Tensor]) -> torch.Tensor:
+        """The two maps (B, H/2, T, S) -> (B, H, T, S), each query head's softmax map as
+        Hugging Face returns them: heads [0, H/2) the first maps, [H/2, H) the second."""
+        return torch.cat(recorded, dim=1)
 
     # ------------------------------------------------------------------ declared costs
     # The cache is SoftmaxAttention's (the full k and v): kv_cache_bytes and cached_tokens are

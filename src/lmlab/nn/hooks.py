@@ -11,7 +11,8 @@ TransformerLens's HookPoint (Nanda & Bloom 2022); the code and the names are lml
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -91,3 +92,31 @@ def fast_hook_lookup(model: nn.Module) -> None:
         for name, child in parent.named_children():
             if isinstance(child, HookPoint):
                 object.__setattr__(parent, name, child)
+
+
+@contextmanager
+def recording(points: Sequence[HookPoint]) -> Iterator[list[list[torch.Tensor]]]:
+    """Record what each of ``points`` sees during the ``with`` body: yields one list per point
+    (in the order given) that fills with the tensors the point passes on, as the forward
+    computed them (not detached, not copied). The recorder runs after any function already
+    registered, so it sees what those returned; it replaces nothing, and it is removed on
+    leaving, error or not. This is how a model's ``need_weights=True`` gets its attention maps
+    (:class:`~lmlab.models.stack.LayerStack`)."""
+    seen: list[list[torch.Tensor]] = [[] for _ in points]
+    added: list[tuple[HookPoint, HookFn]] = []
+
+    def recorder(into: list[torch.Tensor]) -> HookFn:
+        def record(x: torch.Tensor, _: str) -> None:
+            into.append(x)
+
+        return record
+
+    try:
+        for point, into in zip(points, seen, strict=True):
+            fn = recorder(into)
+            point.fns.append(fn)
+            added.append((point, fn))
+        yield seen
+    finally:
+        for point, fn in added:
+            point.fns.remove(fn)

@@ -244,11 +244,10 @@ class HyperConnectionBlock(Block):
             per += 4 * 2 * n * (n + 1) * self.attn_hc.sinkhorn_iters
         return 2 * per
 
-    def forward(self, x, position, positions, key_mask=None, cache=None, need_weights=False):
-        """H (B, T, n, D) -> (H (B, T, n, D), attention weights (B, H, T, S) or None)."""
+    def forward(self, x, position, positions, key_mask=None, cache=None):
+        """H (B, T, n, D) -> H (B, T, n, D)."""
         h0, mixed, beta = self.attn_hc.width(x)
-        a = self.attn(self.attn_norm(h0), position, positions, key_mask, cache, need_weights)
+        a = self.attn(self.attn_norm(h0), position, positions, key_mask, cache)
         h = self.attn_hc.depth(mixed, beta, self.drop(a.out))
         h0, mixed, beta = self.ffn_hc.width(h)
-        h = self.ffn_hc.depth(mixed, beta, self.drop(self.ffn(self.ffn_norm(h0))))
-        return h, a.weights
+        return self.ffn_hc.depth(mixed, beta, self.drop(self.ffn(self.ffn_norm(h0))))

@@ -273,11 +273,11 @@ class MultiHeadLatentAttention(Attention):
         positions: torch.Tensor,
         key_mask: torch.Tensor | None = None,
         cache: LayerKVCache | SlidingWindowKVCache | None = None,
-        need_weights: bool = False,
     ) -> AttentionOutput:
-        """x (B, T, D) at ``positions`` (T,) or (B, T) -> AttentionOutput(out (B, T, D),
-        weights (B, H, T, S) or None); arguments as :meth:`SoftmaxAttention.forward`, the cache
-        one of :meth:`new_cache` (extended in place with the new latents)."""
+        """x (B, T, D) at ``positions`` (T,) or (B, T) -> AttentionOutput(out (B, T, D)), the
+        weights (B, H, T, S) through ``hook_pattern``; arguments as
+        :meth:`SoftmaxAttention.forward`, the cache one of :meth:`new_cache` (extended in place
+        with the new latents)."""
         b, t, _ = x.shape
         h, n, dv = self.n_heads, self.dims.nope, self.dims.v
         q_nope, q_rope = self.query(x).split([n, self.dims.rope], dim=-1)
@@ -294,7 +294,7 @@ class MultiHeadLatentAttention(Attention):
             q_lat = torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk)  # (B, H, T, c)
             q = torch.cat([q_lat, q_rope], dim=-1)  # (B, H, T, c + r)
             k = torch.cat([ckv, k_rope], dim=-1)  # (B, 1, S, c + r)
-            y_lat, w = attend(q, k, ckv, n_rep=h, need_weights=need_weights, **core)  # type: ignore[arg-type]
+            y_lat, _ = attend(q, k, ckv, n_rep=h, **core)  # type: ignore[arg-type]
             y = torch.einsum("bhtc,hvc->bhtv", y_lat, w_uv)  # (B, H, T, dv)
         else:  # expand every cached latent: k_C, v_C (B, H, S, n), (B, H, S, dv)
             kv = self.kv_b_proj(ckv.squeeze(1)).view(b, s, h, n + dv).transpose(1, 2)
@@ -302,10 +302,10 @@ class MultiHeadLatentAttention(Attention):
             k = torch.cat([k_nope, k_rope.expand(-1, h, -1, -1)], dim=-1)  # (B, H, S, n + r)
             q = torch.cat([q_nope, q_rope], dim=-1)  # (B, H, T, n + r)
             q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
-            y, w = attend(q, k, v, n_rep=1, need_weights=need_weights, **core)  # type: ignore[arg-type]
+            y, _ = attend(q, k, v, n_rep=1, **core)  # type: ignore[arg-type]
         y = self.hook_z(y)
         out = self.hook_out(self.o_proj(y.transpose(1, 2).reshape(b, t, h * dv)))
-        return AttentionOutput(out, w)
+        return AttentionOutput(out)
 
     def saved_norm_elements(self) -> int:
         """Elements per token autograd keeps for the latent norms (lmlab.training.memory): the

@@ -261,12 +261,12 @@ class MoBAAttention(SoftmaxAttention):
         positions: torch.Tensor,
         key_mask: torch.Tensor | None = None,
         cache: LayerKVCache | None = None,  # type: ignore[override]
-        need_weights: bool = False,
     ) -> AttentionOutput:
-        """x (B, T, D) -> AttentionOutput(out (B, T, D), weights (B, H, T, S) or None).
+        """x (B, T, D) -> AttentionOutput(out (B, T, D)).
 
         Arguments as :meth:`SoftmaxAttention.forward`; blocks count real tokens (``key_mask``).
-        ``need_weights`` uses the dense path for this call (it has the (B, H, T, S) weights)."""
+        A scores or pattern hook (``need_weights`` records the pattern) uses the dense path for
+        this call (it has the (B, H, T, S) weights)."""
         t = x.shape[1]
         q, k, v = self.project(x, position, positions)
         if cache is not None:
@@ -279,27 +279,24 @@ class MoBAAttention(SoftmaxAttention):
         gate = block_gate(q, kc, query_index, self.block_size)
         blocks, valid = select_blocks(gate, query_index, self.block_size, self.top_k)
         bias = position.score_bias(positions, s)  # (H, T, S) or None
-        if self.impl == "dense" or need_weights or self.hook_pattern.fns or self.hook_scores.fns:
+        if self.impl == "dense" or self.hook_pattern.fns or self.hook_scores.fns:
             mask = selection_mask(blocks, valid, key_index, query_index, key_mask, self.block_size)
-            y, w = self.attend(q, k, v, lambda *_: mask, key_mask, bias, need_weights)
+            y, _ = self.attend(q, k, v, lambda *_: mask, key_mask, bias)
         else:
-            y, w = (
-                gathered_attention(
-                    q,
-                    kc,
-                    vc,
-                    blocks,
-                    valid,
-                    query_index,
-                    self.block_size,
-                    self.scale,
-                    bias,
-                    order,
-                    self.dropout_p,
-                ),
-                None,
+            y = gathered_attention(
+                q,
+                kc,
+                vc,
+                blocks,
+                valid,
+                query_index,
+                self.block_size,
+                self.scale,
+                bias,
+                order,
+                self.dropout_p,
             )
-        return AttentionOutput(self.merge_heads(y), w)
+        return AttentionOutput(self.merge_heads(y))
 
     # ------------------------------------------------------------------ declared costs
     # kv_cache_bytes and cached_tokens: SoftmaxAttention's (every past key is kept).

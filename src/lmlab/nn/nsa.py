@@ -53,7 +53,8 @@ from torch import nn
 
 from lmlab.errors import ConfigError, LmlabError
 from lmlab.nn.attention import ATTENTION, AttentionOutput, SoftmaxAttention
-from lmlab.nn.kv_cache import LayerKVCache, SlidingWindowKVCache
+from lmlab.nn.hooks import HookPoint
+from lmlab.nn.kv_cache import LayerCache, LayerKVCache, SlidingWindowKVCache
 from lmlab.nn.moba import compact, token_index
 from lmlab.nn.position import POSITION, PositionEncoding
 
@@ -418,25 +419,27 @@ class NativeSparseAttention(SoftmaxAttention):
         positions: torch.Tensor,
         key_mask: torch.Tensor | None = None,
         cache: NSACache | None = None,  # type: ignore[override]
-        need_weights: bool = False,
     ) -> AttentionOutput:
-        """x (B, T, D) at ``positions`` (T,) or (B, T) -> AttentionOutput(out (B, T, D), None).
+        """x (B, T, D) at ``positions`` (T,) or (B, T) -> AttentionOutput(out (B, T, D)).
 
         ``key_mask`` (B, S_total) bool, True = real token; blocks and windows count real tokens.
-        ``cache`` (:meth:`new_cache`) is extended in place. ``need_weights`` raises LmlabError:
-        three branches over different keys have no one (B, H, T, S) weight matrix."""
-        if need_weights:
-            raise LmlabError(
-                "model.attention.kind=nsa has no single attention map (three gated branches, "
-                "one over compressed keys); attention maps need another kind"
-            )
+        ``cache`` (:meth:`new_cache`) is extended in place. There is no attention map
+        (:meth:`map_points`)."""
         q, k, kw, v, vw = self.project_all(x, position, positions)
         if cache is not None:
             k, v, kw, vw = cache.update(k, v, kw, vw)
         o_cmp, o_slc, o_win = self.branches(q, k, v, kw, vw, key_mask)
         g = self.gates(x)
         y = g[0] * o_cmp + g[1] * o_slc + g[2] * o_win  # (B, H, T, hd)
-        return AttentionOutput(self.merge_heads(y), None)
+        return AttentionOutput(self.merge_heads(y))
+
+    def map_points(self, cache: LayerCache | None) -> tuple[HookPoint, ...]:
+        """None: LmlabError, three branches over different keys have no one (B, H, T, S)
+        weight matrix (``need_weights=True`` is refused before the forward runs)."""
+        raise LmlabError(
+            "model.attention.kind=nsa has no single attention map (three gated branches, "
+            "one over compressed keys); attention maps need another kind"
+        )
 
     # ------------------------------------------------------------------ declared costs
 

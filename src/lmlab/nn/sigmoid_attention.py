@@ -14,7 +14,7 @@ length: a score then does not change as the cache grows, so cached decoding == t
 Masked and padding keys weigh exactly 0 (``sigmoid(-inf) = 0``), a query with no visible key
 outputs 0, GQA shares each kv head among H/K query heads; score biases (ALiBi, T5) add to the
 scores. The weights are always materialised (B, H, T, S) (there is no fused kernel), whatever
-``model.attention.backend`` says; ``need_weights`` returns them. The KV cache is
+``model.attention.backend`` says; ``hook_pattern`` (and ``need_weights``) sees them. The KV cache is
 :class:`~lmlab.nn.attention.SoftmaxAttention`'s (dynamic, bounded by a sliding window, or the
 StreamingLLM cache of ``mask: streaming``: its forward is softmax attention's, so it streams;
 an evicted key weighs 0 as a masked one does, and b stays -log(max_seq_len)).
@@ -110,7 +110,6 @@ def sigmoid_attend(
         key_mask=key_mask,
         bias=bias,
         dropout_p=dropout_p,
-        need_weights=True,
     )
     assert w is not None  # the sigmoid backend always returns its weights
     return y, w

@@ -64,7 +64,8 @@ class SinkAttention(SoftmaxAttention):
     and that column, which is then dropped, so a row's weights sum to 1 - p_sink <= 1. On both
     backends the sink is folded in as an extra key with a zero value whose score is set by an
     additive bias, so sdpa and math compute the same function (a query with no visible key sees
-    only the sink and outputs 0). Weights (``need_weights``) are (B, H, T, S), the sink dropped.
+    only the sink and outputs 0). ``hook_pattern`` sees (B, H, T, S + 1), the sink's column
+    last; the model's attention map (``need_weights``) is (B, H, T, S), the sink column dropped.
     The cache is :class:`SoftmaxAttention`'s (the sink is a parameter, not a token).
     """
 
@@ -80,7 +81,7 @@ class SinkAttention(SoftmaxAttention):
         super().__init__(cfg, layer_idx)
         self.sinks = nn.Parameter(torch.zeros(self.n_heads))  # (H,) logits, exp(0) = 1 at init
 
-    def attend(self, q, k, v, mask_fn, key_mask, bias, need_weights, hooks=None):
+    def attend(self, q, k, v, mask_fn, key_mask, bias, hooks=None):
         """As :meth:`Attention.attend`, with the sink: q (B, H, T, hd), k and v (B, K, S, hd)
         -> (y (B, H, T, hd), weights (B, H, T, S) or None)."""
         b, _, t, _ = q.shape
@@ -98,8 +99,12 @@ class SinkAttention(SoftmaxAttention):
             real = key_mask[:, -s:]
             key_mask = torch.cat([real, real.new_ones(real.shape[0], 1)], dim=1)  # (B, S + 1)
         sunk = with_sink_column(mask_fn)  # the hooked pattern keeps the sink column (S + 1)
-        y, w = super().attend(q, k, v, sunk, key_mask, full_bias, need_weights, hooks)
+        y, w = super().attend(q, k, v, sunk, key_mask, full_bias, hooks)
         return y, None if w is None else w[..., :s]
+
+    def attention_map(self, recorded: list[torch.Tensor]) -> torch.Tensor:
+        """The pattern (B, H, T, S + 1) -> the map (B, H, T, S): the sink's column dropped."""
+        return recorded[0][..., :-1]
 
     @classmethod
     def saved_score_elements(cls, cfg: ModelConfig, seq_len: int) -> int:
