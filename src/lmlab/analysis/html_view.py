@@ -202,4 +202,4 @@ def _asset(name: str) -> str:
 
 
 PAGE = _asset("page.html")
-RENDERERS: dict[str, str] = {"attention": _asset("attention.js")}
+RENDERERS: dict[str, str] = {"attention": _asset("attention.js"), "patch": _asset("patch.js")}
