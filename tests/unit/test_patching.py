@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 
+from lmlab.analysis import patching
 from lmlab.analysis.patching import (
     Patch,
     logit_diff,
@@ -128,7 +129,7 @@ def test_a_last_layer_ffn_patch_scores_as_computed_by_hand_in_float64(setup):
     assert r.metric_clean == pytest.approx(ld_clean, abs=1e-5)
 
 
-def test_batched_patches_equal_one_at_a_time(setup):
+def test_batched_patches_equal_one_at_a_time(setup, monkeypatch):
     model, clean, corrupted = setup
     calls: list[tuple[int, int]] = []
     batched = patch_activations(model, clean, corrupted, 3, 5, progress=lambda d, t:
@@ -141,6 +142,13 @@ def test_batched_patches_equal_one_at_a_time(setup):
     total = 3 * 2 * T + 2 * 4
     assert calls[-1] == (total, total) and len(calls) == 8  # one call per map row
     assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+    monkeypatch.setattr(patching, "LOGIT_BUDGET", 3 * T * V)  # 3 rows of logits per forward
+    calls.clear()
+    small = patch_activations(model, clean, corrupted, 3, 5, what=("resid_pre",),
+                              progress=lambda d, t: calls.append((d, t)))  # fmt: skip
+    assert [d for d, _ in calls] == [3, 6, 7, 10, 13, 14]  # each layer's row in 3 + 3 + 1
+    torch.testing.assert_close(small.scores["resid_pre"], single.scores["resid_pre"], atol=1e-6,
+                               rtol=0)  # fmt: skip
     with torch.no_grad():  # run_patched rows are independent of their neighbours
         _, cache = run_with_cache(model, clean, names=["layers.1.attn.hook_z"])
         rows = [[Patch("layers.1.attn.hook_z", head=h)] for h in range(4)]

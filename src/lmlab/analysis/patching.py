@@ -62,7 +62,8 @@ POINTS: dict[str, str] = {
     "heads": "layers.{i}.attn.hook_z",
 }
 DEFAULT_WHAT = ("resid_pre", "attn_out", "ffn_out", "heads")
-BATCH = 32  # patched runs per batched forward (memory: BATCH x T x V logits)
+BATCH = 32  # patched runs per batched forward at most
+LOGIT_BUDGET = 1 << 26  # and at most this many logits (R T V floats) per batched forward
 
 
 def _at(logits: torch.Tensor, position: int) -> torch.Tensor:
@@ -289,9 +290,10 @@ def patch_activations(
 
     The clean run is cached once (only the points patched); the corrupted run gives m_corrupt;
     then every (layer, position) and (layer, head) patch is one row of a batched forward of up
-    to ``batch_size`` rows (a map row per call at most, so ``progress(done, total)``, counted
-    in patched runs, is called at least once per layer of each ``what``). The model is run in
-    eval mode under ``torch.no_grad`` and put back in its mode.
+    to ``batch_size`` rows and :data:`LOGIT_BUDGET` logits (one map row per call at most, so
+    ``progress(done, total)``, counted in patched runs, is called at least once per layer of
+    each ``what``). The model runs in eval mode under ``torch.no_grad``; its mode is restored.
+    Patched runs: L T per position map, L H for ``heads``, plus the clean and corrupted runs.
 
     Returns a :class:`PatchResult`. Raises LmlabError for prompts of different lengths, more
     than one sequence, an unknown ``what``, m_clean == m_corrupt (the score is undefined: the
@@ -337,12 +339,13 @@ def patch_activations(
                 m_clean, m_corrupt, target, versus, position, tc,
             )  # fmt: skip
             jobs = _jobs(what, n_layers, tc, clean)
+            per_call = max(1, min(batch_size, LOGIT_BUDGET // (tc * out.logits.shape[-1])))
             total, done = sum(len(p) for _, _, p in jobs), 0
             rows: dict[str, list[torch.Tensor]] = {w: [] for w in what}
             for w, _, patches in jobs:
                 values = []
-                for k in range(0, len(patches), batch_size):
-                    chunk = [[p] for p in patches[k : k + batch_size]]
+                for k in range(0, len(patches), per_call):
+                    chunk = [[p] for p in patches[k : k + per_call]]
                     logits = run_patched(model, corrupted_ids, clean, chunk, **kwargs(len(chunk)))
                     values.append(metric(logits, target, versus, position))
                     done += len(chunk)
