@@ -142,6 +142,13 @@ def test_batched_patches_equal_one_at_a_time(setup, monkeypatch):
     total = 3 * 2 * T + 2 * 4
     assert calls[-1] == (total, total) and len(calls) == 8  # one call per map row
     assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+    # where layer 0's input is the same in both runs (every position but 2), restoring the
+    # attention output there restores resid_post (= layer 1's resid_pre) exactly
+    unchanged = [0, 1, 3, 4, 5, 6]
+    s = batched.scores
+    torch.testing.assert_close(s["attn_out"][0, unchanged], s["resid_pre"][1, unchanged],
+                               atol=1e-6, rtol=0)  # fmt: skip
+    assert s["attn_out"][0, 3:].abs().max() > 0.01  # and it is not the trivial 0 everywhere
     monkeypatch.setattr(patching, "LOGIT_BUDGET", 3 * T * V)  # 3 rows of logits per forward
     calls.clear()
     small = patch_activations(model, clean, corrupted, 3, 5, what=("resid_pre",),

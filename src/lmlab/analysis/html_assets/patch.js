@@ -41,9 +41,13 @@ LM.render.patch = function (root, p, st, set) {
   root.appendChild(el("div", "lbl", "rows: layers " + d.layers[0] + " (top) .. " + d.layers[L - 1] + "; columns: " + m.axis));
   root.appendChild(c);
   const cols = el("div", "strip"); cols.id = "patch-columns";
+  cols.style.gap = "0"; cols.style.flexWrap = "nowrap";  // one label under each map column
   m.columns.forEach((t, j) => {
     const s = el("span", "tok", t);
     s.dataset.j = String(j);
+    s.title = (m.what === "heads" ? "head " : "position " + j + ": ") + t;
+    Object.assign(s.style, {width: cell + "px", boxSizing: "border-box", padding: "0",
+      overflow: "hidden", textAlign: "center", flexShrink: "0", fontSize: cell < 14 ? "8px" : ""});
     if (m.what !== "heads" && j % 10 === 0) s.appendChild(el("sub", "", String(j)));
     cols.appendChild(s);
   });
