@@ -38,7 +38,8 @@ lmlab: build, train, probe and compare Transformer language models.
   lmlab verify --config my.yaml       prove a model config correct (and equal to Hugging Face's)
   lmlab inspect configs/mixtral.yaml  parameters, FLOPs, KV cache and memory, without building it
   lmlab attention runs/minigpt --text "ROMEO:"   attention heatmaps and per-head diagnostics
-  lmlab patch runs/minigpt --clean "ROMEO:" --corrupted "JULIET" --target " "   patching maps
+  lmlab patch runs/minigpt --clean "Enter ROMEO an" --corrupted "Enter ROMEO on" --target d
+                                      activation patching: which layers and heads carry it
   lmlab train --config configs/seq2seq-reverse.yaml     an encoder-decoder on a reverse task
   lmlab generate runs/seq2seq-reverse --source "abcdefgh" --temperature 0
   lmlab compare experiments/positions.yaml   train variants x seeds, report.md + plots

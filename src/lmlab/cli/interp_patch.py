@@ -85,6 +85,6 @@ PATCH = Command(
     "al. 2022), IOI (Wang et al. 2022); see docs/interpretability.md.",
     arguments=_patch_arguments,
     run=cmd_patch,
-    epilog='example: lmlab patch runs/minigpt --clean "ROMEO: But soft" --corrupted "JULIET: '
-    'But soft" --target " " --html patch.html',
+    epilog='example: lmlab patch runs/minigpt --clean "Enter ROMEO an" --corrupted "Enter '
+    'ROMEO on" --target d --versus " " --html patch.html (prompts of equal token length)',
 )
