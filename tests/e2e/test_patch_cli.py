@@ -26,30 +26,29 @@ def test_patch_json_pngs_and_page(tiny_run: Path, tmp_path: Path, capsys):
     page, maps = tmp_path / "p.html", tmp_path / "maps"
     code, out, err = run_cli(
         capsys, "patch", str(tiny_run), "--clean", CLEAN, "--corrupted", CORRUPTED,
-        "--target", ",", "--versus", " ", "--out", str(maps), "--html", str(page), "--json",
-        "--device", "cpu",
+        "--target", ",", "--versus", " ", "--what", "resid_pre,heads", "--out", str(maps),
+        "--html", str(page), "--json", "--device", "cpu",
     )  # fmt: skip
     assert code == 0, err
     r = json.loads(out)  # the whole of stdout is one JSON object
     assert r["tokens"] == list(CLEAN.replace(" ", "␣")) and r["metric"] == "logit_diff"
     assert r["target_token"] == "," and r["versus_token"] == "␣"
-    assert [len(r["scores"][w]) for w in ("resid_pre", "attn_out", "ffn_out", "heads")] == [2] * 4
+    assert list(r["scores"]) == ["resid_pre", "heads"] and len(r["scores"]["heads"]) == 2
     assert len(r["scores"]["resid_pre"][0]) == 15 and len(r["scores"]["heads"][0]) == 4
     span = r["metric_clean"] - r["metric_corrupt"]
     for c in r["top"]:  # each listed score is its patched metric, normalised
         assert c["score"] == pytest.approx((c["patched"] - r["metric_corrupt"]) / span)
     # layer 0's residual after the changed tokens is the corrupted one: no effect
     assert r["scores"]["resid_pre"][0][5:] == [0.0] * 10
-    names = ["patch-attn_out.png", "patch-ffn_out.png", "patch-heads.png", "patch-resid_pre.png"]
+    names = ["patch-heads.png", "patch-resid_pre.png"]
     assert sorted(p.name for p in maps.iterdir()) == names
     assert all((maps / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in names)
     assert r["files"][-1] == str(page)
     (panel,) = blob(page)["panels"]
     assert panel["kind"] == "patch"
-    assert [m["what"] for m in panel["data"]["maps"]] == ["resid_pre", "attn_out", "ffn_out",
-                                                          "heads"]  # fmt: skip
+    assert [m["what"] for m in panel["data"]["maps"]] == ["resid_pre", "heads"]
     assert panel["data"]["maps"][0]["columns"] == r["tokens"]
-    assert "patching: 98/98 runs" in err  # progress: 3 maps x 2 layers x 15 + 2 x 4 heads
+    assert "patching: 15/38 runs" in err and "patching: 38/38 runs" in err  # 2 x 15 + 2 x 4
 
 
 def test_patch_text_output_and_log_prob_metric(tiny_run: Path, capsys):

@@ -134,7 +134,7 @@ def test_batched_patches_equal_one_at_a_time(setup, monkeypatch):
     calls: list[tuple[int, int]] = []
     batched = patch_activations(model, clean, corrupted, 3, 5, progress=lambda d, t:
                                 calls.append((d, t)))  # fmt: skip
-    single = patch_activations(model, clean, corrupted, 3, 5, batch_size=1)
+    single = patch_activations(model, clean, corrupted, 3, 5, ("resid_pre", "heads"), batch_size=1)
     assert set(batched.scores) == {"resid_pre", "attn_out", "ffn_out", "heads"}
     assert batched.scores["heads"].shape == (2, 4)
     for w, s in single.scores.items():
