@@ -5,7 +5,6 @@ and switching the selector shows another map."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -16,15 +15,9 @@ from lmlab.analysis.patching import patch_activations
 from lmlab.analysis.patching_report import PatchReport, patch_panel
 from lmlab.models import build_model
 from tests.helpers import tiny_model_config
-from tests.helpers.browser import NO_CHROMIUM, Browser, find_chromium
+from tests.helpers.browser import Browser, browser_test_marks
 
-CHROMIUM = find_chromium()
-if CHROMIUM is None and os.environ.get("LMLAB_REQUIRE_BROWSER"):  # .ci/run: never skip there
-    raise RuntimeError(f"LMLAB_REQUIRE_BROWSER is set but there is {NO_CHROMIUM}")
-pytestmark = [
-    pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM),
-    pytest.mark.usefixtures("one_thread"),
-]
+CHROMIUM, pytestmark = browser_test_marks()
 TOKENS = ["满", "<b>", "&amp;", "'", '"', "x"]  # CJK, and text that would be markup in HTML
 
 
