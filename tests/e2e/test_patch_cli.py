@@ -36,7 +36,8 @@ def test_patch_json_pngs_and_page(tiny_run: Path, tmp_path: Path, capsys):
     assert list(r["scores"]) == ["resid_pre", "heads"] and len(r["scores"]["heads"]) == 2
     assert len(r["scores"]["resid_pre"][0]) == 15 and len(r["scores"]["heads"][0]) == 4
     span = r["metric_clean"] - r["metric_corrupt"]
-    for c in r["top"]:  # each listed score is its patched metric, normalised
+    assert [len(r["top"][w]) for w in ("resid_pre", "heads")] == [5, 5]  # the default --top
+    for c in r["top"]["resid_pre"] + r["top"]["heads"]:  # each score: its metric, normalised
         assert c["score"] == pytest.approx((c["patched"] - r["metric_corrupt"]) / span)
     # layer 0's residual after the changed tokens is the corrupted one: no effect
     assert r["scores"]["resid_pre"][0][5:] == [0.0] * 10

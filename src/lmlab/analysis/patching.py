@@ -200,12 +200,14 @@ class PatchResult:
     scores: dict[str, torch.Tensor] = field(default_factory=dict)
     patched: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def top(self, n: int = 10) -> list[dict[str, Any]]:
-        """The ``n`` patches with the largest |score|: dicts of what, layer, position or head,
-        score and the patched metric."""
+    def top(self, n: int = 10, what: str | None = None) -> list[dict[str, Any]]:
+        """The ``n`` patches with the largest |score| (of the map ``what``; None: of all maps):
+        dicts of what, layer, position or head, score and the patched metric."""
         cells = []
-        for what, s in self.scores.items():
-            axis = "head" if what == "heads" else "position"
+        for w, s in self.scores.items():
+            if what is not None and w != what:
+                continue
+            axis = "head" if w == "heads" else "position"
             for (layer, j), v in zip(
                 ((a, b) for a in range(s.shape[0]) for b in range(s.shape[1])),
                 s.flatten().tolist(),
@@ -213,11 +215,11 @@ class PatchResult:
             ):
                 cells.append(
                     {
-                        "what": what,
+                        "what": w,
                         "layer": layer,
                         axis: j,
                         "score": v,
-                        "patched": float(self.patched[what][layer, j]),
+                        "patched": float(self.patched[w][layer, j]),
                     }
                 )
         cells.sort(key=lambda c: -abs(c["score"]))

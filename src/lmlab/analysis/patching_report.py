@@ -43,14 +43,14 @@ class PatchReport:
     result: PatchResult
     files: list[Path] = field(default_factory=list)
 
-    def as_dict(self, top: int = 10) -> dict[str, Any]:
+    def as_dict(self, top: int = 5) -> dict[str, Any]:
         return {
             "tokens": self.tokens,
             "corrupted_tokens": self.corrupted_tokens,
             "target_token": self.target,
             "versus_token": self.versus,
             **self.result.as_dict(),
-            "top": self.result.top(top),
+            "top": {w: self.result.top(top, w) for w in self.result.scores},
             "files": [str(f) for f in self.files],
         }
 
@@ -195,8 +195,9 @@ def metric_text(r: PatchReport) -> str:
     )
 
 
-def format_report(r: PatchReport, top: int = 10) -> str:
-    """The tokens, the metric line, and the ``top`` patches by |score|."""
+def format_report(r: PatchReport, top: int = 5) -> str:
+    """The tokens, the metric line, and the ``top`` patches by |score| of each map (scores of
+    exactly 0, patches that change nothing, left out)."""
     lines = [
         f"clean, {len(r.tokens)} tokens: {' '.join(r.tokens)}",
         f"corrupted: {' '.join(r.corrupted_tokens)}",
@@ -204,7 +205,8 @@ def format_report(r: PatchReport, top: int = 10) -> str:
         "score = (patched - corrupted) / (clean - corrupted): 1 restores the clean value",
         f"{'what':<10} {'layer':>5} {'where':<24} {'score':>8} {'patched':>9}",
     ]
-    for c in r.result.top(top):
+    cells = [c for w in r.result.scores for c in r.result.top(top, w) if c["score"] != 0.0]
+    for c in cells:
         if "head" in c:
             where = f"head {c['head']}"
         else:

@@ -33,7 +33,9 @@ def _patch_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--out", default="patch", help="folder for the PNGs (default: patch)")
     p.add_argument("--no-plot", action="store_true", help="print the numbers only")
-    p.add_argument("--top", type=int, default=10, help="patches listed (default %(default)s)")
+    p.add_argument(
+        "--top", type=int, default=5, help="patches listed per map by |score| (default %(default)s)"
+    )
     p.add_argument(
         "--html", metavar="OUT.html", help="also write one self-contained interactive page (a "
         "map per --what, hover a cell for its score); an existing file is refused",
@@ -80,7 +82,7 @@ PATCH = Command(
     "output (attn_out, ffn_out) at each position, and each head's output at all positions "
     "(heads). Each is scored (patched - corrupted) / (clean - corrupted) on the logit "
     "difference --target - --versus at the last token (no --versus: log p(target)): 1 = the "
-    "clean answer is fully restored, 0 = no effect. Prints the metric and the top patches; "
+    "clean answer is fully restored, 0 = no effect. Prints the metric and each map's top patches; "
     "writes OUT/patch-WHAT.png (layers x positions, layers x heads). Causal tracing (Meng et "
     "al. 2022), IOI (Wang et al. 2022); see docs/interpretability.md.",
     arguments=_patch_arguments,
