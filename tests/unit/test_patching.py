@@ -24,7 +24,7 @@ from lmlab.analysis.patching import (
 from lmlab.errors import LmlabError
 from lmlab.hooks import run_with_cache
 from lmlab.models import build_model
-from tests.helpers import tiny_model_config
+from tests.helpers import encoder_config, tiny_model_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 T, V = 7, 50
@@ -193,3 +193,31 @@ def test_refusals_name_their_cause(setup):
     patch_activations(model, clean, corrupted, 3, 5, what=("heads",))
     assert model.training is True  # its mode is put back
     model.eval()
+
+
+@pytest.mark.parametrize(
+    "kind, heads",
+    [("moe", 4), ("differential", 2), ("hyper", 4), ("encoder", 4)],
+)
+def test_other_kinds_restore_the_changed_token_and_batch_to_float_rounding(kind, heads):
+    """MoE runs each expert over the tokens routed to it, so a batched row differs from a
+    single run by float rounding only (dropless routing: rows never compete); differential
+    attention has H/2 heads of two maps each."""
+    extra = {
+        "moe": {"ffn": {"kind": "moe"}},
+        "differential": {"attention": {"n_heads": 4, "kind": "differential"}},
+        "hyper": {"block": {"kind": "hyper"}},
+    }
+    torch.manual_seed(0)
+    cfg = encoder_config(vocab_size=V) if kind == "encoder" else tiny_model_config(V, **extra[kind])
+    model = build_model(cfg).eval()
+    clean = torch.randint(0, V, (1, T))
+    corrupted = clean.clone()
+    corrupted[0, 2] = (clean[0, 2] + 11) % V
+    what = ("resid_pre", "heads")
+    batched = patch_activations(model, clean, corrupted, 3, 5, what)
+    single = patch_activations(model, clean, corrupted, 3, 5, ("heads",), batch_size=1)
+    assert batched.scores["heads"].shape == (2, heads)
+    assert float(batched.scores["resid_pre"][0, 2]) == pytest.approx(1.0, abs=1e-4)
+    assert batched.scores["resid_pre"][0, [0, 1, 3, 4, 5, 6]].abs().max() < 1e-4  # no-ops
+    torch.testing.assert_close(batched.scores["heads"], single.scores["heads"], atol=1e-4, rtol=0)

@@ -166,7 +166,9 @@ def run_patched(
     :class:`~lmlab.hooks.ActivationCache` of a run on one sequence of the same length, holding
     every named point). ``forward_kwargs`` (e.g. ``attention_mask`` (R, T)) go to the model.
     Returns the logits (R, T, V). Batched rows equal one-at-a-time runs to float rounding of
-    the batched matmuls (bit for bit where the backend's kernels do not depend on the batch).
+    the batched matmuls (bit for bit where the backend's kernels do not depend on the batch;
+    MoE layers multiply each expert's routed tokens together, about 1e-6 apart; routing is
+    dropless, so rows never compete for an expert).
     Raises LmlabError for a hook name the model lacks or a point that did not run."""
     ids = _one_row(ids, "ids")
     batch = ids.expand(len(rows), -1)
