@@ -8,6 +8,7 @@ key mask changes no score, and the refusals name their cause."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -221,3 +222,21 @@ def test_other_kinds_restore_the_changed_token_and_batch_to_float_rounding(kind,
     assert float(batched.scores["resid_pre"][0, 2]) == pytest.approx(1.0, abs=1e-4)
     assert batched.scores["resid_pre"][0, [0, 1, 3, 4, 5, 6]].abs().max() < 1e-4  # no-ops
     torch.testing.assert_close(batched.scores["heads"], single.scores["heads"], atol=1e-4, rtol=0)
+
+
+def test_a_long_cjk_map_is_labelled_at_a_stride_and_fits_the_figure_cap():
+    from lmlab.analysis.attention_plot import MAX_FIGURE_INCHES
+    from lmlab.analysis.patching_report import plot_map
+
+    labels = [f"中{i}" for i in range(300)]
+    fig = plot_map(torch.linspace(-2, 2, 3 * 300).reshape(3, 300), labels, "position")
+    (ax,) = [a for a in fig.axes if a.get_label() == "map"]
+    ticks = [t.get_text() for t in ax.get_xticklabels()]
+    assert 8 <= len(ticks) <= 150 and ticks[0] == "0 中0"  # "POSITION label" at a stride
+    assert all(re.fullmatch(r"(\d+) 中\1", t) for t in ticks)
+    assert max(fig.get_size_inches()) <= MAX_FIGURE_INCHES
+    short = plot_map(torch.zeros(2, 4), ["a", "<b>", "满", "x"], "position")
+    (ax,) = [a for a in short.axes if a.get_label() == "map"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["a", "<b>", "满", "x"]
+    with pytest.raises(ValueError, match="3 column labels"):
+        plot_map(torch.zeros(2, 4), ["a", "b", "c"], "position")
