@@ -71,8 +71,20 @@ def test_patch_text_output_and_log_prob_metric(tiny_run: Path, capsys):
         (["--corrupted", CLEAN], ["on both the clean and the corrupted", "undefined"]),
         (["--what", "resid_pre,mlp"], ["--what mlp", "resid_pre, resid_mid"]),
         (["--versus", ","], ["--versus", "is the --target"]),
+        (["--target", ""], ["--target '' is 0 tokens"]),
+        (["--clean", ""], ["--clean is empty"]),
+        (["--clean", "a" * 40, "--corrupted", "b" * 40], ["40 tokens", "context of 32"]),
     ],
-    ids=["lengths", "multi-token", "equal-metric", "what", "versus-is-target"],
+    ids=[
+        "lengths",
+        "multi-token",
+        "equal-metric",
+        "what",
+        "versus-is-target",
+        "empty-target",
+        "empty-clean",
+        "too-long",
+    ],  # fmt: skip
 )
 def test_patch_errors_are_one_line(tiny_run: Path, capsys, args, needles):
     base = {"--clean": CLEAN, "--corrupted": CORRUPTED, "--target": ","}
