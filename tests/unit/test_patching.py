@@ -187,6 +187,8 @@ def test_refusals_name_their_cause(setup):
         patch_activations(model, clean, clean.clone(), 3, 5)
     with pytest.raises(LmlabError, match="unknown patch target.*'mlp'"):
         patch_activations(model, clean, corrupted, 3, 5, what=("mlp",))
+    with pytest.raises(LmlabError, match=r"versus token id 50 is outside the vocabulary \(0..49\)"):
+        patch_activations(model, clean, corrupted, 3, V)
     with pytest.raises(LmlabError, match="one sequence"):
         patch_activations(model, clean.expand(2, -1), corrupted.expand(2, -1), 3, 5)
     assert model.training is False

@@ -300,9 +300,9 @@ def patch_activations(
     Patched runs: L T per position map, L H for ``heads``, plus the clean and corrupted runs.
 
     Returns a :class:`PatchResult`. Raises LmlabError for prompts of different lengths, more
-    than one sequence, an unknown ``what``, m_clean == m_corrupt (the score is undefined: the
-    corruption changes nothing the metric sees), a non-finite metric, or a model kind lacking
-    a point (e.g. ``resid_mid`` of a parallel block).
+    than one sequence, an unknown ``what``, a token id outside the vocabulary, m_clean ==
+    m_corrupt (the score is undefined: the corruption changes nothing the metric sees), a
+    non-finite metric, or a model kind lacking a point (e.g. ``resid_mid`` of a hyper block).
     """
     clean_ids, corrupted_ids = _one_row(clean_ids, "clean"), _one_row(corrupted_ids, "corrupted")
     tc, tx = clean_ids.shape[1], corrupted_ids.shape[1]
@@ -325,6 +325,11 @@ def patch_activations(
     try:
         with torch.no_grad():
             out, clean = run_with_cache(model, clean_ids, names=names, **kwargs(1))
+            vocab = out.logits.shape[-1]
+            for what_id, tok in (("target", target), ("versus", versus)):
+                if tok is not None and not 0 <= tok < vocab:
+                    raise LmlabError(f"{what_id} token id {tok} is outside the vocabulary "
+                                     f"(0..{vocab - 1})")  # fmt: skip
             m_clean = float(metric(out.logits, target, versus, position)[0])
             m_corrupt = float(metric(model(corrupted_ids, **kwargs(1)).logits, target, versus,
                                      position)[0])  # fmt: skip
@@ -343,7 +348,7 @@ def patch_activations(
                 m_clean, m_corrupt, target, versus, position, tc,
             )  # fmt: skip
             jobs = _jobs(what, n_layers, tc, clean)
-            per_call = max(1, min(batch_size, LOGIT_BUDGET // (tc * out.logits.shape[-1])))
+            per_call = max(1, min(batch_size, LOGIT_BUDGET // (tc * vocab)))
             total, done = sum(len(p) for _, _, p in jobs), 0
             rows: dict[str, list[torch.Tensor]] = {w: [] for w in what}
             for w, _, patches in jobs:
