@@ -6,7 +6,6 @@ changes what is shown (the DOM and the screenshot)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -18,15 +17,9 @@ from lmlab.analysis.html_view import Panel, attention_panel, write_page
 from lmlab.data.tokenizer import CharTokenizer
 from lmlab.models import build_model
 from tests.helpers import encoder_config, tiny_model_config
-from tests.helpers.browser import NO_CHROMIUM, Browser, find_chromium
+from tests.helpers.browser import Browser, browser_test_marks
 
-CHROMIUM = find_chromium()
-if CHROMIUM is None and os.environ.get("LMLAB_REQUIRE_BROWSER"):  # .ci/run: never skip there
-    raise RuntimeError(f"LMLAB_REQUIRE_BROWSER is set but there is {NO_CHROMIUM}")
-pytestmark = [
-    pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM),
-    pytest.mark.usefixtures("one_thread"),
-]
+CHROMIUM, pytestmark = browser_test_marks()
 TEXT = "满纸荒唐言 <b>&'\""  # CJK, and characters that would be markup if pasted as HTML
 STEP = 1 / 65535  # the page's 16-bit quantisation of weights in [0, 1] (lo 0, hi <= 1)
 

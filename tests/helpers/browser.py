@@ -25,6 +25,22 @@ CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrom
 NO_CHROMIUM = "no chromium on PATH (Debian: apt-get install chromium, or run `make browser`)"
 
 
+def browser_test_marks() -> tuple[str | None, list[Any]]:
+    """(the Chromium path or None, the ``pytestmark`` list of a browser test module: skip,
+    saying why, when there is no Chromium; one torch thread). Raises RuntimeError when there is
+    none but ``LMLAB_REQUIRE_BROWSER`` is set (.ci/run: never skip there)."""
+    import pytest
+
+    chromium = find_chromium()
+    if chromium is None and os.environ.get("LMLAB_REQUIRE_BROWSER"):
+        raise RuntimeError(f"LMLAB_REQUIRE_BROWSER is set but there is {NO_CHROMIUM}")
+    marks = [
+        pytest.mark.skipif(chromium is None, reason=NO_CHROMIUM),
+        pytest.mark.usefixtures("one_thread"),
+    ]
+    return chromium, marks
+
+
 def find_chromium() -> str | None:
     """The path of an installed Chromium (``$LMLAB_CHROMIUM`` first), or None."""
     env = os.environ.get("LMLAB_CHROMIUM")

@@ -202,4 +202,8 @@ def _asset(name: str) -> str:
 
 
 PAGE = _asset("page.html")
-RENDERERS: dict[str, str] = {"attention": _asset("attention.js"), "heads": _asset("heads.js")}
+RENDERERS: dict[str, str] = {
+    "attention": _asset("attention.js"),
+    "heads": _asset("heads.js"),
+    "patch": _asset("patch.js"),
+}

@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from lmlab.cli import generation, interp_heads, listing, models, scoring, training
+from lmlab.cli import generation, interp_heads, interp_patch, listing, models, scoring, training
 from lmlab.cli.common import Command, _Parser, add_common
 from lmlab.cli.training import _without_nproc
 from lmlab.errors import Interrupted, LmlabError
@@ -39,6 +39,8 @@ lmlab: build, train, probe and compare Transformer language models.
   lmlab inspect configs/mixtral.yaml  parameters, FLOPs, KV cache and memory, without building it
   lmlab attention runs/minigpt --text "ROMEO:"   attention heatmaps and per-head diagnostics
   lmlab heads model.gguf --html heads.html  previous-token, induction, duplicate and sink heads
+  lmlab patch runs/minigpt --clean "Enter ROMEO an" --corrupted "Enter ROMEO on" --target d
+                                      activation patching: which layers and heads carry it
   lmlab train --config configs/seq2seq-reverse.yaml     an encoder-decoder on a reverse task
   lmlab generate runs/seq2seq-reverse --source "abcdefgh" --temperature 0
   lmlab compare experiments/positions.yaml   train variants x seeds, report.md + plots
@@ -64,6 +66,7 @@ COMMANDS: dict[str, Command] = {
     "inspect": models.INSPECT,
     "attention": models.ATTENTION,
     "heads": interp_heads.HEADS,
+    "patch": interp_patch.PATCH,
     "export": models.EXPORT,
     "import": models.IMPORT,
     "compare": training.COMPARE,
@@ -94,7 +97,8 @@ def _version() -> str:
     return f"lmlab {__version__}"
 
 
-TEXT_ARGS = ("prompt", "chat", "system", "text", "stop")  # flags whose value is text to encode
+# flags whose value is text to encode
+TEXT_ARGS = ("prompt", "chat", "system", "text", "stop", "clean", "corrupted", "target", "versus")
 
 
 def _check_text_args(args: argparse.Namespace) -> None:

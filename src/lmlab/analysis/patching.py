@@ -1,0 +1,385 @@
+"""Activation patching: which activations carry the difference between a clean and a corrupted
+prompt.
+
+Run the model on a clean prompt (``"When Mary and John went to the store, John gave a drink
+to"`` -> `` Mary``) and on a corrupted one of the same token length (the names swapped), then
+re-run the corrupted prompt with ONE activation replaced by its value from the clean run and
+measure how much of the clean behaviour comes back. The method is the causal tracing of Meng
+et al. 2022 ("Locating and Editing Factual Associations in GPT", ROME; they restore clean
+states into a noised run) and the path/activation patching of Wang et al. 2022
+("Interpretability in the Wild", IOI); the normalised score and its caveats follow Heimersheim
+& Nanda 2024 ("How to use and interpret activation patching").
+
+Everything here is written against :mod:`lmlab.hooks` (``run_with_cache`` / ``run_with_hooks``)
+and works on any model kind whose forward takes ``model(ids)`` (decoders, encoders).
+
+Legend: B batch (one row per patch in a batched run), T tokens, V vocab, L layers, H heads,
+hd head_dim. The metric m(logits) is the logit difference ``logits[pos, target] -
+logits[pos, versus]`` (:func:`logit_diff`, in logits) or, with no ``versus``, the target's
+log-probability ``log_softmax(logits[pos])[target]`` (:func:`target_log_prob`, in nats). The
+score of a patch is
+
+    score = (m_patched - m_corrupt) / (m_clean - m_corrupt)
+
+1 = the patch restores the clean metric fully, 0 = no effect, negative = it moves the metric
+further from clean, above 1 = it overshoots. All metrics and scores are float64.
+
+What can be patched (``what``), each the clean activation written into the corrupted run:
+
+==============  ==============================  ======================  =====================
+what            hook point                      one patch               score map
+==============  ==============================  ======================  =====================
+``resid_pre``   ``layers.{i}.hook_resid_pre``   layer i, position t     (L, T)
+``resid_mid``   ``layers.{i}.hook_resid_mid``   layer i, position t     (L, T)
+``resid_post``  ``layers.{i}.hook_resid_post``  layer i, position t     (L, T)
+``attn_out``    ``layers.{i}.attn.hook_out``    layer i, position t     (L, T)
+``ffn_out``     ``layers.{i}.ffn.hook_out``     layer i, position t     (L, T)
+``heads``       ``layers.{i}.attn.hook_z``      layer i, head h, all    (L, H)
+                                                positions (z[:, h])
+==============  ==============================  ======================  =====================
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmlab.errors import LmlabError
+from lmlab.hooks import ActivationCache, hook_names, run_with_cache, run_with_hooks
+
+# what -> the hook name of layer i; "heads" patches one head of hook_z at every position
+POINTS: dict[str, str] = {
+    "resid_pre": "layers.{i}.hook_resid_pre",
+    "resid_mid": "layers.{i}.hook_resid_mid",
+    "resid_post": "layers.{i}.hook_resid_post",
+    "attn_out": "layers.{i}.attn.hook_out",
+    "ffn_out": "layers.{i}.ffn.hook_out",
+    "heads": "layers.{i}.attn.hook_z",
+}
+DEFAULT_WHAT = ("resid_pre", "attn_out", "ffn_out", "heads")
+BATCH = 32  # patched runs per batched forward at most
+LOGIT_BUDGET = 1 << 26  # and at most this many logits (R T V floats) per batched forward
+
+
+def _at(logits: torch.Tensor, position: int) -> torch.Tensor:
+    """logits (B, T, V) or (T, V) -> (B, V) float64 at ``position`` (negative from the end)."""
+    if logits.dim() == 2:
+        logits = logits[None]
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be (B, T, V) or (T, V), got {tuple(logits.shape)}")
+    t = logits.shape[1]
+    if not -t <= position < t:
+        raise LmlabError(f"position {position} is outside the {t} tokens")
+    return logits[:, position].double()
+
+
+def logit_diff(logits: torch.Tensor, target: int, versus: int, position: int = -1) -> torch.Tensor:
+    """logits (B, T, V) or (T, V) float -> (B,) float64: ``logits[:, position, target] -
+    logits[:, position, versus]``, in logits (the IOI metric of Wang et al. 2022). Invariant to
+    a constant added to every logit, so it needs no softmax over V."""
+    x = _at(logits, position)
+    return x[:, target] - x[:, versus]
+
+
+def target_log_prob(logits: torch.Tensor, target: int, position: int = -1) -> torch.Tensor:
+    """logits (B, T, V) or (T, V) float -> (B,) float64: ``log_softmax(logits[:, position])
+    [:, target]``, in nats (the metric when there is no contrast token)."""
+    return torch.log_softmax(_at(logits, position), -1)[:, target]
+
+
+def metric(
+    logits: torch.Tensor, target: int, versus: int | None = None, position: int = -1
+) -> torch.Tensor:
+    """(B,) float64: :func:`logit_diff` when ``versus`` is given, else :func:`target_log_prob`."""
+    if versus is None:
+        return target_log_prob(logits, target, position)
+    return logit_diff(logits, target, versus, position)
+
+
+HEADS_FIRST = ("hook_q", "hook_k", "hook_v", "hook_z", "hook_scores", "hook_pattern",
+               "hook_scores_2", "hook_pattern_2")  # fmt: skip
+
+
+def _heads_first(name: str) -> bool:
+    """Whether the point's tensor is (B, H or K, T, ...): tokens on axis 2, not 1."""
+    return name.rsplit(".", 1)[-1] in HEADS_FIRST
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One replacement: the activation at hook ``name`` takes the source run's value at token
+    ``position`` (an int, on axis 1 of a (B, T, ...) point, axis 2 of a heads-first (B, H, T,
+    ...) attention point, the query axis of scores and patterns; None = every position) or in
+    head ``head`` (axis 1 of a heads-first point) at every position."""
+
+    name: str
+    position: int | None = None
+    head: int | None = None
+
+
+def _row_hooks(
+    rows: Sequence[Sequence[Patch]], source: ActivationCache
+) -> dict[str, Callable[[torch.Tensor, str], torch.Tensor]]:
+    """One hook per named point: batch row r of the activation takes ``source``'s (batch row 0)
+    values at the places ``rows[r]`` names."""
+    by_name: dict[str, list[tuple[int, Patch]]] = {}
+    for r, patches in enumerate(rows):
+        for p in patches:
+            if p.position is not None and p.head is not None:
+                raise ValueError(f"{p}: give a position or a head, not both")
+            by_name.setdefault(p.name, []).append((r, p))
+
+    def make(items: list[tuple[int, Patch]]) -> Callable[[torch.Tensor, str], torch.Tensor]:
+        def hook(x: torch.Tensor, name: str) -> torch.Tensor:
+            src = source[name][0].to(x.dtype)  # (T, ...) or (H, T, hd)
+            x = x.clone()
+            for r, p in items:
+                if p.head is not None:
+                    x[r, p.head] = src[p.head]
+                elif p.position is not None and _heads_first(name):
+                    x[r, :, p.position] = src[:, p.position]
+                elif p.position is not None:
+                    x[r, p.position] = src[p.position]
+                else:
+                    x[r] = src
+            return x
+
+        return hook
+
+    return {name: make(items) for name, items in by_name.items()}
+
+
+def run_patched(
+    model: nn.Module,
+    ids: torch.Tensor,
+    source: ActivationCache,
+    rows: Sequence[Sequence[Patch]],
+    **forward_kwargs: Any,
+) -> torch.Tensor:
+    """Run ``ids`` (T,) or (1, T) int64 once per entry of ``rows``, batched (R = len(rows)
+    copies in one forward), row r with the patches ``rows[r]`` taken from ``source`` (a
+    :class:`~lmlab.hooks.ActivationCache` of a run on one sequence of the same length, holding
+    every named point). ``forward_kwargs`` (e.g. ``attention_mask`` (R, T)) go to the model.
+    Returns the logits (R, T, V). Batched rows equal one-at-a-time runs to float rounding of
+    the batched matmuls (bit for bit where the backend's kernels do not depend on the batch;
+    MoE layers multiply each expert's routed tokens together, about 1e-6 apart; routing is
+    dropless, so rows never compete for an expert).
+    Raises LmlabError for a hook name the model lacks or a point that did not run."""
+    ids = _one_row(ids, "ids")
+    batch = ids.expand(len(rows), -1)
+    out = run_with_hooks(model, batch, _row_hooks(rows, source), **forward_kwargs)
+    logits: torch.Tensor = out.logits
+    return logits
+
+
+def _one_row(ids: torch.Tensor, what: str) -> torch.Tensor:
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise LmlabError(f"{what} must be one sequence, (T,) or (1, T); got {tuple(ids.shape)}")
+    return ids
+
+
+@dataclass
+class PatchResult:
+    """What :func:`patch_activations` measured. ``scores[what]`` is a float64 tensor (L, T) for
+    the per-position points, (L, H) for ``heads``; ``patched[what]`` the patched metric itself
+    (same shape). ``metric_clean`` / ``metric_corrupt`` are m on the clean and corrupted runs;
+    ``metric_name`` is ``"logit_diff"`` (logits) or ``"log_prob"`` (nats)."""
+
+    metric_name: str
+    metric_clean: float
+    metric_corrupt: float
+    target: int
+    versus: int | None
+    position: int
+    n_tokens: int
+    scores: dict[str, torch.Tensor] = field(default_factory=dict)
+    patched: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def top(self, n: int = 10, what: str | None = None) -> list[dict[str, Any]]:
+        """The ``n`` patches with the largest |score| (of the map ``what``; None: of all maps):
+        dicts of what, layer, position or head, score and the patched metric."""
+        cells = []
+        for w, s in self.scores.items():
+            if what is not None and w != what:
+                continue
+            axis = "head" if w == "heads" else "position"
+            for (layer, j), v in zip(
+                ((a, b) for a in range(s.shape[0]) for b in range(s.shape[1])),
+                s.flatten().tolist(),
+                strict=True,
+            ):
+                cells.append(
+                    {
+                        "what": w,
+                        "layer": layer,
+                        axis: j,
+                        "score": v,
+                        "patched": float(self.patched[w][layer, j]),
+                    }
+                )
+        cells.sort(key=lambda c: -abs(c["score"]))
+        return cells[:n]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "metric": self.metric_name,
+            "metric_clean": self.metric_clean,
+            "metric_corrupt": self.metric_corrupt,
+            "target": self.target,
+            "versus": self.versus,
+            "position": self.position,
+            "n_tokens": self.n_tokens,
+            "scores": {k: v.tolist() for k, v in self.scores.items()},
+            "patched": {k: v.tolist() for k, v in self.patched.items()},
+        }
+
+
+def _layers(model: nn.Module) -> int:
+    names = set(hook_names(model))
+    n = 0
+    while f"layers.{n}.hook_resid_pre" in names:
+        n += 1
+    if n == 0:
+        raise LmlabError(
+            "the model has no layers.{i}.hook_resid_pre points (encoder-decoders are not "
+            "supported by activation patching yet)"
+        )
+    return n
+
+
+def _jobs(
+    what: Sequence[str], n_layers: int, n_tokens: int, clean: ActivationCache
+) -> list[tuple[str, int, list[Patch]]]:
+    """(what, layer, the patches of that layer's row of the map), in map order."""
+    jobs = []
+    for w in what:
+        for i in range(n_layers):
+            name = POINTS[w].format(i=i)
+            if w == "heads":
+                heads = clean[name].shape[1]
+                jobs.append((w, i, [Patch(name, head=h) for h in range(heads)]))
+            else:
+                jobs.append((w, i, [Patch(name, position=t) for t in range(n_tokens)]))
+    return jobs
+
+
+def patch_activations(
+    model: nn.Module,
+    clean_ids: torch.Tensor,
+    corrupted_ids: torch.Tensor,
+    target: int,
+    versus: int | None = None,
+    what: Sequence[str] = DEFAULT_WHAT,
+    key_mask: torch.Tensor | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    position: int = -1,
+    batch_size: int = BATCH,
+) -> PatchResult:
+    """Patch each clean activation into the corrupted run, one at a time, and score it.
+
+    clean_ids, corrupted_ids: (T,) or (1, T) int64, the same T. ``target`` / ``versus``: token
+    ids; the metric at ``position`` (default the last token) is ``logit_diff(target, versus)``,
+    or with ``versus`` None the target's log-probability (nats). ``what``: keys of
+    :data:`POINTS` (default resid_pre, attn_out, ffn_out, heads). ``key_mask`` (T,) or (1, T),
+    1 = real token, 0 = padding, shared by both prompts: passed as ``attention_mask`` with
+    positions counted over real tokens (left padding); padding positions are patched too (a
+    padding key is never attended to, so that changes nothing but the padding row itself).
+
+    The clean run is cached once (only the points patched); the corrupted run gives m_corrupt;
+    then every (layer, position) and (layer, head) patch is one row of a batched forward of up
+    to ``batch_size`` rows and :data:`LOGIT_BUDGET` logits (one map row per call at most, so
+    ``progress(done, total)``, counted in patched runs, is called at least once per layer of
+    each ``what``). The model runs in eval mode under ``torch.no_grad``; its mode is restored.
+    Patched runs: L T per position map, L H for ``heads``, plus the clean and corrupted runs.
+
+    Returns a :class:`PatchResult`. Raises LmlabError for prompts of different lengths, more
+    than one sequence, an unknown ``what``, a token id outside the vocabulary, m_clean ==
+    m_corrupt (the score is undefined: the corruption changes nothing the metric sees), a
+    non-finite metric, or a model kind lacking a point (e.g. ``resid_mid`` of a hyper block).
+    """
+    clean_ids, corrupted_ids = _one_row(clean_ids, "clean"), _one_row(corrupted_ids, "corrupted")
+    tc, tx = clean_ids.shape[1], corrupted_ids.shape[1]
+    if tc != tx:
+        raise LmlabError(
+            f"the clean prompt is {tc} tokens and the corrupted one {tx}: activation patching "
+            "swaps activations position by position, so give prompts of the same token length "
+            "(change words for words that are one token each, e.g. one name for another)"
+        )
+    bad = [w for w in what if w not in POINTS]
+    if bad or not what:
+        raise LmlabError(f"unknown patch target(s) {bad}; choose from {', '.join(POINTS)}")
+    if batch_size < 1:
+        raise LmlabError(f"batch_size must be >= 1, got {batch_size}")
+    n_layers = _layers(model)
+    names = [POINTS[w].format(i=i) for w in what for i in range(n_layers)]
+    kwargs = _mask_kwargs(key_mask, tc)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out, clean = run_with_cache(model, clean_ids, names=names, **kwargs(1))
+            vocab = out.logits.shape[-1]
+            for what_id, tok in (("target", target), ("versus", versus)):
+                if tok is not None and not 0 <= tok < vocab:
+                    raise LmlabError(f"{what_id} token id {tok} is outside the vocabulary "
+                                     f"(0..{vocab - 1})")  # fmt: skip
+            m_clean = float(metric(out.logits, target, versus, position)[0])
+            m_corrupt = float(metric(model(corrupted_ids, **kwargs(1)).logits, target, versus,
+                                     position)[0])  # fmt: skip
+            if not (math.isfinite(m_clean) and math.isfinite(m_corrupt)):
+                raise LmlabError(
+                    f"the metric is not finite (clean {m_clean}, corrupted {m_corrupt})"
+                )
+            if m_clean == m_corrupt:
+                raise LmlabError(
+                    f"the metric is {m_clean:.6g} on both the clean and the corrupted prompt, so "
+                    "the normalised score (patched - corrupt) / (clean - corrupt) is undefined; "
+                    "corrupt a token the target depends on, or choose another --target/--versus"
+                )
+            result = PatchResult(
+                "log_prob" if versus is None else "logit_diff",
+                m_clean, m_corrupt, target, versus, position, tc,
+            )  # fmt: skip
+            jobs = _jobs(what, n_layers, tc, clean)
+            per_call = max(1, min(batch_size, LOGIT_BUDGET // (tc * vocab)))
+            total, done = sum(len(p) for _, _, p in jobs), 0
+            rows: dict[str, list[torch.Tensor]] = {w: [] for w in what}
+            for w, _, patches in jobs:
+                values = []
+                for k in range(0, len(patches), per_call):
+                    chunk = [[p] for p in patches[k : k + per_call]]
+                    logits = run_patched(model, corrupted_ids, clean, chunk, **kwargs(len(chunk)))
+                    values.append(metric(logits, target, versus, position))
+                    done += len(chunk)
+                    if progress is not None:
+                        progress(done, total)
+                rows[w].append(torch.cat(values))
+    finally:
+        model.train(was_training)
+    span = m_clean - m_corrupt
+    for w in what:
+        patched = torch.stack(rows[w]).cpu()
+        result.patched[w] = patched
+        result.scores[w] = (patched - m_corrupt) / span
+    return result
+
+
+def _mask_kwargs(key_mask: torch.Tensor | None, t: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    """rows -> the forward keywords for a batch of that many copies of one masked prompt."""
+    if key_mask is None:
+        return lambda rows: {}
+    m = _one_row(key_mask, "key_mask")
+    if m.shape[1] != t:
+        raise LmlabError(f"key_mask covers {m.shape[1]} tokens, the prompts {t}")
+    from lmlab.nn.masks import position_ids_from_attention_mask
+
+    m = m.long()
+    pos = position_ids_from_attention_mask(m)
+    return lambda rows: {"attention_mask": m.expand(rows, -1), "position_ids": pos.expand(rows, -1)}

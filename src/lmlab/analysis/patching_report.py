@@ -1,0 +1,310 @@
+"""``lmlab patch``: activation patching of a model on a clean / corrupted prompt pair, as
+numbers, PNG heatmaps and an interactive page.
+
+The measurement is :func:`lmlab.analysis.patching.patch_activations`; this module loads the
+model, encodes the texts (``--target`` / ``--versus`` must each be one token), draws OUT/patch-
+WHAT.png (layers x positions, the clean tokens on the x axis; layers x heads for ``heads``) and
+builds the page's panel (renderer html_assets/patch.js).
+
+Legend: L layers, T tokens, H heads.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lmlab.analysis.attention_maps import token_label
+from lmlab.analysis.patching import DEFAULT_WHAT, POINTS, PatchResult, patch_activations
+from lmlab.errors import LmlabError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from lmlab.analysis.html_view import Panel
+
+PNG_NAME = re.compile(r"patch-[a-z_]+\.png")
+
+
+@dataclass
+class PatchReport:
+    """What ``lmlab patch`` found: the clean and corrupted tokens' labels, the target and
+    versus tokens' labels, the :class:`PatchResult` and the files written."""
+
+    tokens: list[str]
+    corrupted_tokens: list[str]
+    target: str
+    versus: str | None
+    result: PatchResult
+    files: list[Path] = field(default_factory=list)
+
+    def as_dict(self, top: int = 5) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "corrupted_tokens": self.corrupted_tokens,
+            "target_token": self.target,
+            "versus_token": self.versus,
+            **self.result.as_dict(),
+            "top": {w: self.result.top(top, w) for w in self.result.scores},
+            "files": [str(f) for f in self.files],
+        }
+
+
+def parse_what(text: str | Sequence[str] | None) -> list[str]:
+    """``--what resid_pre,attn_out`` (or a list) -> the names, each a key of POINTS, in the
+    order given, no repeats. None: the default four. Raises LmlabError naming a bad one."""
+    if text is None:
+        return list(DEFAULT_WHAT)
+    parts = [p.strip() for p in text.split(",")] if isinstance(text, str) else list(text)
+    parts = [p for p in parts if p]
+    bad = [p for p in parts if p not in POINTS]
+    if bad or not parts:
+        raise LmlabError(
+            f"--what {','.join(bad) if bad else repr(text)}: choose from {', '.join(POINTS)} "
+            "(comma-separated)"
+        )
+    return list(dict.fromkeys(parts))
+
+
+def one_token(tokenizer: Any, text: str, flag: str) -> int:
+    """The id of the single token ``text`` encodes to. Raises LmlabError otherwise, listing
+    the tokens it makes."""
+    ids = tokenizer.encode(text) if text else []
+    if len(ids) != 1:
+        shown = " ".join(repr(token_label(tokenizer.token_bytes(i))) for i in ids[:8])
+        raise LmlabError(
+            f"{flag} {text!r} is {len(ids)} tokens ({shown or 'none'}), not one: give text that "
+            "is a single token of this tokenizer (a byte-level BPE word usually needs its "
+            "leading space, e.g. ' Mary')"
+        )
+    return int(ids[0])
+
+
+def _check_outputs(html: str | Path | None, out: str | Path | None) -> None:
+    """Refuse, before any work, an existing --html file, or one that is the --out folder or
+    the name of a PNG written there."""
+    if html is None:
+        return
+    from lmlab.analysis.html_view import check_html_out
+
+    check_html_out(html)
+    if out is None:
+        return
+    h, o = Path(html).resolve(), Path(out).resolve()
+    if h == o or (h.parent == o and PNG_NAME.fullmatch(h.name)):
+        raise LmlabError(
+            f"--html {html} is the --out folder of the PNGs or one of their names; give the "
+            f"page a file name of its own (e.g. {Path(out) / 'patch.html'})"
+        )
+
+
+def patch_report(
+    path: str | Path,
+    clean: str,
+    corrupted: str,
+    target: str,
+    versus: str | None = None,
+    what: str | Sequence[str] | None = None,
+    out: str | Path | None = "patch",
+    html: str | Path | None = None,
+    device: str = "cpu",
+    progress: Callable[[int, int], None] | None = None,
+) -> PatchReport:
+    """Load the decoder model at ``path`` (lmlab.interop.load.load: run folder, HF folder,
+    GGUF), patch every activation of ``clean`` into ``corrupted`` (the same token length) and
+    score it with the logit difference ``target`` - ``versus`` at the last token (each one
+    token; no ``versus``: the target's log-probability, nats). Writes OUT/patch-WHAT.png per
+    ``what`` unless ``out`` is None, and the page at ``html`` (refused before anything is
+    loaded if it exists). Raises LmlabError for bad texts, tokens or paths."""
+    from lmlab.interop.load import load
+    from lmlab.training.hardware import resolve_device
+
+    chosen = parse_what(what)
+    _check_outputs(html, out)
+    for flag, text in (("--clean", clean), ("--corrupted", corrupted)):
+        if not text:
+            raise LmlabError(f"{flag} is empty: give the prompt text")
+    model, tokenizer = load(path, str(resolve_device(device)))
+    cfg = getattr(model, "cfg", None)
+    if cfg is None or getattr(cfg, "kind", None) != "decoder":
+        raise LmlabError(
+            f"lmlab patch covers decoder (causal LM) models; {path} is model.kind="
+            f"{getattr(cfg, 'kind', None)}"
+        )
+    if tokenizer is None:
+        raise LmlabError(f"{path} has no tokenizer (no tokenizer.json), so the texts cannot be "
+                         "encoded")  # fmt: skip
+    ids = {}
+    for flag, text in (("--clean", clean), ("--corrupted", corrupted)):
+        ids[flag] = tokenizer.encode(text)
+        if not ids[flag]:
+            raise LmlabError(f"{flag} {text!r} encodes to no tokens")
+        if len(ids[flag]) > cfg.max_seq_len:
+            raise LmlabError(
+                f"{flag} is {len(ids[flag])} tokens, more than the model's context of "
+                f"{cfg.max_seq_len} (model.max_seq_len); shorten it"
+            )
+    t_id = one_token(tokenizer, target, "--target")
+    v_id = None if versus is None else one_token(tokenizer, versus, "--versus")
+    if v_id == t_id:
+        raise LmlabError(f"--versus {versus!r} is the --target token; give a different one")
+    dev = next(model.parameters()).device
+    result = patch_activations(
+        model,
+        torch.tensor([ids["--clean"]], device=dev),
+        torch.tensor([ids["--corrupted"]], device=dev),
+        t_id,
+        v_id,
+        what=chosen,
+        progress=progress,
+    )
+    labels = {k: [token_label(tokenizer.token_bytes(i)) for i in v] for k, v in ids.items()}
+    report = PatchReport(
+        labels["--clean"],
+        labels["--corrupted"],
+        token_label(tokenizer.token_bytes(t_id)),
+        None if v_id is None else token_label(tokenizer.token_bytes(v_id)),
+        result,
+    )
+    title = Path(path).name
+    if out is not None:
+        report.files += save_maps(out, report, title)
+    if html is not None:
+        from lmlab.analysis.html_view import write_page
+
+        report.files.append(write_page(html, f"{title}: activation patching",
+                                       [patch_panel(report)]))  # fmt: skip
+    return report
+
+
+def metric_text(r: PatchReport) -> str:
+    """One line: the metric, its tokens and its clean / corrupted values."""
+    res = r.result
+    if r.versus is None:
+        what = f"log p({r.target!r}) (nats)"
+    else:
+        what = f"logit diff {r.target!r} - {r.versus!r}"
+    return (
+        f"{what} at the last token: clean {res.metric_clean:.4f}, corrupted "
+        f"{res.metric_corrupt:.4f}"
+    )
+
+
+def format_report(r: PatchReport, top: int = 5) -> str:
+    """The tokens, the metric line, and the ``top`` patches by |score| of each map (scores of
+    exactly 0, patches that change nothing, left out)."""
+    lines = [
+        f"clean, {len(r.tokens)} tokens: {' '.join(r.tokens)}",
+        f"corrupted: {' '.join(r.corrupted_tokens)}",
+        metric_text(r),
+        "score = (patched - corrupted) / (clean - corrupted): 1 restores the clean value",
+        f"{'what':<10} {'layer':>5} {'where':<24} {'score':>8} {'patched':>9}",
+    ]
+    cells = [c for w in r.result.scores for c in r.result.top(top, w) if c["score"] != 0.0]
+    for c in cells:
+        if "head" in c:
+            where = f"head {c['head']}"
+        else:
+            where = f"pos {c['position']} {r.tokens[c['position']]}"[:24]
+        lines.append(
+            f"{c['what']:<10} {c['layer']:>5} {where:<24} {c['score']:8.3f} {c['patched']:9.4f}"
+        )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- pictures
+
+
+def plot_map(scores: torch.Tensor, columns: list[str], column_name: str, title: str = "") -> Figure:
+    """One heatmap of a score map (L, X) float: layers on y (0 at the top), the X columns
+    (tokens or heads, labelled ``columns``) on x; a diverging colour scale centred on 0,
+    spanning [-a, a] with a = max(1, max |score|). Tick labels follow
+    :mod:`lmlab.analysis.attention_plot` (CJK fonts found, long axes labelled at a stride)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from lmlab.analysis.attention_plot import (
+        LONG_INPUT,
+        MAX_FIGURE_INCHES,
+        _ticks,
+        printable_labels,
+    )
+
+    n_layers, x = scores.shape
+    if len(columns) != x:
+        raise ValueError(f"{len(columns)} column labels for a map of {x} columns")
+    labels, families = printable_labels(columns)
+    width = min(MAX_FIGURE_INCHES, max(6.0, 0.28 * x + 2.5))
+    height = min(MAX_FIGURE_INCHES, max(3.0, 0.35 * n_layers + 2.0))
+    fig = Figure(figsize=(width, height), layout="constrained")
+    ax = fig.add_subplot(1, 1, 1, label="map")
+    s = scores.detach().double().cpu().numpy()
+    a = max(1.0, float(abs(s).max()) if s.size else 1.0)
+    image = ax.imshow(s, cmap="RdBu_r", vmin=-a, vmax=a, aspect="auto", interpolation="nearest")
+    fontsize = 8 if x <= LONG_INPUT else 6
+    room = max(8, int((width - 1.5) * 72 / (1.6 * fontsize)))
+    xt, xl = _ticks(labels, 0, room)
+    ax.set_xticks(xt)
+    ax.set_xticklabels(xl, rotation=0 if column_name.startswith("head") else 90,
+                       fontsize=fontsize, family=families)  # fmt: skip
+    yt, yl = _ticks([str(i) for i in range(n_layers)], 0, max(8, int(height * 72 / 13)))
+    ax.set_yticks(yt)
+    ax.set_yticklabels([lab.split(" ")[0] for lab in yl], fontsize=8)
+    ax.set_xlabel(column_name, fontsize=9)
+    ax.set_ylabel("layer", fontsize=9)
+    fig.colorbar(image, ax=ax, shrink=0.8, label="score (1 = clean restored)")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def _columns(r: PatchReport, what: str) -> tuple[list[str], str]:
+    if what == "heads":
+        return [str(h) for h in range(r.result.scores[what].shape[1])], "head (all positions)"
+    return r.tokens, "position (clean token)"
+
+
+def save_maps(out: str | Path, r: PatchReport, title: str) -> list[Path]:
+    """OUT/patch-WHAT.png for each map of ``r``. Raises LmlabError if ``out`` cannot be made."""
+    from lmlab.analysis.attention_plot import save_figure
+
+    folder = Path(out)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LmlabError(f"cannot create the output folder {folder}: {e.strerror}") from None
+    files = []
+    for what, s in r.result.scores.items():
+        cols, name = _columns(r, what)
+        fig = plot_map(s, cols, name, f"{title}: patching {what}\n{metric_text(r)}")
+        files.append(save_figure(fig, folder / f"patch-{what}.png"))
+    return files
+
+
+def patch_panel(r: PatchReport, panel_id: str = "patch") -> Panel:
+    """The page's panel (renderer ``patch``): one packed map per ``what`` with its column
+    labels, the clean and corrupted tokens and the metric."""
+    from lmlab.analysis.html_view import Panel, pack
+
+    res = r.result
+    maps = []
+    for what, s in res.scores.items():
+        cols, name = _columns(r, what)
+        maps.append({"what": what, "columns": cols, "axis": name, "values": pack(s.float())})
+    data = {
+        "maps": maps,
+        "layers": list(range(next(iter(res.scores.values())).shape[0])),
+        "tokens": r.tokens,
+        "corrupted": r.corrupted_tokens,
+        "metric": metric_text(r),
+        "metric_clean": res.metric_clean,
+        "metric_corrupt": res.metric_corrupt,
+    }
+    return Panel(panel_id, "activation patching", "patch", data)
