@@ -8,6 +8,10 @@ pre-tokenizer splits the text before BPE) and ``tokenizer.chat_template`` (Jinja
 outside the vocabulary is ignored with a warning (as llama.cpp does). It is rebuilt
 as a Hugging Face ``tokenizers`` BPE tokenizer; control and user-defined tokens are special tokens
 matched whole in the text (so a chat template's ``<|im_start|>`` is one token).
+
+A merge that can never apply (a part that is neither one byte character nor made by another
+merge, like the placeholder ``lmlab gguf_export`` writes for a character-level vocabulary, since
+llama.cpp needs at least one merge) is dropped: llama.cpp keeps it as an unused rank.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
 PRE_TOKENIZERS = {
     "default": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     "gpt2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    # llama.cpp's own name for GPT-2's split (what lmlab's bpe tokenizer uses)
+    "gpt-2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     # SmolLM: every digit alone, then GPT-2's split
     "smollm": lambda: pre_tokenizers.Sequence(
         [
@@ -136,12 +142,14 @@ def gguf_tokenizer(meta: dict[str, Any], path: Path) -> GGUFTokenizer:
             f"{len(tokens):,} tokens"
         )
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    merges = []
+    pairs = []
     for m in merges_raw:
         a, sep, b = m.partition(" ")
         if not sep:
             raise LmlabError(f"{path}: tokenizer merge {m!r} is not two tokens")
-        merges.append((a, b))
+        pairs.append((a, b))
+    reachable = set(_unicode_to_byte()) | {a + b for a, b in pairs}
+    merges = [(a, b) for a, b in pairs if a in reachable and b in reachable]
     try:
         hf = HFTokenizer(
             models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
