@@ -262,3 +262,13 @@ def test_a_failed_check_leaves_nothing(minigpt, monkeypatch) -> None:
     assert not out.exists() and not list(minigpt["root"].glob(".bad.gguf*"))
     with pytest.raises(LmlabError, match="unknown --quant"):
         export_gguf(minigpt["run"], out, quant="q2_k")
+
+
+def test_a_setting_the_architecture_lacks_is_caught_before_writing(tmp_path, monkeypatch) -> None:
+    """The structural check (the file's model with the float weights == the model) does not
+    rely on gguf_architecture's list: a parallel block let through is still refused."""
+    run, _ = _run(tmp_path, "run", block={"parallel": True})
+    monkeypatch.setattr(gguf_export, "gguf_architecture", lambda cfg: "starcoder2")
+    with pytest.raises(LmlabError, match="setting starcoder2 lacks; nothing was written"):
+        export_gguf(run, tmp_path / "m.gguf", quant="q4_0")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

@@ -208,13 +208,16 @@ ATTENTION = Command(
 
 
 EXPORT = Command(
-    help="write a model as a Hugging Face folder transformers loads",
+    help="write a model as a Hugging Face folder or a GGUF file (llama.cpp)",
     description="Write config.json, model.safetensors, tokenizer.json (+ tokenizer_config."
     "json, generation_config.json) for the Hugging Face family that computes exactly what "
     "the model does (lmlab list hf_family). When transformers is installed the folder is "
     "loaded back and its logits compared (float32, 1e-5) before it is put in place; a model "
-    "with no Hugging Face counterpart is refused, naming the component. Example: lmlab "
-    "export runs/minigpt --format hf --out hf/minigpt",
+    "with no Hugging Face counterpart is refused, naming the component. --format gguf "
+    "writes one llama.cpp file instead (llama or starcoder2 architecture, the tokenizer "
+    "inside, --quant f32|f16|q8_0|q4_0; docs/gguf-export.md). Example: lmlab export "
+    "runs/minigpt --format hf --out hf/minigpt; lmlab export runs/minigpt --format gguf "
+    "--out minigpt.gguf --quant q8_0",
     arguments=_export_arguments,
     run=cmd_export,
     common=("debug",),

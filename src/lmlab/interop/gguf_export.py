@@ -336,6 +336,28 @@ def write_gguf_file(
     return counts
 
 
+def check_structure(
+    model: nn.Module, cfg: ModelConfig, arch: str, meta: dict[str, Any], tensors: dict[str, Any]
+) -> None:
+    """Before anything is written or quantized: the model lmlab's GGUF loader builds from
+    ``meta`` and the float32 ``tensors`` (:func:`lmlab.interop.gguf.gguf_model_config`,
+    ``gguf_state_dict``) computes ``model``'s logits to 1e-5, so no setting the architecture
+    lacks slips through unchecked, whatever ``--quant``. Raises LmlabError otherwise."""
+    from lmlab.interop.gguf import gguf_model_config, gguf_state_dict
+    from lmlab.models.build import build_model
+
+    file_cfg = gguf_model_config({"general.architecture": arch, **meta}, set(tensors), Path("-"))
+    twin = build_model(file_cfg)
+    twin.load_state_dict(gguf_state_dict(dict(tensors), file_cfg))
+    diff = _compare(model, twin, cfg)[0]
+    if not diff <= ATOL:
+        raise LmlabError(
+            f"the {arch} model the GGUF file describes computes different logits from this "
+            f"model (max |diff| {diff:.2e} > {ATOL:g}): it has a setting {arch} lacks; nothing "
+            "was written"
+        )
+
+
 def _compare(ours: nn.Module, theirs: nn.Module, cfg: ModelConfig) -> tuple[float, float, float]:
     """(max |logit diff|, that / max |logit|, share of equal argmax) on two random sequences of
     min(max_seq_len, 32) ids, float32, seed 0."""
@@ -383,6 +405,7 @@ def export_gguf(
     meta = model_metadata(cfg, arch, name or Path(str(source)).name or "lmlab")
     meta |= tokenizer_metadata(tokenizer, cfg.vocab_size)
     tensors = gguf_tensors(model.state_dict(), cfg, arch)
+    check_structure(model, cfg, arch, meta, tensors)
     needed = sum(t.numel() * 4 for t in tensors.values()) + (1 << 20)
     final.parent.mkdir(parents=True, exist_ok=True)
     with lock_beside(final):
