@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from lmlab.data.tokenizer import BPETokenizer, CharTokenizer
+from lmlab.data.tokenizer import BPETokenizer, CharTokenizer, _unicode_to_byte
 from lmlab.errors import LmlabError
 from lmlab.interop import gguf_export
 from lmlab.interop.gguf_export import PLACEHOLDER_MERGE, export_gguf
@@ -142,8 +142,12 @@ def test_lmlab_reads_back_the_model_within_the_quantization_error(minigpt, quant
 
 
 def test_char_tokenizer_round_trips_every_character(minigpt) -> None:
-    _, tok = load(minigpt["files"]["q8_0"].out, "cpu")
+    out = minigpt["files"]["q8_0"].out
+    _, tok = load(out, "cpu")
     ids = CharTokenizer(CHARS).encode(EVERY_CHAR)
+    field = {k: f.contents() for k, f in gguf.GGUFReader(out).fields.items()}
+    merges = field["tokenizer.ggml.merges"]
+    assert llama_cpp_bpe(EVERY_CHAR, field["tokenizer.ggml.tokens"], merges) == ids
     assert tok.encode(EVERY_CHAR) == ids
     assert tok.decode(ids) == EVERY_CHAR and tok.vocab_size == len(CHARS)
 
@@ -227,11 +231,39 @@ def test_shapes_no_architecture_computes_are_refused_by_name(tmp_path, settings,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
-def test_multibyte_characters_are_refused_by_name(tmp_path) -> None:
-    run, _ = _run(tmp_path, "run", tokenizer=CharTokenizer([*CHARS, "é"]))
-    with pytest.raises(LmlabError, match="'é'"):
-        export_gguf(run, tmp_path / "m.gguf")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+def llama_cpp_bpe(text: str, tokens: list[str], merges: list[str]) -> list[int]:
+    """A reference of llama.cpp's byte-level BPE (llm_tokenizer_bpe_session): the text's bytes
+    as GPT-2 byte characters, the adjacent pair of lowest merge rank merged until none is left
+    (a merged string need not be a token), then each symbol's id (a symbol not in the vocabulary
+    falls back to its single-byte tokens). No pre-tokenizer split: none of the merges here spans
+    two characters, so splitting words first cannot change the result."""
+    by_byte = {b: c for c, b in _unicode_to_byte().items()}
+    rank = {tuple(m.split(" ", 1)): r for r, m in enumerate(merges)}
+    syms = [by_byte[b] for b in text.encode("utf-8")]
+    while True:
+        pairs = [(rank.get((syms[i], syms[i + 1]), 1 << 30), i) for i in range(len(syms) - 1)]
+        best, i = min(pairs, default=(1 << 30, -1))
+        if best == 1 << 30:
+            break
+        syms[i : i + 2] = [syms[i] + syms[i + 1]]
+    ids = {t: i for i, t in enumerate(tokens)}
+    return [ids[s] if s in ids else ids[c] for s in syms for c in ([s] if s in ids else s)]
+
+
+def test_multibyte_characters_round_trip_in_lmlab_and_llama_cpps_bpe(tmp_path) -> None:
+    chars = sorted({*CHARS, "é", "’", "红", "楼", "梦", "🙂"})  # 2, 3 and 4 UTF-8 bytes
+    run, model = _run(tmp_path, "run", tokenizer=CharTokenizer(chars))
+    res = export_gguf(run, tmp_path / "m.gguf")
+    field = {k: f.contents() for k, f in gguf.GGUFReader(res.out).fields.items()}
+    text = "".join(chars) + " 红楼梦 café’s 🙂!\n"
+    ids = CharTokenizer(chars).encode(text)
+    merges = field["tokenizer.ggml.merges"]
+    assert llama_cpp_bpe(text, field["tokenizer.ggml.tokens"], merges) == ids
+    back, tok = load(res.out, "cpu")
+    assert isinstance(tok, CharTokenizer) and tok.chars == chars
+    assert tok.encode(text) == ids and tok.decode(ids) == text
+    x = _ids(len(chars))
+    assert float((_logits(model, x) - _logits(back, x)).abs().max()) <= 1e-5
 
 
 def test_cli_refuses_existing_out_and_bad_quant_and_force_replaces(minigpt, capsys) -> None:

@@ -23,10 +23,11 @@ Tokenizer: ``tokenizer.ggml.model: gpt2`` (byte-level BPE), which lmlab's own GG
 (:mod:`lmlab.interop.gguf_tokenizer`) and llama.cpp both read. lmlab's ``bpe`` tokenizers are
 written with their vocabulary and merges (``tokenizer.ggml.pre: gpt-2``, GPT-2's split, which
 is what they were trained with) and <|endoftext|> as the end-of-text token. A character-level
-tokenizer becomes the same vocabulary with each character as its one byte-level symbol and no
-merge (one placeholder merge that never applies, since llama.cpp refuses a gpt2 vocabulary
-without merges): every character encodes to its own id. Only single-byte (ASCII) characters
-can be written that way; a vocabulary with others is refused, naming them.
+tokenizer becomes the same vocabulary, each character written as its UTF-8 bytes in GPT-2's
+byte characters; a character of several bytes is assembled by merges (:func:`char_merges`), an
+ASCII one needs none (an all-ASCII vocabulary gets one placeholder merge that never applies,
+since llama.cpp refuses a gpt2 vocabulary without merges). Every character then encodes to its
+own id. ``lmlab.tokenizer.kind: char`` tells lmlab's reader to rebuild the character tokenizer.
 
 Quantization (``--quant``): 2-D weights (embedding, projections) in the chosen type, 1-D tensors
 (norms, biases) in F32, as llama.cpp's tools do; a weight whose rows are not a multiple of the
@@ -221,19 +222,13 @@ def tokenizer_metadata(tokenizer: Tokenizer | None, vocab_size: int) -> dict[str
         raise LmlabError("the model has no tokenizer; a GGUF file needs one (llama.cpp reads it)")
     by_byte = {b: c for c, b in _unicode_to_byte().items()}
     if isinstance(tokenizer, CharTokenizer):
-        wide = [c for c in tokenizer.chars if len(c.encode("utf-8")) != 1]
-        if wide:
-            shown = ", ".join(repr(c) for c in wide[:10])
-            raise LmlabError(
-                f"the character tokenizer holds {len(wide)} character(s) of more than one UTF-8 "
-                f"byte ({shown}); a GGUF byte-level vocabulary can hold only single-byte (ASCII) "
-                "characters without extra tokens"
-            )
-        tokens = [by_byte[c.encode("utf-8")[0]] for c in tokenizer.chars]
+        symbols = [[by_byte[b] for b in c.encode("utf-8")] for c in tokenizer.chars]
+        tokens = ["".join(s) for s in symbols]
         meta: dict[str, Any] = {
             "tokenizer.ggml.pre": "default",
-            "tokenizer.ggml.merges": [PLACEHOLDER_MERGE],
+            "tokenizer.ggml.merges": char_merges(symbols) or [PLACEHOLDER_MERGE],
             "tokenizer.ggml.token_type": [TOKEN_NORMAL] * len(tokens),
+            "lmlab.tokenizer.kind": "char",
         }
     elif type(tokenizer) is BPETokenizer:
         vocab = tokenizer.hf.get_vocab(with_added_tokens=True)
@@ -266,6 +261,19 @@ def tokenizer_metadata(tokenizer: Tokenizer | None, vocab_size: int) -> dict[str
         **meta,
         "tokenizer.ggml.add_bos_token": False,
     }
+
+
+def char_merges(symbols: list[list[str]]) -> list[str]:
+    """The merges that assemble each multi-byte character from its byte symbols, left to right:
+    for the bytes A B C, "A B" then "AB C". In llama.cpp's BPE (merges applied by rank, any
+    merged string allowed) they rebuild exactly the characters of the vocabulary: every merge
+    starts with a lead byte, so none crosses a character boundary, and within a character only
+    the next prefix can merge. Single-byte characters need none."""
+    merges: dict[str, None] = {}
+    for s in symbols:
+        for k in range(1, len(s)):
+            merges["".join(s[:k]) + " " + s[k]] = None
+    return list(merges)
 
 
 def _bpe_merges(tokenizer: BPETokenizer) -> list[str]:
