@@ -181,8 +181,22 @@ def test_bpe_tokenizer_round_trips(tmp_path) -> None:
             },
             "starcoder2",
         ),
-    ],  # fmt: skip
-    ids=["llama", "llama-interleaved", "starcoder2-interleaved-gqa", "starcoder2-biases"],
+        (
+            {
+                **LLAMA,
+                "attention": {"n_heads": 4, "n_kv_heads": 2, "head_dim": 16},
+                "position": {"kind": "rope", "scaling": {"kind": "linear", "factor": 2.0}},
+            },
+            "llama",
+        ),
+    ],
+    ids=[
+        "llama",
+        "llama-interleaved",
+        "starcoder2-interleaved-gqa",
+        "starcoder2-biases",
+        "llama-head-dim-linear-rope",
+    ],
 )
 def test_other_shapes_round_trip_exactly(tmp_path, settings, arch) -> None:
     run, model = _run(tmp_path, "run", **settings)
@@ -279,6 +293,8 @@ def test_cli_refuses_existing_out_and_bad_quant_and_force_replaces(minigpt, caps
     code, _, err = run_cli(capsys, "export", run, "--format", "gguf", "--out", str(out),
                            "--quant", "q5_k")  # fmt: skip
     assert_one_error(code, err, "--quant", "q5_k")
+    code, _, err = run_cli(capsys, "export", run, "--format", "gguf", "--out", str(root))
+    assert_one_error(code, err, "is a folder")
     code, _, err = run_cli(capsys, "export", run, "--out", str(root / "hf"), "--quant", "f16")
     assert_one_error(code, err, "--quant applies to --format gguf only")
     code, _, _ = run_cli(capsys, "export", run, "--format", "gguf", "--out", str(out), "--force")
@@ -304,3 +320,48 @@ def test_a_setting_the_architecture_lacks_is_caught_before_writing(tmp_path, mon
     with pytest.raises(LmlabError, match="setting starcoder2 lacks; nothing was written"):
         export_gguf(run, tmp_path / "m.gguf", quant="q4_0")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_lmlab_import_of_the_file_gives_a_char_run(minigpt) -> None:
+    from lmlab.interop.importer import import_model
+
+    res = import_model(minigpt["files"]["f32"].out, minigpt["root"] / "imported")
+    assert res.tokenizer_kind == "char" and res.vocab_size == len(CHARS)
+    back, tok = load(res.out, "cpu")
+    x = _ids(len(CHARS))
+    assert tok.encode(EVERY_CHAR) == CharTokenizer(CHARS).encode(EVERY_CHAR)
+    assert float((_logits(minigpt["model"], x) - _logits(back, x)).abs().max()) <= 1e-5
+
+
+def _bad_file(minigpt, path: Path, meta: dict, drop: str | None = None) -> Path:
+    """The Mini-GPT's starcoder2 file with metadata overrides (None removes a key) and one tensor
+    left out, written with the export's own writer."""
+    model = minigpt["model"]
+    cfg = model.cfg
+    kv = gguf_export.model_metadata(cfg, "starcoder2", "bad")
+    kv |= gguf_export.tokenizer_metadata(CharTokenizer(CHARS), len(CHARS))
+    kv = {k: v for k, v in (kv | meta).items() if v is not None}
+    tensors = gguf_export.gguf_tensors(model.state_dict(), cfg, "starcoder2")
+    tensors.pop(drop or "", None)
+    gguf_export.write_gguf_file(path, "starcoder2", kv, tensors, "f32")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("meta", "drop", "needle"),
+    [
+        ({"starcoder2.attention.layer_norm_epsilon": None}, None, "layer_norm_epsilon"),
+        ({"lmlab.ffn.activation": "relu"}, None, "lmlab.ffn.activation is 'relu'"),
+        ({}, "blk.1.attn_q.bias", "layers.1.attn.q_proj.bias"),
+        ({"tokenizer.ggml.tokens": ["ab", *CHARS[1:]]}, None, "token 'ab'"),
+        ({"tokenizer.ggml.tokens": ["Ġ", "Ġ", *CHARS[2:]]}, None, "a character twice"),
+    ],
+    ids=["no-eps", "bad-activation", "missing-bias", "two-char-token", "duplicate-char"],
+)
+def test_bad_starcoder2_files_are_refused_by_name(minigpt, tmp_path, meta, drop, needle) -> None:
+    from lmlab.errors import CheckpointError
+
+    path = _bad_file(minigpt, tmp_path / "bad.gguf", meta, drop)
+    with pytest.raises((LmlabError, CheckpointError)) as e:
+        load(path, "cpu")
+    assert needle in str(e.value) and str(path) in str(e.value)

@@ -246,9 +246,15 @@ def tokenizer_metadata(tokenizer: Tokenizer | None, vocab_size: int) -> dict[str
         }
         if tokenizer.eos_id is not None:
             meta["tokenizer.ggml.eos_token_id"] = tokenizer.eos_id
+    elif isinstance(tokenizer, BPETokenizer):  # GGUFTokenizer: its pre-tokenizer is not kept
+        raise LmlabError(
+            "a tokenizer read from a GGUF file cannot be written to GGUF again; supported: "
+            "lmlab's own char and bpe tokenizers"
+        )
     else:
         raise LmlabError(
-            f"a {tokenizer.kind!r} tokenizer cannot be written to GGUF; supported: char, bpe"
+            f"a {tokenizer.kind!r} tokenizer cannot be written to GGUF; supported: lmlab's own "
+            "char and bpe tokenizers"
         )
     if len(tokens) != vocab_size:
         raise LmlabError(
