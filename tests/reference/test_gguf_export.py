@@ -365,3 +365,18 @@ def test_bad_starcoder2_files_are_refused_by_name(minigpt, tmp_path, meta, drop,
     with pytest.raises((LmlabError, CheckpointError)) as e:
         load(path, "cpu")
     assert needle in str(e.value) and str(path) in str(e.value)
+
+
+def test_rows_off_the_quant_block_fall_back_to_f16(tmp_path) -> None:
+    """ffn_down reads d_ff = 40 features: not a multiple of Q8_0's 32-value block, so F16."""
+    ffn = {"kind": "swiglu", "d_ff": 40, "bias": False}
+    run, model = _run(tmp_path, "run", **{**LLAMA, "ffn": ffn})
+    res = export_gguf(run, tmp_path / "m.gguf", quant="q8_0")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(res.out).tensors}
+    assert types["blk.0.ffn_down.weight"] == "F16" and types["blk.0.ffn_up.weight"] == "Q8_0"
+    assert res.tensor_types == {"F32": 5, "F16": 2, "Q8_0": 14}  # 2 norms x 2 layers + final
+    back, _ = load(res.out, "cpu")
+    x = _ids(len(CHARS))
+    assert float((_logits(model, x) - _logits(back, x)).abs().max()) <= 0.05 * float(
+        _logits(model, x).abs().max()
+    )
