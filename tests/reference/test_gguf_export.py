@@ -283,6 +283,7 @@ def test_multibyte_characters_round_trip_in_lmlab_and_llama_cpps_bpe(tmp_path) -
 def test_cli_refuses_existing_out_and_bad_quant_and_force_replaces(minigpt, capsys) -> None:
     root, run = minigpt["root"], str(minigpt["run"])
     out = root / "cli.gguf"
+    (root / ".cli.gguf.tmp-1").write_bytes(b"left by a killed writer")
     code, stdout, _ = run_cli(capsys, "export", run, "--format", "gguf", "--out", str(out),
                               "--quant", "q8_0")  # fmt: skip
     assert code == 0 and "starcoder2, q8_0" in stdout and "max |logit diff|" in stdout

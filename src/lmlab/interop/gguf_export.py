@@ -41,6 +41,7 @@ then renamed onto ``--out``; an existing ``--out`` is refused unless ``force``.
 
 from __future__ import annotations
 
+import glob
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -426,6 +427,9 @@ def export_gguf(
         if final.exists() and not force:
             raise LmlabError(f"--out {final} exists; choose another file name or pass --force")
         check_free_space(final.parent, needed, f"--out {final}")
+        for stale in final.parent.glob(f".{glob.escape(final.name)}.tmp-*"):
+            if stale.is_file() and not stale.is_symlink():  # left by a killed writer
+                stale.unlink()
         tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
         try:
             counts = write_gguf_file(tmp, arch, meta, tensors, quant)
@@ -443,7 +447,19 @@ def export_gguf(
                 approx, _ = load_gguf(tmp, "cpu", lmlab_keys=False)
                 gap = _compare(model, approx, cfg)[0]
             n_bytes = tmp.stat().st_size
-            os.replace(tmp, final)
+            if force:
+                os.replace(tmp, final)
+            else:  # a link fails if --out appeared meanwhile: nothing is overwritten
+                try:
+                    os.link(tmp, final)
+                except FileExistsError:
+                    raise LmlabError(
+                        f"--out {final} exists; choose another file name or pass --force"
+                    ) from None
+                except OSError:  # no hard links here: rename (--out was checked under the lock)
+                    os.replace(tmp, final)
+                else:
+                    tmp.unlink()
             fsync_path(final.parent)
         except OSError as e:
             err = write_error(e, tmp, needed)
