@@ -422,7 +422,10 @@ def export_gguf(
     tensors = gguf_tensors(model.state_dict(), cfg, arch)
     check_structure(model, cfg, arch, meta, tensors)
     needed = sum(t.numel() * 4 for t in tensors.values()) + (1 << 20)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LmlabError(f"cannot write beside --out {final}: {e.strerror or e}") from None
     with lock_beside(final):
         if final.exists() and not force:
             raise LmlabError(f"--out {final} exists; choose another file name or pass --force")
@@ -474,7 +477,7 @@ def export_gguf(
             f"from this file differ from the model's by up to {gap:.1e} (lmlab reads the "
             "exact GELU back)"
         )
-    if tokenizer is not None and tokenizer.eos_id is None:
+    if tokenizer is not None and tokenizer.eos_id is None and cfg.vocab_size > 11:
         notes.append(
             "the tokenizer has no end-of-text token: llama.cpp then treats id 11 as the end "
             "of a generation (its gpt2 default); pass --ignore-eos to llama-cli"
