@@ -7,6 +7,7 @@ import argparse
 import json
 
 from lmlab.cli.common import Command
+from lmlab.errors import LmlabError
 
 
 def _verify_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,8 +71,12 @@ def _attention_arguments(p: argparse.ArgumentParser) -> None:
 
 def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="RUN_OR_MODEL", help="a run folder or any loadable model")
-    p.add_argument("--format", default="hf", choices=["hf"], help="output format (default hf)")
-    p.add_argument("--out", required=True, help="folder to write (must be new or empty)")
+    p.add_argument("--format", default="hf", choices=["hf", "gguf"], help="output format "
+                   "(default hf; gguf: one llama.cpp file, docs/gguf-export.md)")  # fmt: skip
+    p.add_argument("--out", required=True, help="folder to write (must be new or empty); "
+                   "for gguf the file to write (must not exist)")  # fmt: skip
+    p.add_argument("--quant", choices=["f32", "f16", "q8_0", "q4_0"], help="gguf only: the "
+                   "type of the 2-D weights (default f32)")  # fmt: skip
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
 
 
@@ -133,6 +138,13 @@ def cmd_attention(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from lmlab.interop.export import export_model
 
+    if args.format == "gguf":
+        from lmlab.interop.gguf_export import export_gguf, format_result
+
+        print(format_result(export_gguf(args.model, args.out, args.quant or "f32", args.force)))
+        return 0
+    if args.quant is not None:
+        raise LmlabError("--quant applies to --format gguf only")
     res = export_model(args.model, args.out, format=args.format, force=args.force)
     print(f"wrote {res.out} ({res.hf_class}): {', '.join(res.files)}")
     print(f"check: {res.verify_note}")
@@ -196,13 +208,16 @@ ATTENTION = Command(
 
 
 EXPORT = Command(
-    help="write a model as a Hugging Face folder transformers loads",
+    help="write a model as a Hugging Face folder or a GGUF file (llama.cpp)",
     description="Write config.json, model.safetensors, tokenizer.json (+ tokenizer_config."
     "json, generation_config.json) for the Hugging Face family that computes exactly what "
     "the model does (lmlab list hf_family). When transformers is installed the folder is "
     "loaded back and its logits compared (float32, 1e-5) before it is put in place; a model "
-    "with no Hugging Face counterpart is refused, naming the component. Example: lmlab "
-    "export runs/minigpt --format hf --out hf/minigpt",
+    "with no Hugging Face counterpart is refused, naming the component. --format gguf "
+    "writes one llama.cpp file instead (llama or starcoder2 architecture, the tokenizer "
+    "inside, --quant f32|f16|q8_0|q4_0; docs/gguf-export.md). Example: lmlab export "
+    "runs/minigpt --format hf --out hf/minigpt; lmlab export runs/minigpt --format gguf "
+    "--out minigpt.gguf --quant q8_0",
     arguments=_export_arguments,
     run=cmd_export,
     common=("debug",),

@@ -4,15 +4,21 @@ A GGUF file holds key/value metadata (``general.architecture``, ``llama.block_co
 ``tokenizer.ggml.*``) and named tensors, many quantized. The ``gguf`` library reads the file and
 dequantizes every quantized tensor to float32 (its own ``gguf.quants.dequantize``); nothing here
 runs llama.cpp. Supported: the Llama family (``general.architecture: llama``, which also covers
-Mistral-shaped and SmolLM models): RMSNorm, SwiGLU, RoPE, grouped-query attention, Pre-Norm.
+Mistral-shaped and SmolLM models): RMSNorm, SwiGLU, RoPE, grouped-query attention, Pre-Norm; and
+``starcoder2`` (what ``lmlab export --format gguf`` writes for the default Mini-GPT shape,
+:mod:`lmlab.interop.gguf_export`): LayerNorm with bias, a GELU MLP with biases, biased q/k/v/o,
+half-split (NeoX) RoPE over every channel, Pre-Norm. llama.cpp computes starcoder2's GELU with
+the tanh approximation; a file lmlab wrote records the exact one in ``lmlab.ffn.activation``,
+which lmlab honours (``lmlab_keys``) and llama.cpp ignores.
 
 Tensor names (GGUF -> lmlab): ``token_embd`` -> ``embed``, ``blk.N.attn_q/k/v/output`` ->
 ``layers.N.attn.q/k/v/o_proj``, ``blk.N.ffn_gate/up/down`` -> ``layers.N.ffn.gate/up/down_proj``,
 ``blk.N.attn_norm``/``ffn_norm`` -> ``layers.N.attn_norm``/``ffn_norm``, ``output_norm`` ->
-``final_norm``, ``output`` -> ``lm_head`` (absent: tied to the embedding). llama.cpp's converter
-stores q/k rows in the interleaved RoPE order; they are put back in lmlab's half-split order by
-:func:`lmlab.interop.rope_layout.gguf_unpermute`. GGML lists dimensions fastest-first, so a
-tensor of GGML shape [D, V] is the (V, D) matrix PyTorch expects.
+``final_norm``, ``output`` -> ``lm_head`` (absent: tied to the embedding); starcoder2 adds a
+``.bias`` to each. For ``llama`` llama.cpp's converter stores q/k rows in the interleaved RoPE
+order; they are put back in lmlab's half-split order by
+:func:`lmlab.interop.rope_layout.gguf_unpermute` (starcoder2 is stored half-split). GGML lists
+dimensions fastest-first, so a tensor of GGML shape [D, V] is the (V, D) matrix PyTorch expects.
 """
 
 from __future__ import annotations
@@ -41,11 +47,14 @@ from lmlab.interop.rope_layout import gguf_unpermute
 from lmlab.training.weights_fit import check_finite
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "starcoder2")
+# lmlab.ffn.activation values a starcoder2 file may name (llama.cpp itself computes gelu_tanh)
+STARCODER2_ACTIVATIONS = ("gelu", "gelu_tanh")
 
 GGUF_TOP_KEYS = {
     "token_embd.weight": "embed.weight",
     "output_norm.weight": "final_norm.weight",
+    "output_norm.bias": "final_norm.bias",
     "output.weight": "lm_head.weight",
 }
 GGUF_LAYER_KEYS = {
@@ -159,7 +168,7 @@ _MISSING = object()
 def _get(meta: dict[str, Any], key: str, path: Path, default: Any = _MISSING) -> Any:
     value = meta.get(key, default)
     if value is _MISSING or value is None:
-        raise LmlabError(f"{path} lacks the metadata key {key!r}, which a Llama GGUF needs")
+        raise LmlabError(f"{path} lacks the metadata key {key!r}, which this GGUF needs")
     if isinstance(value, list):
         raise LmlabError(f"{path}: {key} holds one value per layer, which lmlab does not support")
     return value
@@ -184,9 +193,14 @@ def _float(meta: dict[str, Any], key: str, path: Path, default: Any = _MISSING) 
     return float(value)
 
 
-def gguf_model_config(meta: dict[str, Any], tensor_names: set[str], path: Path) -> ModelConfig:
+def gguf_model_config(
+    meta: dict[str, Any], tensor_names: set[str], path: Path, lmlab_keys: bool = True
+) -> ModelConfig:
     """GGUF metadata -> the Llama-shaped ModelConfig (RMSNorm, SwiGLU, half-split RoPE, GQA,
-    Pre-Norm, no biases). ``output.weight`` absent from ``tensor_names`` means tied embeddings.
+    Pre-Norm, no biases), or for ``starcoder2`` the Mini-GPT shape (LayerNorm, GELU MLP, every
+    bias). ``output.weight`` absent from ``tensor_names`` means tied embeddings.
+    ``lmlab_keys``: honour ``lmlab.ffn.activation`` (starcoder2: the exact GELU an lmlab export
+    recorded); False gives what llama.cpp computes (tanh GELU).
 
     Every number is checked for its type and range (the bounds of
     :mod:`lmlab.interop.hf_fields`) before anything is built. Raises LmlabError for an
@@ -239,33 +253,51 @@ def gguf_model_config(meta: dict[str, Any], tensor_names: set[str], path: Path) 
     if meta.get(a + "vocab_size") is not None:
         vocab = _int(meta, a + "vocab_size", path, F.MAX_VOCAB)
     head_dim_cfg = head_dim if head_dim != d_model // n_heads else None
+    d_ff = _int(meta, a + "feed_forward_length", path, F.MAX_FFN)
+    if arch == "starcoder2":
+        norm = NormConfig(
+            kind="layernorm", eps=_float(meta, a + "attention.layer_norm_epsilon", path)
+        )
+        act = meta.get("lmlab.ffn.activation", "gelu_tanh") if lmlab_keys else "gelu_tanh"
+        if act not in STARCODER2_ACTIVATIONS:
+            raise LmlabError(
+                f"{path}: lmlab.ffn.activation is {act!r}; a starcoder2 file may name "
+                f"{', '.join(STARCODER2_ACTIVATIONS)}"
+            )
+        ffn = FFNConfig(kind="mlp", d_ff=d_ff, activation=act, bias=True)
+        bias = True
+    else:
+        eps = _float(meta, a + "attention.layer_norm_rms_epsilon", path)
+        norm = NormConfig(kind="rmsnorm", eps=eps)
+        ffn = FFNConfig(kind="swiglu", d_ff=d_ff, bias=False)
+        bias = False
     return ModelConfig(
         vocab_size=vocab,
         d_model=d_model,
         n_layers=_int(meta, a + "block_count", path, F.MAX_LAYERS),
         max_seq_len=_int(meta, a + "context_length", path, F.MAX_POSITIONS),
         tie_embeddings="output.weight" not in tensor_names,
-        attention=AttentionConfig(n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim_cfg),
+        attention=AttentionConfig(
+            n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim_cfg, bias=bias
+        ),
         position=PositionConfig(
             kind="rope",
             rope_theta=_float(meta, a + "rope.freq_base", path, 10000.0),
             scaling=scaling,
         ),
-        norm=NormConfig(
-            kind="rmsnorm", eps=_float(meta, a + "attention.layer_norm_rms_epsilon", path)
-        ),
-        ffn=FFNConfig(
-            kind="swiglu", d_ff=_int(meta, a + "feed_forward_length", path, F.MAX_FFN), bias=False
-        ),
+        norm=norm,
+        ffn=ffn,
         block=BlockConfig(kind="pre"),
     )
 
 
 def gguf_state_dict(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """GGUF tensor names -> lmlab's state dict; q/k rows unpermuted to half-split RoPE order.
+    """GGUF tensor names -> lmlab's state dict; for a Llama file (RMSNorm: the only one stored
+    interleaved) q/k rows unpermuted to half-split RoPE order.
 
     Raises LmlabError naming a tensor lmlab has no place for.
     """
+    permuted = cfg.norm.kind == "rmsnorm"  # llama; starcoder2 (LayerNorm) is stored half-split
     out: dict[str, torch.Tensor] = {}
     for name, value in tensors.items():
         if name in GGUF_TOP_KEYS:
@@ -273,11 +305,11 @@ def gguf_state_dict(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[
             continue
         parts = name.split(".")  # blk.{i}.{module}.{weight|bias}
         if len(parts) != 4 or parts[0] != "blk" or parts[2] not in GGUF_LAYER_KEYS:
-            raise LmlabError(f"GGUF tensor {name!r} has no place in an lmlab Llama model")
+            raise LmlabError(f"GGUF tensor {name!r} has no place in an lmlab model")
         i, module, kind = parts[1], parts[2], parts[3]
-        if module == "attn_q":
+        if module == "attn_q" and permuted:
             value = gguf_unpermute(value, cfg.attention.n_heads)
-        elif module == "attn_k":
+        elif module == "attn_k" and permuted:
             value = gguf_unpermute(value, cfg.n_kv_heads)
         out[f"layers.{i}.{GGUF_LAYER_KEYS[module]}.{kind}"] = value
     if cfg.tie_embeddings and "embed.weight" in out:
@@ -323,7 +355,9 @@ def _stored_shapes(reader: Any, path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_gguf(path: str | Path, device: str = "cpu") -> tuple[nn.Module, Any]:
+def load_gguf(
+    path: str | Path, device: str = "cpu", lmlab_keys: bool = True
+) -> tuple[nn.Module, Any]:
     """Load a Llama-family GGUF file as ``(DecoderLM in eval mode, GGUFTokenizer)``: every
     tensor dequantized to float32, q/k rows in half-split RoPE order, the tokenizer and chat
     template from the metadata (:mod:`lmlab.interop.gguf_tokenizer`).
@@ -333,7 +367,8 @@ def load_gguf(path: str | Path, device: str = "cpu") -> tuple[nn.Module, Any]:
     memory available (:func:`lmlab.training.memory.check_load_memory`, cgroup limits included).
     Raises CheckpointError for an unreadable file or a missing / wrongly shaped tensor (named,
     both shapes given), LmlabError for an unsupported architecture, a bad metadata value,
-    quantization type or tokenizer, or a model too large for the memory.
+    quantization type or tokenizer, or a model too large for the memory. ``lmlab_keys``: see
+    :func:`gguf_model_config`.
     """
     from lmlab.interop.gguf_tokenizer import gguf_tokenizer
     from lmlab.models.build import build_model
@@ -345,7 +380,7 @@ def load_gguf(path: str | Path, device: str = "cpu") -> tuple[nn.Module, Any]:
     reader = _open(p)
     meta = _metadata(reader, p)
     shapes = _stored_shapes(reader, p)
-    cfg = gguf_model_config(meta, set(shapes), p)
+    cfg = gguf_model_config(meta, set(shapes), p, lmlab_keys)
     tokenizer = gguf_tokenizer(meta, p)
     if cfg.vocab_size is None:
         cfg.vocab_size = tokenizer.vocab_size

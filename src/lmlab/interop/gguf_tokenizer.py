@@ -8,6 +8,10 @@ pre-tokenizer splits the text before BPE) and ``tokenizer.chat_template`` (Jinja
 outside the vocabulary is ignored with a warning (as llama.cpp does). It is rebuilt
 as a Hugging Face ``tokenizers`` BPE tokenizer; control and user-defined tokens are special tokens
 matched whole in the text (so a chat template's ``<|im_start|>`` is one token).
+
+A merge that can never apply (a part that is neither one byte character nor made by another
+merge, like the placeholder ``lmlab gguf_export`` writes for a character-level vocabulary, since
+llama.cpp needs at least one merge) is dropped: llama.cpp keeps it as an unused rank.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from lmlab.data.tokenizer import BPETokenizer, _unicode_to_byte
+from lmlab.data.tokenizer import BPETokenizer, CharTokenizer, _unicode_to_byte
 from lmlab.errors import LmlabError
 from lmlab.interop.hf_fields import MAX_VOCAB
 
@@ -29,6 +33,8 @@ TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
 PRE_TOKENIZERS = {
     "default": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     "gpt2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    # llama.cpp's own name for GPT-2's split (what lmlab's bpe tokenizer uses)
+    "gpt-2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     # SmolLM: every digit alone, then GPT-2's split
     "smollm": lambda: pre_tokenizers.Sequence(
         [
@@ -110,10 +116,36 @@ def _list_of(meta: dict[str, Any], key: str, kind: type, path: Path, most: int) 
     return value
 
 
-def gguf_tokenizer(meta: dict[str, Any], path: Path) -> GGUFTokenizer:
-    """Build the tokenizer a GGUF file's metadata describes. Raises LmlabError for a tokenizer
-    model other than ``gpt2`` (byte-level BPE) or a pre-tokenizer lmlab does not know, naming it."""
+def char_tokenizer(meta: dict[str, Any], path: Path) -> CharTokenizer:
+    """The character tokenizer an lmlab export wrote (``lmlab.tokenizer.kind: char``): each
+    token is one character's UTF-8 bytes in GPT-2's byte characters. Raises LmlabError for a
+    token that is not exactly one character, or a character twice."""
+    table = _unicode_to_byte()
+    chars = []
+    for tok in _list_of(meta, "tokenizer.ggml.tokens", str, path, MAX_VOCAB):
+        try:
+            c = bytes(table[s] for s in tok).decode("utf-8")
+        except (KeyError, UnicodeDecodeError):
+            c = ""
+        if len(c) != 1:
+            raise LmlabError(
+                f"{path}: token {tok!r} of a character vocabulary (lmlab.tokenizer.kind) is not "
+                "one character in byte-level form"
+            )
+        chars.append(c)
+    if not chars or len(set(chars)) != len(chars):
+        raise LmlabError(f"{path}: the character vocabulary is empty or holds a character twice")
+    return CharTokenizer(chars)
+
+
+def gguf_tokenizer(meta: dict[str, Any], path: Path) -> GGUFTokenizer | CharTokenizer:
+    """Build the tokenizer a GGUF file's metadata describes: lmlab's own character tokenizer for
+    a file an lmlab export marked ``lmlab.tokenizer.kind: char``, else byte-level BPE. Raises
+    LmlabError for a tokenizer model other than ``gpt2`` (byte-level BPE) or a pre-tokenizer
+    lmlab does not know, naming it."""
     kind = meta.get("tokenizer.ggml.model")
+    if kind == "gpt2" and meta.get("lmlab.tokenizer.kind") == "char":
+        return char_tokenizer(meta, path)
     if kind != "gpt2":
         raise LmlabError(
             f"{path}: tokenizer.ggml.model {kind!r} is not supported; supported: gpt2 "
@@ -136,12 +168,14 @@ def gguf_tokenizer(meta: dict[str, Any], path: Path) -> GGUFTokenizer:
             f"{len(tokens):,} tokens"
         )
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    merges = []
+    pairs = []
     for m in merges_raw:
         a, sep, b = m.partition(" ")
         if not sep:
             raise LmlabError(f"{path}: tokenizer merge {m!r} is not two tokens")
-        merges.append((a, b))
+        pairs.append((a, b))
+    reachable = set(_unicode_to_byte()) | {a + b for a, b in pairs}
+    merges = [(a, b) for a, b in pairs if a in reachable and b in reachable]
     try:
         hf = HFTokenizer(
             models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)

@@ -416,9 +416,9 @@ def no_tokenizer(path: str | Path, use: str) -> LmlabError:
 
 def load(path: str | Path, device: str = "cpu") -> tuple[nn.Module, Tokenizer | None]:
     """Load ``(model, tokenizer)`` from an lmlab run folder (latest checkpoint), a Hugging Face
-    model folder of a supported family (``lmlab list hf_family``) or a Llama-family ``.gguf`` file
-    (:mod:`lmlab.interop.gguf`: dequantized to float32, tokenizer and chat template from its
-    metadata). The model is in eval mode;
+    model folder of a supported family (``lmlab list hf_family``) or a ``.gguf`` file of the
+    llama or starcoder2 architecture (:mod:`lmlab.interop.gguf`: dequantized to float32,
+    tokenizer and chat template from its metadata). The model is in eval mode;
     ``model(input_ids)`` returns an output whose ``.logits`` is (batch, seq, vocab).
 
     Raises LmlabError (or a subclass) when the path is neither, or its files are damaged.
