@@ -202,4 +202,8 @@ def _asset(name: str) -> str:
 
 
 PAGE = _asset("page.html")
-RENDERERS: dict[str, str] = {"attention": _asset("attention.js")}
+RENDERERS: dict[str, str] = {
+    "attention": _asset("attention.js"),
+    "lens": _asset("lens.js"),  # lmlab.analysis.lens_view.lens_panel
+    "dla": _asset("dla.js"),  # lmlab.analysis.lens_view.dla_panel
+}

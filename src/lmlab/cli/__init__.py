@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from lmlab.cli import generation, listing, models, scoring, training
+from lmlab.cli import generation, interp_lens, listing, models, scoring, training
 from lmlab.cli.common import Command, _Parser, add_common
 from lmlab.cli.training import _without_nproc
 from lmlab.errors import Interrupted, LmlabError
@@ -38,6 +38,7 @@ lmlab: build, train, probe and compare Transformer language models.
   lmlab verify --config my.yaml       prove a model config correct (and equal to Hugging Face's)
   lmlab inspect configs/mixtral.yaml  parameters, FLOPs, KV cache and memory, without building it
   lmlab attention runs/minigpt --text "ROMEO:"   attention heatmaps and per-head diagnostics
+  lmlab lens runs/minigpt --text "ROMEO: But" --target " "   logit lens + logit attribution
   lmlab train --config configs/seq2seq-reverse.yaml     an encoder-decoder on a reverse task
   lmlab generate runs/seq2seq-reverse --source "abcdefgh" --temperature 0
   lmlab compare experiments/positions.yaml   train variants x seeds, report.md + plots
@@ -62,6 +63,7 @@ COMMANDS: dict[str, Command] = {
     "verify": models.VERIFY,
     "inspect": models.INSPECT,
     "attention": models.ATTENTION,
+    "lens": interp_lens.LENS,
     "export": models.EXPORT,
     "import": models.IMPORT,
     "compare": training.COMPARE,
