@@ -56,6 +56,7 @@ class LensReport:
             "rows": self.rows,
             "hooks": lens.hooks,
             "top": [[[[s, p] for s, p in cell] for cell in row] for row in self.top],
+            "top_ids": lens.top_ids[0].tolist(),
             "target": None,
             "dla": None,
             "dla_unavailable": self.dla_unavailable,

@@ -4,7 +4,7 @@ LM.render.lens = function (root, p, st, set) {
   if (!d._p) d._p = unpack(d.probs);
   if (d.target && !d.target._p) d.target._p = unpack(d.target.probs);
   const clamp = (v, n) => Math.max(0, Math.min(n - 1, Number.isFinite(+v) ? Math.floor(+v) : 0));
-  const row = clamp(st.layer === undefined ? R - 1 : st.layer, R), tok = clamp(st.token === undefined ? T - 1 : st.token, T);
+  const row = clamp(st.row === undefined ? R - 1 : st.row, R), tok = clamp(st.token === undefined ? T - 1 : st.token, T);
   const prob = (r, t, k) => d._p[(r * T + t) * K + k];
   root.appendChild(el("div", "lbl", "rows: the residual stream after each layer (embed at the bottom); " +
     "columns: input tokens, each predicting the next; colour = top-1 probability; hover or click a cell"));
@@ -24,8 +24,8 @@ LM.render.lens = function (root, p, st, set) {
         "font-family:'Noto Sans CJK SC','WenQuanYi Zen Hei',monospace";
       c.style.background = color(v); c.style.color = v > 0.6 ? "#000" : "#fff";
       if (r === row && t === tok) c.style.outline = "2px solid #d00";
-      c.addEventListener("mouseenter", () => { if (r !== row || t !== tok) set({layer: r, token: t}); });
-      c.addEventListener("click", () => set({layer: r, token: t}));
+      c.addEventListener("mouseenter", () => { if (r !== row || t !== tok) set({row: r, token: t}); });
+      c.addEventListener("click", () => set({row: r, token: t}));
       tr.appendChild(c);
     }
     grid.appendChild(tr);
