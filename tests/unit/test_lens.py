@@ -231,3 +231,12 @@ def test_encoders_encoder_decoders_and_bad_arguments_are_refused(ids: torch.Tens
         logit_lens(model, ids, top_k=0)
     with pytest.raises(LmlabError, match="target token ids must be in 0..49"):
         logit_lens(model, ids, targets=-1)
+
+
+def test_a_pre_norm_block_whose_stream_is_not_the_sum_is_caught_by_the_rebuild_check(ids):
+    """The guard behind the block check: a block that scales its skip path (as a plugin might)
+    passes the isinstance test, but its components no longer add up to the residual."""
+    model = model_of()
+    model.layers[0].add = lambda x, branch: 0.5 * x + branch  # type: ignore[method-assign]
+    with pytest.raises(LmlabError, match="do not add up to the final residual"):
+        direct_logit_attribution(model, ids, 3)

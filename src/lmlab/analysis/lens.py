@@ -359,11 +359,11 @@ def _attribute(
     """The attribution from a clean run's cache (see direct_logit_attribution); logits (V,)."""
     layers, cfg = _layers(model), model.cfg
     n_layers = len(layers)
-    f64 = torch.float64
+    f64, cpu = torch.float64, torch.device("cpu")  # one position: float64 on the CPU
 
     def at(name: str) -> torch.Tensor:  # (D,), or (H, hz) of hook_z, at the position, float64
         x = cache[name][0]
-        return (x[:, pos] if name.endswith("hook_z") else x[pos]).to(f64)
+        return (x[:, pos] if name.endswith("hook_z") else x[pos]).to(cpu, f64)
 
     terms: list[tuple[str, torch.Tensor]] = [("embed", at("hook_embed"))]
     positions = at("layers.0.hook_resid_pre") - terms[0][1]
@@ -374,7 +374,7 @@ def _attribute(
     ffn_idx: list[int] = []
     for i, layer in enumerate(layers):
         z = at(f"layers.{i}.attn.hook_z")  # (H, hz)
-        w_o = layer.attn.o_proj.weight.to(f64)  # (D, H hz)
+        w_o = layer.attn.o_proj.weight.to(cpu, f64)  # (D, H hz)
         n_h, hz = z.shape
         if w_o.shape[1] != n_h * hz:
             raise LmlabError(
@@ -386,18 +386,18 @@ def _attribute(
         terms += [(f"L{i}H{h}", per_head[h]) for h in range(n_h)]
         if layer.attn.o_proj.bias is not None:
             bias_idx.append(len(terms))
-            terms.append((f"L{i}.attn_bias", layer.attn.o_proj.bias.to(f64)))
+            terms.append((f"L{i}.attn_bias", layer.attn.o_proj.bias.to(cpu, f64)))
         else:
             bias_idx.append(None)
         ffn_idx.append(len(terms))
         terms.append((f"L{i}.ffn", at(f"layers.{i}.ffn.hook_out")))
-    resid = cache[f"layers.{n_layers - 1}.hook_resid_post"][0, pos]  # (D,) as computed
+    resid = cache[f"layers.{n_layers - 1}.hook_resid_post"][0, pos].cpu()  # (D,) as computed
     stacked = torch.stack([c for _, c in terms])  # (C, D) float64
-    _check_sum(stacked.sum(0), resid.to(f64), cfg.block.kind)
+    _check_sum(stacked.sum(0), resid, len(terms), cfg.block.kind)
     linear, const, scale = frozen_norm(model.final_norm, resid)
-    u = model.lm_head.weight[target].to(f64)  # (D,)
+    u = model.lm_head.weight[target].to(cpu, f64)  # (D,)
     if versus is not None:
-        u = u - model.lm_head.weight[versus].to(f64)
+        u = u - model.lm_head.weight[versus].to(cpu, f64)
     values = linear(stacked) @ u  # (C,)
     extra = [("final_norm.bias", float(const @ u))] if const is not None else []
     head_bias = getattr(model.lm_head, "bias", None)
@@ -406,7 +406,7 @@ def _attribute(
         extra.append(("lm_head.bias", float(hb)))
     all_names = [n for n, _ in terms] + [n for n, _ in extra]
     values = torch.cat([values, torch.tensor([x for _, x in extra], dtype=f64)])
-    logits = logits.to(f64)
+    logits = logits.to(cpu, f64)
     actual = logits[target] - (logits[versus] if versus is not None else 0.0)
     zero = torch.zeros((), dtype=f64)
     return LogitAttribution(
@@ -424,10 +424,13 @@ def _attribute(
     )
 
 
-def _check_sum(total: torch.Tensor, resid: torch.Tensor, kind: str) -> None:
-    """The components must rebuild the residual (a guard for block kinds from plugins)."""
-    err = float((total - resid).abs().max())
-    if err > 1e-4 * (1.0 + float(resid.abs().max())):
+def _check_sum(total: torch.Tensor, resid: torch.Tensor, n_terms: int, kind: str) -> None:
+    """The components (summed in float64) must rebuild the residual as the model computed it
+    in its dtype (a guard for block kinds from plugins): to 1e-4 relative, or the rounding of
+    ``n_terms`` additions in a low-precision dtype (bfloat16: eps 2^-7)."""
+    rel = max(1e-4, n_terms * torch.finfo(resid.dtype).eps)
+    err = float((total - resid.to(total.dtype)).abs().max())
+    if err > rel * (1.0 + float(resid.abs().max())):
         raise LmlabError(
             f"the embedding and the sublayer outputs do not add up to the final residual "
             f"(max |difference| {err:.2e}; model.block.kind={kind}): direct logit attribution "
@@ -438,25 +441,25 @@ def _check_sum(total: torch.Tensor, resid: torch.Tensor, kind: str) -> None:
 def frozen_norm(
     norm: nn.Module, x: torch.Tensor
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor | None, float]:
-    """The final norm linearised at the residual ``x`` (D,): (linear map on (..., D) float64,
-    constant term (D,) or None, the frozen divisor). RMSNorm: c -> c / s * weight with
+    """The final norm linearised at the residual ``x`` (D,): (linear map on (..., D) float64
+    CPU tensors, constant term (D,) or None, the frozen divisor). RMSNorm: c -> c / s * weight with
     s = sqrt(mean(x^2) + eps); LayerNorm: c -> (c - mean(c)) / s * weight, constant = bias,
     s = sqrt(var(x) + eps) (biased variance, as LayerNorm's); nn.Identity (no final norm):
     c -> c, s = 1. linear(x) + constant equals norm(x) (the module's own output) to float
     rounding. Raises LmlabError for any other norm (a plugin's)."""
     from lmlab.nn.norm import RMSNorm
 
-    xf = x.to(torch.float64)
+    xf = x.to("cpu", torch.float64)
     if isinstance(norm, nn.Identity):
         return (lambda c: c), None, 1.0
     if isinstance(norm, RMSNorm):
         s = float(torch.sqrt(xf.pow(2).mean() + norm.eps))
-        w = norm.weight.to(torch.float64)
+        w = norm.weight.to("cpu", torch.float64)
         return (lambda c: c / s * w), None, s
     if isinstance(norm, nn.LayerNorm):
         s = float(torch.sqrt(xf.var(unbiased=False) + norm.eps))
-        w = norm.weight.to(torch.float64) if norm.weight is not None else 1.0
-        b = norm.bias.to(torch.float64) if norm.bias is not None else None
+        w = norm.weight.to("cpu", torch.float64) if norm.weight is not None else 1.0
+        b = norm.bias.to("cpu", torch.float64) if norm.bias is not None else None
         return (lambda c: (c - c.mean(-1, keepdim=True)) / s * w), b, s
     raise LmlabError(
         f"direct logit attribution linearises an RMSNorm, a LayerNorm or no final norm; this "
