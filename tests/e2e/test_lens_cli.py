@@ -62,7 +62,8 @@ def test_lens_prints_the_tables_and_writes_a_page(tiny_run: Path, tmp_path: Path
     page = tmp_path / "lens.html"
     code, out, _ = lens(capsys, tiny_run, "--target", "O", "--no-plot", "--html", str(page))
     assert code == 0
-    assert "logit lens: top-1 next token" in out and "target 'O': probability (rank)" in out
+    assert "logit lens: top-1 prediction of the next token" in out
+    assert "target 'O': probability (rank)" in out
     assert re.search(r"sum of all \d+ +[+-]\d+\.\d{4}\n +actual +[+-]\d+\.\d{4}", out)
     assert out.strip().splitlines()[-1] == f"wrote {page}"
     blob = re.search(r'id="lmlab-data">(.*?)</script>', page.read_text(encoding="utf-8"), re.S)
@@ -97,3 +98,17 @@ def test_bad_arguments_are_one_error_line(tiny_run, tmp_path, capsys, extra, nee
     code, out, err = lens(capsys, tiny_run, "--out", str(tmp_path / "pngs"), *extra)
     assert_one_error(code, err, *needles)
     assert out == "" and not (tmp_path / "pngs").exists()
+
+
+def test_an_encoders_lens_runs_and_its_attribution_is_refused_with_the_reason(
+    encoder_run: Path, capsys
+):
+    code, out, err = run_cli(
+        capsys, "lens", str(encoder_run), "--text", "speak, speak.", "--target", ",",
+        "--no-plot", "--json", "--device", "cpu",
+    )  # fmt: skip
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["tokens"][0] == "[CLS]" and report["tokens"][-1] == "[SEP]"
+    assert report["dla"] is None and "not linear" in report["dla_unavailable"]
+    assert err.startswith("note: direct logit attribution needs a decoder")

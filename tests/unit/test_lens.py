@@ -35,7 +35,22 @@ DLA_CONFIGS = {
     "mla": {"attention": {"kind": "mla", "n_heads": 4}},
     "moe": {"ffn": {"kind": "moe"}},
     "no-final-norm-untied": {"final_norm": False, "tie_embeddings": False},
+    "sinusoidal-linear-attention": {
+        "position": {"kind": "sinusoidal"},
+        "attention": {"kind": "linear", "n_heads": 4},
+    },
+    "sink-attention": {"attention": {"kind": "sink", "n_heads": 4}},
+    "nsa": {"attention": {"kind": "nsa", "n_heads": 4}},
 }
+WITH_POSITIONS = ("layernorm-biases-learned-positions", "sinusoidal-linear-attention")
+
+
+def assert_near(got: torch.Tensor, want: torch.Tensor, atol: float) -> None:
+    """max |got - want| <= atol (torch.testing.assert_close would import torch.distributed's
+    tensor package on first use: seconds, for a plain comparison)."""
+    assert got.shape == want.shape
+    err = float((got.double() - want.double()).abs().max())
+    assert err <= atol, f"max |difference| {err:.3g} > {atol}"
 
 
 def model_of(seed: int = 0, **over: object) -> torch.nn.Module:
@@ -73,7 +88,7 @@ def test_the_last_row_of_the_lens_is_the_models_own_output(over: dict, ids: torc
         logits = model(ids).logits  # a plain pass, no hooks
     assert lens.log_probs is not None and lens.log_probs.shape == (1, 3, 11, V)
     assert torch.equal(lens.log_probs[:, -1], F.log_softmax(lens.logits.float(), -1))
-    torch.testing.assert_close(lens.logits, logits, atol=1e-5, rtol=1e-5)
+    assert_near(lens.logits, logits, 1e-5)
     assert torch.equal(lens.top_ids[:, -1, :, 0], logits.argmax(-1))
     assert lens.hooks == ["layers.0.hook_resid_pre", "layers.0.hook_resid_post",
                           "layers.1.hook_resid_post"]  # fmt: skip
@@ -107,13 +122,13 @@ def test_a_one_layer_model_whose_sublayers_write_nothing_has_the_hand_computed_l
     ref = torch.log_softmax(normed @ model.lm_head.weight.double().T, -1)  # (T, V)
     assert lens.log_probs is not None
     for row in range(2):
-        torch.testing.assert_close(lens.log_probs[0, row].double(), ref, atol=1e-5, rtol=0)
+        assert_near(lens.log_probs[0, row].double(), ref, 1e-5)
     assert torch.equal(lens.top_ids[0, 0], ref.topk(4, -1).indices)
     tgt = torch.tensor([9, 2, 6, 5, 3])
     want_p = ref.gather(-1, tgt[:, None]).squeeze(-1)
     want_rank = (ref > want_p[:, None]).sum(-1) + 1
     assert lens.target_probs is not None and lens.target_ranks is not None
-    torch.testing.assert_close(lens.target_probs[0, 0].double(), want_p.exp(), atol=1e-6, rtol=0)
+    assert_near(lens.target_probs[0, 0].double(), want_p.exp(), 1e-6)
     assert torch.equal(lens.target_ranks[0, 0], want_rank)
 
 
@@ -124,7 +139,7 @@ def test_a_left_padded_row_has_the_lens_of_the_row_alone(ids: torch.Tensor):
     mask = torch.cat([torch.zeros(1, 3, dtype=torch.bool), torch.ones(1, 7, dtype=torch.bool)], 1)
     lens = logit_lens(model, padded, top_k=2, key_mask=mask)
     assert lens.log_probs is not None and alone.log_probs is not None
-    torch.testing.assert_close(lens.log_probs[:, :, 3:], alone.log_probs, atol=1e-5, rtol=1e-5)
+    assert_near(lens.log_probs[:, :, 3:], alone.log_probs, 1e-5)
 
 
 # ----------------------------------------------------------------------------- attribution
@@ -145,7 +160,7 @@ def test_the_attribution_sums_to_the_real_logit_and_logit_difference(name: str, 
         n_heads = d.heads.shape[1]
         assert d.heads.shape == (2, 2 if name == "differential" else 4) and d.ffn.shape == (2,)
         assert sum(n.startswith("L0H") for n in d.names) == n_heads
-    assert ("positions" in d.names) == (name == "layernorm-biases-learned-positions")
+    assert ("positions" in d.names) == (name in WITH_POSITIONS)
     assert ("final_norm.bias" in d.names) == (getattr(model.final_norm, "bias", None) is not None)
     assert ("L1.attn_bias" in d.names) == (name == "layernorm-biases-learned-positions")
 
@@ -190,7 +205,7 @@ def test_the_frozen_norm_rebuilds_the_norms_own_output(kind: str):
     x = torch.randn(cfg.d_model) * 3 + 1
     linear, const, scale = frozen_norm(norm, x)
     y = linear(x.double()) + (const if const is not None else 0)
-    torch.testing.assert_close(y.float(), norm(x).detach(), atol=1e-5, rtol=1e-5)
+    assert_near(y.float(), norm(x).detach(), 1e-5)
     assert scale > 1.0  # the divisor of a spread-out vector, not 1
 
 
@@ -240,3 +255,23 @@ def test_a_pre_norm_block_whose_stream_is_not_the_sum_is_caught_by_the_rebuild_c
     model.layers[0].add = lambda x, branch: 0.5 * x + branch  # type: ignore[method-assign]
     with pytest.raises(LmlabError, match="do not add up to the final residual"):
         direct_logit_attribution(model, ids, 3)
+
+
+# ----------------------------------------------------------------------------- pictures
+
+
+def test_the_lens_png_labels_short_inputs_cell_by_cell_and_caps_long_ones():
+    from lmlab.analysis.attention_plot import MAX_FIGURE_INCHES
+    from lmlab.analysis.lens_view import CELL_TEXT_MAX, plot_lens
+
+    rows = ["embed", "layer 0", "layer 1"]
+    short = plot_lens(torch.rand(3, 5), [list("abcde")] * 3, list("vwxyz"), rows)
+    assert len(short.axes[0].texts) == 15  # every cell carries its top-1 token
+    t = 200
+    tokens = [f"w{i}" for i in range(t)]
+    long = plot_lens(torch.rand(3, t), [tokens] * 3, tokens, rows)
+    assert long.get_size_inches()[0] <= MAX_FIGURE_INCHES and t > CELL_TEXT_MAX
+    assert len(long.axes[0].texts) == 0  # too many cells to write in
+    ticks = [x.get_text() for x in long.axes[0].get_xticklabels()]
+    step = int(ticks[1].split()[0])  # a round stride, each tick "POSITION token"
+    assert step > 1 and ticks[:2] == ["0 w0", f"{step} w{step}"] and len(ticks) == t // step

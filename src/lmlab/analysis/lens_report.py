@@ -20,6 +20,7 @@ from lmlab.errors import LmlabError
 
 PNG_NAMES = ("lens.png", "dla.png")
 CHUNK = 8  # positions per block of the printed tables
+SPACE_HINT = " (a word-start token usually includes its leading space, e.g. ' the')"
 
 
 @dataclass
@@ -41,6 +42,12 @@ class LensReport:
     dla: LogitAttribution | None = None
     dla_unavailable: str | None = None
     files: list[Path] = field(default_factory=list)
+    masked_lm: bool = False  # an encoder: each column predicts its own (masked) token
+
+    @property
+    def predicts(self) -> str:
+        """What a column's distribution is over, in words."""
+        return "the token at each position (masked LM)" if self.masked_lm else "the next token"
 
     @property
     def what(self) -> str:
@@ -100,11 +107,15 @@ def one_token(tokenizer: Any, text: str, flag: str) -> int:
         ids = tokenizer.encode(text)
     except LmlabError as e:
         raise LmlabError(f"{flag} {text!r} is not in the vocabulary: {e}") from None
+    unk = tokenizer.special_id("unk")
+    if len(ids) == 1 and ids[0] == unk and text != token_label(tokenizer.token_bytes(unk)):
+        raise LmlabError(f"{flag} {text!r} is not in the vocabulary (it encodes to the unknown "
+                         f"token){SPACE_HINT}")  # fmt: skip
     if len(ids) != 1:
         shown = " ".join(repr(token_label(tokenizer.token_bytes(i))) for i in ids[:6])
         raise LmlabError(
-            f"{flag} {text!r} is {len(ids)} tokens ({shown}), not one; give a single token "
-            "(a word-start token usually includes its leading space, e.g. ' the')"
+            f"{flag} {text!r} is {len(ids)} tokens ({shown}), not one; give a single token"
+            f"{SPACE_HINT}"
         )
     return int(ids[0])
 
@@ -182,7 +193,7 @@ def lens_report(
         [[[(label(int(i)), float(p)) for i, p in zip(ci.tolist(), cp.tolist(), strict=True)]
           for ci, cp in zip(ri, rp, strict=True)]
          for ri, rp in zip(lens.top_ids[0], lens.top_probs[0], strict=True)],
-        lens, target, tid, versus, vid,
+        lens, target, tid, versus, vid, masked_lm=model.cfg.kind == "encoder",  # type: ignore[union-attr]
     )  # fmt: skip
     if tid is not None:
         try:
@@ -227,8 +238,10 @@ def _save_pngs(folder: Path, report: LensReport, name: str) -> list[Path]:
         raise LmlabError(f"cannot create the output folder {folder}: {e.strerror}") from None
     probs = report.lens.top_probs[0, :, :, 0]  # (R, T)
     labels = [[cell[0][0] for cell in row] for row in report.top]
-    files = [save(plot_lens(probs, labels, report.tokens, report.rows, f"{name}: logit lens"),
-                  folder / "lens.png")]  # fmt: skip
+    after = "the token there (masked LM)" if report.masked_lm else "the token after it"
+    xlabel = f"input token (the column predicts {after})"
+    fig = plot_lens(probs, labels, report.tokens, report.rows, f"{name}: logit lens", xlabel)
+    files = [save(fig, folder / "lens.png")]
     if report.dla is not None:
         title = f"{name}: {report.what} at position {report.dla.position}"
         files.append(save(plot_dla(report.dla, report.what, title), folder / "dla.png"))

@@ -32,6 +32,7 @@ def plot_lens(
     tokens: list[str],
     rows: list[str],
     title: str = "",
+    xlabel: str = "input token (the column predicts the token after it)",
 ) -> Figure:
     """Heatmap (R, T) of the top-1 probability per layer boundary and position (colour, 0..1)
     with the top-1 token written in each cell (up to CELL_TEXT_MAX positions and rows).
@@ -69,7 +70,7 @@ def plot_lens(
     yt, yl = _ticks(rows, 0, max(8, int(height * 72 / 10)))
     ax.set_yticks(yt)
     ax.set_yticklabels(yl if r <= 32 else [rows[i] for i in yt], fontsize=8)
-    ax.set_xlabel("input token (the column predicts the token after it)", fontsize=8)
+    ax.set_xlabel(xlabel, fontsize=8)
     ax.set_ylabel("residual stream after", fontsize=8)
     fig.colorbar(image, ax=ax, shrink=0.8, label="top-1 probability")
     if title:

@@ -56,7 +56,8 @@ def cmd_lens(args: argparse.Namespace) -> int:
             print(f"note: {report.dla_unavailable}", file=sys.stderr)
         return 0
     print(f"{len(report.tokens)} tokens: {' '.join(report.tokens)}")
-    print("logit lens: top-1 next token and its probability after each layer")
+    print(f"logit lens: top-1 prediction of {report.predicts} and its probability after each "
+          "layer")  # fmt: skip
     print(format_lens(report))
     if args.target is not None:
         print()
