@@ -79,3 +79,21 @@ def test_a_click_on_a_lens_cell_shows_its_top_tokens(tmp_path: Path):
         assert b.eval("document.querySelectorAll('#dla-grid tr').length") == 3  # header + 2
         assert f"{dla.total:.4f}" in b.eval("document.getElementById('dla-sum').textContent")
         assert page_errors(b) == []
+
+
+def test_a_long_grid_keeps_its_scroll_so_a_click_far_right_picks_that_cell(tmp_path: Path):
+    """120 positions overflow the 1000-pixel window: the click scrolls the grid, and the redraw
+    on hover must keep that scroll, or the press would land on another cell."""
+    assert CHROMIUM is not None
+    t, k = 120, 2
+    probs = torch.softmax(torch.randn(3, t, 8), -1).topk(k, -1).values
+    labels = [[[f"r{r}t{j}k{i}" for i in range(k)] for j in range(t)] for r in range(3)]
+    panel = lens_panel([f"w{j}" for j in range(t)], ["embed", "layer 0", "layer 1"], labels,
+                       probs)  # fmt: skip
+    page = write_page(tmp_path / "long.html", "long", [panel])
+    with Browser(CHROMIUM) as b:
+        b.open(page)
+        b.click("#grid td.cell[data-r='1'][data-t='110']")
+        assert b.eval("document.body.dataset.state") == "panel=lens&row=1&token=110"
+        assert b.eval("document.querySelector('#topk td').textContent") == "r1t110k0"
+        assert page_errors(b) == []

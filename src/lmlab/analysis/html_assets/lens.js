@@ -10,10 +10,10 @@ LM.render.lens = function (root, p, st, set) {
     "columns: input tokens, each predicting the next; colour = top-1 probability; hover or click a cell"));
   const wrap = el("div"); wrap.style.overflowX = "auto";
   const grid = el("table"); grid.id = "grid"; grid.style.borderCollapse = "collapse";
-  const w = T > 40 ? 34 : 62;
+  const w = T > 40 ? 34 : 62, STICKY = "position:sticky;left:0;background:#fff;";  // row names stay in view
   for (let r = R - 1; r >= 0; r--) {
     const tr = el("tr");
-    const th = el("th", "", d.rows[r]); th.style.cssText = "font-size:11px;text-align:right;padding-right:4px;white-space:nowrap";
+    const th = el("th", "", d.rows[r]); th.style.cssText = STICKY + "font-size:11px;text-align:right;padding-right:4px;white-space:nowrap";
     tr.appendChild(th);
     for (let t = 0; t < T; t++) {
       const v = prob(r, t, 0), c = el("td", "cell", d.vocab[d.top[r][t][0]]);
@@ -24,13 +24,14 @@ LM.render.lens = function (root, p, st, set) {
         "font-family:'Noto Sans CJK SC','WenQuanYi Zen Hei',monospace";
       c.style.background = color(v); c.style.color = v > 0.6 ? "#000" : "#fff";
       if (r === row && t === tok) c.style.outline = "2px solid #d00";
-      c.addEventListener("mouseenter", () => { if (r !== row || t !== tok) set({row: r, token: t}); });
-      c.addEventListener("click", () => set({row: r, token: t}));
+      const pick = () => { d._scroll = wrap.scrollLeft; set({row: r, token: t}); };
+      c.addEventListener("mouseenter", () => { if (r !== row || t !== tok) pick(); });
+      c.addEventListener("click", pick);
       tr.appendChild(c);
     }
     grid.appendChild(tr);
   }
-  const foot = el("tr"); foot.appendChild(el("th"));
+  const foot = el("tr"), corner = el("th"); corner.style.cssText = STICKY; foot.appendChild(corner);
   d.tokens.forEach((s, t) => {
     const c = el("td", "tok" + (t === tok ? " sel" : ""), s);
     c.dataset.q = String(t); c.title = "position " + t;
@@ -41,6 +42,7 @@ LM.render.lens = function (root, p, st, set) {
   grid.appendChild(foot);
   wrap.appendChild(grid);
   root.appendChild(wrap);
+  wrap.scrollLeft = d._scroll || 0;  // a redraw keeps the grid where the reader scrolled it
   root.appendChild(el("div", "lbl", d.rows[row] + ", position " + tok + " (\u201c" + d.tokens[tok] +
     "\u201d): the " + K + " most likely next tokens"));
   const list = el("table"); list.id = "topk";
