@@ -30,14 +30,27 @@ pytestmark = [
 TEXT = "满纸荒唐言 <b>&'\""
 
 
+@pytest.fixture(scope="module")
+def browser():
+    """One Chromium for the module's pages (a start costs seconds); errors reset per test."""
+    assert CHROMIUM is not None
+    with Browser(CHROMIUM) as b:
+        yield b
+
+
+@pytest.fixture
+def b(browser: Browser) -> Browser:
+    browser.errors = []
+    return browser
+
+
 def page_errors(b: Browser) -> list[str]:
     """What the protocol saw plus what the page's own collector wrote into the DOM."""
     dom = b.eval("document.getElementById('lmlab-errors').textContent")
     return b.errors + ([dom] if dom else [])
 
 
-def test_a_click_on_a_lens_cell_shows_its_top_tokens(tmp_path: Path):
-    assert CHROMIUM is not None
+def test_a_click_on_a_lens_cell_shows_its_top_tokens(b: Browser, tmp_path: Path):
     tok = CharTokenizer(sorted(set(TEXT)))
     model = build_model(tiny_model_config(vocab_size=tok.vocab_size)).eval()
     ids = torch.tensor([tok.encode(TEXT)])
@@ -59,41 +72,38 @@ def test_a_click_on_a_lens_cell_shows_its_top_tokens(tmp_path: Path):
         names = b.eval(f"{rows}.map(r => r.firstChild.textContent)")
         return names, [float(p) for p in b.eval(f"{rows}.map(r => r.dataset.p)")]
 
-    with Browser(CHROMIUM) as b:
-        b.open(page)
-        assert page_errors(b) == []
-        assert b.eval("[...document.querySelectorAll('#grid td.tok')].map(e => e.firstChild.data)"
-                      ) == tokens  # fmt: skip
-        assert b.eval("document.querySelectorAll('#grid b').length") == 0  # no markup made
-        r, t = 2, len(tokens) - 1  # the default: the output row, the last token
-        names, ps = shown()
-        assert names == tops[r][t] and ps == pytest.approx(probs[r, t].tolist(), abs=step)
-        b.click("#grid td.cell[data-r='0'][data-t='2']")
-        assert b.eval("document.body.dataset.state") == "panel=lens&row=0&token=2"
-        names, ps = shown()
-        assert names == tops[0][2] and ps == pytest.approx(probs[0, 2].tolist(), abs=step)
-        assert (names, ps) != (tops[r][t], probs[r, t].tolist())  # the click changed it
-        want = f"probability {float(lens.target_probs[0, 0, 2]):.4f}, rank "
-        assert want in b.eval("document.getElementById('target').textContent")
-        b.click("#lmlab-tabs button[data-panel='dla']")
-        assert b.eval("document.querySelectorAll('#dla-grid tr').length") == 3  # header + 2
-        assert f"{dla.total:.4f}" in b.eval("document.getElementById('dla-sum').textContent")
-        assert page_errors(b) == []
+    b.open(page)
+    assert page_errors(b) == []
+    assert b.eval("[...document.querySelectorAll('#grid td.tok')].map(e => e.firstChild.data)"
+                  ) == tokens  # fmt: skip
+    assert b.eval("document.querySelectorAll('#grid b').length") == 0  # no markup made
+    r, t = 2, len(tokens) - 1  # the default: the output row, the last token
+    names, ps = shown()
+    assert names == tops[r][t] and ps == pytest.approx(probs[r, t].tolist(), abs=step)
+    b.click("#grid td.cell[data-r='0'][data-t='2']")
+    assert b.eval("document.body.dataset.state") == "panel=lens&row=0&token=2"
+    names, ps = shown()
+    assert names == tops[0][2] and ps == pytest.approx(probs[0, 2].tolist(), abs=step)
+    assert (names, ps) != (tops[r][t], probs[r, t].tolist())  # the click changed it
+    want = f"probability {float(lens.target_probs[0, 0, 2]):.4f}, rank "
+    assert want in b.eval("document.getElementById('target').textContent")
+    b.click("#lmlab-tabs button[data-panel='dla']")
+    assert b.eval("document.querySelectorAll('#dla-grid tr').length") == 3  # header + 2
+    assert f"{dla.total:.4f}" in b.eval("document.getElementById('dla-sum').textContent")
+    assert page_errors(b) == []
 
 
-def test_a_long_grid_keeps_its_scroll_so_a_click_far_right_picks_that_cell(tmp_path: Path):
+def test_a_long_grid_keeps_its_scroll_so_a_click_far_right_picks_that_cell(b: Browser, tmp_path):
     """120 positions overflow the 1000-pixel window: the click scrolls the grid, and the redraw
     on hover must keep that scroll, or the press would land on another cell."""
-    assert CHROMIUM is not None
     t, k = 120, 2
     probs = torch.softmax(torch.randn(3, t, 8), -1).topk(k, -1).values
     labels = [[[f"r{r}t{j}k{i}" for i in range(k)] for j in range(t)] for r in range(3)]
     panel = lens_panel([f"w{j}" for j in range(t)], ["embed", "layer 0", "layer 1"], labels,
                        probs)  # fmt: skip
     page = write_page(tmp_path / "long.html", "long", [panel])
-    with Browser(CHROMIUM) as b:
-        b.open(page)
-        b.click("#grid td.cell[data-r='1'][data-t='110']")
-        assert b.eval("document.body.dataset.state") == "panel=lens&row=1&token=110"
-        assert b.eval("document.querySelector('#topk td').textContent") == "r1t110k0"
-        assert page_errors(b) == []
+    b.open(page)
+    b.click("#grid td.cell[data-r='1'][data-t='110']")
+    assert b.eval("document.body.dataset.state") == "panel=lens&row=1&token=110"
+    assert b.eval("document.querySelector('#topk td').textContent") == "r1t110k0"
+    assert page_errors(b) == []
