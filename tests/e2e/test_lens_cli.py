@@ -79,6 +79,10 @@ def test_an_existing_html_page_is_refused_before_the_model_runs(tiny_run, tmp_pa
     code, _, err = lens(capsys, tiny_run, "--out", str(tmp_path / "pngs"), "--html", str(page))
     assert_one_error(code, err, "--html", "already exists")
     assert page.read_text() == "mine" and not (tmp_path / "pngs").exists()
+    beside = tmp_path / "lens.png"  # the name of a PNG --out receives
+    code, _, err = lens(capsys, tiny_run, "--out", str(tmp_path), "--html", str(beside))
+    assert_one_error(code, err, "--html", "one of its PNGs")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.html"]
 
 
 @pytest.mark.parametrize(

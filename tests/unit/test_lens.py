@@ -49,7 +49,7 @@ def assert_near(got: torch.Tensor, want: torch.Tensor, atol: float) -> None:
     """max |got - want| <= atol (torch.testing.assert_close would import torch.distributed's
     tensor package on first use: seconds, for a plain comparison)."""
     assert got.shape == want.shape
-    err = float((got.double() - want.double()).abs().max())
+    err = float((got.detach().double() - want.detach().double()).abs().max())
     assert err <= atol, f"max |difference| {err:.3g} > {atol}"
 
 
@@ -242,6 +242,10 @@ def test_encoders_encoder_decoders_and_bad_arguments_are_refused(ids: torch.Tens
         direct_logit_attribution(model, ids, 3, position=11)
     with pytest.raises(LmlabError, match="versus token id 50 is outside"):
         direct_logit_attribution(model, ids, 3, versus=50)
+    no_z = model_of()
+    no_z.layers[1].attn.hook_z = None  # a kind that has no per-head output point
+    with pytest.raises(LmlabError, match="model.attention.kind=softmax has no per-head output"):
+        direct_logit_attribution(no_z, ids, 3)
     with pytest.raises(LmlabError, match="top_k must be 1..50"):
         logit_lens(model, ids, top_k=0)
     with pytest.raises(LmlabError, match="target token ids must be in 0..49"):

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmlab.errors import LmlabError
-from lmlab.hooks import run_with_cache
+from lmlab.hooks import hook_names, run_with_cache
 
 Unembed = Callable[[torch.Tensor], torch.Tensor]  # the residual (..., D) -> logits (..., V)
 
@@ -314,7 +314,8 @@ def direct_logit_attribution(
         )
     layers = _layers(model)
     cfg = model.cfg
-    for layer in layers:
+    points = set(hook_names(model))
+    for i, layer in enumerate(layers):
         if not isinstance(layer, PreNormBlock) or not layer.residual:
             raise LmlabError(
                 f"direct logit attribution needs pre-norm blocks (model.block.kind=pre, "
@@ -323,7 +324,7 @@ def direct_logit_attribution(
                 "hybrid or hyper-connection block normalises or mixes the stream inside its "
                 "layers, so the final residual is not a sum of the components"
             )
-        if getattr(layer.attn, "hook_z", None) is None:
+        if f"layers.{i}.attn.hook_z" not in points:
             raise LmlabError(
                 f"model.attention.kind={cfg.attention.kind} has no per-head output point "
                 "(hook_z), so its heads cannot be separated"
