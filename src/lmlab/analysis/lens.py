@@ -299,10 +299,26 @@ def direct_logit_attribution(
     kind without ``hook_z``, a final norm other than RMSNorm / LayerNorm / none, ids of more
     than one sequence, a position out of range, token ids outside the vocabulary.
     """
+    ids = _as_batch(ids)
+    pos = _check_attributable(model, ids, target, versus, position)
+    n_layers = len(_layers(model))
+    names = ["hook_embed", "layers.0.hook_resid_pre", f"layers.{n_layers - 1}.hook_resid_post"]
+    for i in range(n_layers):
+        names += [f"layers.{i}.attn.hook_z", f"layers.{i}.ffn.hook_out"]
+    with _eval(model):
+        out, cache = run_with_cache(model, ids, names)
+    with torch.no_grad():
+        return _attribute(model, cache, out.logits[0, pos], pos, target, versus)
+
+
+def _check_attributable(
+    model: nn.Module, ids: torch.Tensor, target: int, versus: int | None, position: int
+) -> int:
+    """Refuse what direct_logit_attribution cannot decompose (its docstring lists it); returns
+    the position counted from 0."""
     from lmlab.models.decoder import DecoderLM
     from lmlab.nn.block import PreNormBlock
 
-    ids = _as_batch(ids)
     if ids.shape[0] != 1:
         raise LmlabError(f"direct logit attribution reads one sequence: ids (1, T), got "
                          f"{tuple(ids.shape)}")  # fmt: skip
@@ -329,7 +345,7 @@ def direct_logit_attribution(
                 f"model.attention.kind={cfg.attention.kind} has no per-head output point "
                 "(hook_z), so its heads cannot be separated"
             )
-    n_layers, t = len(layers), ids.shape[1]
+    t = ids.shape[1]
     if not -t <= position < t:
         raise LmlabError(
             f"position {position} is out of range: the text has {t} tokens (0..{t - 1}, or "
@@ -340,13 +356,7 @@ def direct_logit_attribution(
     for what, tok in (("target", target), ("versus", versus)):
         if tok is not None and not 0 <= tok < v:
             raise LmlabError(f"{what} token id {tok} is outside the vocabulary (0..{v - 1})")
-    names = ["hook_embed", "layers.0.hook_resid_pre", f"layers.{n_layers - 1}.hook_resid_post"]
-    for i in range(n_layers):
-        names += [f"layers.{i}.attn.hook_z", f"layers.{i}.ffn.hook_out"]
-    with _eval(model):
-        out, cache = run_with_cache(model, ids, names)
-    with torch.no_grad():
-        return _attribute(model, cache, out.logits[0, pos], pos, target, versus)
+    return pos
 
 
 def _attribute(
