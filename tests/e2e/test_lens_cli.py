@@ -96,6 +96,7 @@ def test_an_existing_html_page_is_refused_before_the_model_runs(tiny_run, tmp_pa
         (("--target", "O", "--position", "10"), ("--position 10 is out of range", "10 tokens")),
         (("--position", "-11"), ("--position -11 is out of range",)),
         (("--top", "0"), ("--top must be >= 1",)),
+        (("--target", "\udcff"), ("--target is not UTF-8 text",)),
     ],
 )
 def test_bad_arguments_are_one_error_line(tiny_run, tmp_path, capsys, extra, needles):
