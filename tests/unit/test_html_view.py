@@ -79,7 +79,7 @@ def test_panels_need_unique_safe_ids_and_a_renderer():
     with pytest.raises(ValueError, match="unique"):
         render_page("t", [Panel("a b", "a", "attention", {})])
     with pytest.raises(ValueError, match="no renderer"):
-        render_page("t", [Panel("a", "a", "lens", {})])
+        render_page("t", [Panel("a", "a", "no_such_kind", {})])
 
 
 def test_a_page_over_the_size_cap_is_refused_naming_the_options(monkeypatch):

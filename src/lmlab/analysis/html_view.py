@@ -206,4 +206,6 @@ RENDERERS: dict[str, str] = {
     "attention": _asset("attention.js"),
     "heads": _asset("heads.js"),
     "patch": _asset("patch.js"),
+    "lens": _asset("lens.js"),  # lmlab.analysis.lens_view.lens_panel
+    "dla": _asset("dla.js"),  # lmlab.analysis.lens_view.dla_panel
 }

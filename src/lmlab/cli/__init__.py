@@ -17,7 +17,16 @@ import os
 import sys
 from collections.abc import Sequence
 
-from lmlab.cli import generation, interp_heads, interp_patch, listing, models, scoring, training
+from lmlab.cli import (
+    generation,
+    interp_heads,
+    interp_lens,
+    interp_patch,
+    listing,
+    models,
+    scoring,
+    training,
+)
 from lmlab.cli.common import Command, _Parser, add_common
 from lmlab.cli.training import _without_nproc
 from lmlab.errors import Interrupted, LmlabError
@@ -38,6 +47,7 @@ lmlab: build, train, probe and compare Transformer language models.
   lmlab verify --config my.yaml       prove a model config correct (and equal to Hugging Face's)
   lmlab inspect configs/mixtral.yaml  parameters, FLOPs, KV cache and memory, without building it
   lmlab attention runs/minigpt --text "ROMEO:"   attention heatmaps and per-head diagnostics
+  lmlab lens runs/minigpt --text "ROMEO: But" --target " "   logit lens + logit attribution
   lmlab heads model.gguf --html heads.html  previous-token, induction, duplicate and sink heads
   lmlab patch runs/minigpt --clean "Enter ROMEO an" --corrupted "Enter ROMEO on" --target d
                                       activation patching: which layers and heads carry it
@@ -65,6 +75,7 @@ COMMANDS: dict[str, Command] = {
     "verify": models.VERIFY,
     "inspect": models.INSPECT,
     "attention": models.ATTENTION,
+    "lens": interp_lens.LENS,
     "heads": interp_heads.HEADS,
     "patch": interp_patch.PATCH,
     "export": models.EXPORT,
