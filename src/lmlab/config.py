@@ -263,6 +263,9 @@ class DataConfig:
 
     corpus: str = "tinyshakespeare"
     val_fraction: float = 0.1
+    # all | answers: the LM loss over every target, or over the answer tokens of a synthetic
+    # corpus only (passkey, recall; lmlab.data.answers)
+    loss_on: str = "all"
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
 
 

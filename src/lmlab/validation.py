@@ -32,6 +32,7 @@ import lmlab.training.objectives as objectives
 from lmlab.checks import choice, positive
 from lmlab.config import ModelConfig, RunConfig, TrainConfig, variant_fields
 from lmlab.config_ranges import check_ranges
+from lmlab.data.answers import ANSWER_MASKS, LOSS_ON
 from lmlab.errors import ConfigError
 from lmlab.registry import Registry, families
 from lmlab.training.optim import DECAY_SHAPES, OPTIMIZERS, SCHEDULES
@@ -194,6 +195,18 @@ def _data_rules(cfg: RunConfig) -> None:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {d.val_fraction}")
     if not d.corpus:
         raise ConfigError("data.corpus must name a bundled corpus, a text file or a folder")
+    choice(d.loss_on, LOSS_ON, "data.loss_on")
+    if d.loss_on == "answers":
+        if d.corpus not in ANSWER_MASKS:
+            raise ConfigError(
+                f"data.loss_on=answers needs a corpus with answer positions "
+                f"({', '.join(ANSWER_MASKS)}); data.corpus {d.corpus!r} has none"
+            )
+        if d.tokenizer.kind != "char":
+            raise ConfigError(
+                "data.loss_on=answers needs data.tokenizer.kind=char (the answer positions are "
+                f"characters), got {d.tokenizer.kind!r}"
+            )
 
 
 def _train_rules(cfg: RunConfig) -> None:

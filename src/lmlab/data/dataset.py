@@ -194,13 +194,25 @@ def check_split_length(tokens: np.ndarray, seq_len: int, split: str) -> None:
 
 
 def sample_batch(
-    tokens: np.ndarray, batch_size: int, seq_len: int, rng: np.random.Generator
+    tokens: np.ndarray,
+    batch_size: int,
+    seq_len: int,
+    rng: np.random.Generator,
+    answers: np.ndarray | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random windows: x (B, T) int64 inputs and y (B, T) int64 next-token targets."""
+    """Random windows: x (B, T) int64 inputs and y (B, T) int64 next-token targets.
+
+    ``answers``: (N,) bool over ``tokens`` (:func:`lmlab.data.answers.token_answers`); when
+    given, targets whose token is not an answer are -100 (ignored by the loss). The windows are
+    the same draws either way."""
     starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)
     rows = np.stack([np.asarray(tokens[s : s + seq_len + 1], dtype=np.int64) for s in starts])
     t = torch.from_numpy(rows)
-    return t[:, :-1], t[:, 1:]
+    if answers is None:
+        return t[:, :-1], t[:, 1:]
+    keep = np.stack([answers[s + 1 : s + seq_len + 1] for s in starts])  # (B, T) bool
+    y = torch.where(torch.from_numpy(keep), t[:, 1:], -100)
+    return t[:, :-1], y
 
 
 def batch_rng(

@@ -26,6 +26,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import numpy as np
+
 from lmlab.errors import ConfigError
 
 CORPUS_NAME = "passkey"
@@ -120,6 +122,19 @@ def passkey_text(seed: int, n_chars: int, max_distance: int = TRAIN_MAX_DISTANCE
         docs.append(doc)
         size += len(doc)
     return "".join(docs)
+
+
+def answer_mask(text: str) -> np.ndarray:
+    """(len(text),) bool: True at the answer characters of ``text`` (the ``KEY_LEN`` digits
+    after each :data:`QUESTION`), the targets ``data.loss_on: answers`` trains on; digits past
+    the text's end are not marked."""
+    mask = np.zeros(len(text), dtype=bool)
+    start = text.find(QUESTION)
+    while start >= 0:
+        first = start + len(QUESTION)
+        mask[first : first + KEY_LEN] = True
+        start = text.find(QUESTION, first)
+    return mask
 
 
 def passkey_splits() -> dict[str, str]:

@@ -33,6 +33,8 @@ from __future__ import annotations
 import random
 import string
 
+import numpy as np
+
 from lmlab.data.passkey import PasskeySample
 from lmlab.errors import ConfigError
 
@@ -127,6 +129,16 @@ def recall_sample(rng: random.Random, length: int, distance: int) -> PasskeySamp
     _place(rng, slots, keys, MAX_GAP, n_full)
     prompt = FILLER[-pad:][:pad] + "".join(s or FILLER for s in slots) + ASK + key
     return PasskeySample(prompt, value, distance)
+
+
+def answer_mask(text: str) -> np.ndarray:
+    """(len(text),) bool: True at the answer characters of ``text`` (the value ``v`` of each
+    query ``?kv``, two characters after its :data:`ASK`), the targets ``data.loss_on: answers``
+    trains on. A query cut off after its key (the text's end) has no answer to mark."""
+    mask = np.zeros(len(text), dtype=bool)
+    at = np.flatnonzero(np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32) == ord(ASK)) + 2
+    mask[at[at < len(text)]] = True
+    return mask
 
 
 def recall_splits() -> dict[str, str]:

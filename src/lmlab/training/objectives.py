@@ -41,6 +41,7 @@ class Objective:
 
     name: ClassVar[str]
     model_kinds: ClassVar[tuple[str, ...]] = ("decoder",)  # model.kind values it trains
+    answer_loss: ClassVar[bool] = False  # True: honours data.loss_on=answers
     uses_token_cache: ClassVar[bool] = True  # False: reads its own data (seq2seq pairs)
 
     def __init__(
@@ -60,6 +61,11 @@ class Objective:
             raise ConfigError(
                 f"train.objective={cls.name} needs model.kind {' or '.join(cls.model_kinds)}, "
                 f"got {cfg.model.kind!r}"
+            )
+        if cfg.data.loss_on != "all" and not cls.answer_loss:
+            raise ConfigError(
+                f"data.loss_on={cfg.data.loss_on} applies to train.objective=clm only, not "
+                f"{cls.name} (its targets are its own: masked tokens, spans or pairs)"
             )
 
     def batch(self, split: str, batch_size: int, rng: np.random.Generator) -> Batch:
@@ -83,13 +89,43 @@ OBJECTIVES: Registry[type[Objective]] = Registry("objective", "train.objective")
 
 @OBJECTIVES.register("clm", "Causal LM: predict each next token (Radford et al. 2018, GPT).")
 class CausalLM(Objective):
-    """Random windows of seq_len + 1 tokens: input_ids (B, T), targets (B, T) shifted by one."""
+    """Random windows of seq_len + 1 tokens: input_ids (B, T), targets (B, T) shifted by one.
+
+    With ``data.loss_on: answers`` (passkey and recall corpora, :mod:`lmlab.data.answers`) the
+    targets that are not answer tokens are -100, so the loss is the mean cross-entropy over the
+    answer tokens only (train and val); a micro-batch whose windows hold no answer is redrawn
+    from the same generator (at most :data:`ANSWER_DRAWS` times)."""
 
     name = "clm"
+    answer_loss = True
+    ANSWER_DRAWS = 100
+
+    def __init__(
+        self, cfg: RunConfig, tokenizer: Tokenizer, splits: Mapping[str, np.ndarray], seq_len: int
+    ) -> None:
+        super().__init__(cfg, tokenizer, splits, seq_len)
+        self.answers: dict[str, np.ndarray] | None = None
+        if cfg.data.loss_on == "answers":
+            from lmlab.data.answers import token_answers
+
+            self.answers = {
+                name: token_answers(cfg.data.corpus, tokenizer, ids) for name, ids in splits.items()
+            }
 
     def batch(self, split: str, batch_size: int, rng: np.random.Generator) -> Batch:
-        x, y = sample_batch(self.splits[split], batch_size, self.seq_len, rng)
-        return {"input_ids": x, "targets": y}
+        if self.answers is None:
+            x, y = sample_batch(self.splits[split], batch_size, self.seq_len, rng)
+            return {"input_ids": x, "targets": y}
+        for _ in range(self.ANSWER_DRAWS):
+            x, y = sample_batch(
+                self.splits[split], batch_size, self.seq_len, rng, self.answers[split]
+            )
+            if bool((y != -100).any()):
+                return {"input_ids": x, "targets": y}
+        raise DataError(
+            f"data.loss_on=answers: {self.ANSWER_DRAWS} batches of the {split} split in a row "
+            "held no answer token; use a longer train.seq_len or train.batch_size"
+        )
 
 
 @OBJECTIVES.register("mlm", "Masked LM: 15% selected, 80/10/10 (Devlin et al. 2019, BERT).")
