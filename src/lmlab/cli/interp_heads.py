@@ -64,7 +64,7 @@ HEADS = Command(
     "2022), duplicate token (L+j -> j; Wang et al. 2022) and sink (i -> 0; Xiao et al. 2023). "
     "Each score is in [0, 1]; a head reaching 0.4 is flagged that kind. Prints a table and the "
     "flagged heads, writes OUT/heads.png (a layer x head heatmap per detector). Layers and "
-    "heads count from 0. Definitions and caveats: docs/interpretability-heads.md.",
+    "heads count from 0. Definitions and caveats: docs/interpretability.md.",
     arguments=_heads_arguments,
     run=cmd_heads,
     epilog="example: lmlab heads model.gguf --seq-len 40 --batch 2 --html heads.html; "
