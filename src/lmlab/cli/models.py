@@ -44,7 +44,7 @@ def _inspect_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _attention_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", metavar="MODEL", help="run folder or Hugging Face folder")
+    p.add_argument("model", metavar="MODEL", help="run folder, Hugging Face folder or GGUF file")
     p.add_argument("--text", help="the text to run the model on (decoder or encoder models)")
     p.add_argument(
         "--source",
