@@ -21,6 +21,25 @@ from tests.helpers import (  # noqa: E402
 )
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``-n N --dist loadscope`` (``make unit``): whole modules to one worker (their module and
+    session fixtures are built once per worker), except tests/contract, whose ~2,000 generated
+    cases share no fixture and go out one by one; otherwise one worker would run them all while
+    the other idles."""
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScopes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.startswith("tests/contract/"):
+                return nodeid
+            return nodeid.split("::", 1)[0]
+
+    return ModuleScopes(config, log)
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
