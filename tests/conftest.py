@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -11,7 +13,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
-os.environ["LMLAB_CACHE_DIR"] = tempfile.mkdtemp(prefix="lmlab-cache-")
+# one per process (each xdist worker its own), removed when the process ends
+os.environ["LMLAB_CACHE_DIR"] = _CACHE = tempfile.mkdtemp(prefix="lmlab-cache-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 from tests.helpers import (  # noqa: E402
     encoder_run_config,
