@@ -51,8 +51,15 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy src/lmlab
 
+# The suite on PYTEST_WORKERS processes (pytest-xdist), one torch thread each (2 workers x 2
+# threads would oversubscribe 2 cores). loadscope + tests/conftest.py: a module's tests run on one
+# worker (module fixtures built once), the generated contract cases are spread one by one.
+# One process (torch's own thread count): `make unit PYTEST_WORKERS=0`, or plain
+# `.venv/bin/python -m pytest`.
+PYTEST_WORKERS ?= 2
 unit: setup browser
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
+	HF_HUB_OFFLINE=1 $(if $(filter 0,$(PYTEST_WORKERS)),,OMP_NUM_THREADS=1) \
+	  $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadscope
 
 test: lint typecheck unit
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -11,7 +13,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
-os.environ["LMLAB_CACHE_DIR"] = tempfile.mkdtemp(prefix="lmlab-cache-")
+# one per process (each xdist worker its own), removed when the process ends
+os.environ["LMLAB_CACHE_DIR"] = _CACHE = tempfile.mkdtemp(prefix="lmlab-cache-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 from tests.helpers import (  # noqa: E402
     encoder_run_config,
@@ -19,6 +23,25 @@ from tests.helpers import (  # noqa: E402
     tiny_config,
     write_reverse_tsv,
 )
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``-n N --dist loadscope`` (``make unit``): whole modules to one worker (their module and
+    session fixtures are built once per worker), except tests/contract, whose ~2,000 generated
+    cases share no fixture and go out one by one; otherwise one worker would run them all while
+    the other idles."""
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScopes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.startswith("tests/contract/"):
+                return nodeid
+            return nodeid.split("::", 1)[0]
+
+    return ModuleScopes(config, log)
 
 
 @pytest.fixture(autouse=True)

@@ -3,10 +3,11 @@
 Usage: ``torchrun --nproc-per-node=2 _worker.py JOBS.json`` where JOBS.json is a list of
 ``{"config": <RunConfig dict> | null, "out": dir | null, "resume": dir | null,
 "max_steps": int | null, "uneven_targets": bool}`` (uneven_targets: CLM targets masked
-unequally per row, see _uneven.py). The script forms the process group itself, because torch
-resets its group counter on destroy_process_group, and a second init in the same torchrun
-process reuses stale rendezvous keys (a hang); ``train()`` uses an existing group and leaves it
-open. The shutdown is the one train() does for a group it owns.
+unequally per row, see _uneven.py; the patch stays installed, so such a job comes last). The
+script forms the process group itself, because torch resets its group counter on
+destroy_process_group, and a second init in the same torchrun process reuses stale rendezvous
+keys (a hang); ``train()`` uses an existing group and leaves it open. The shutdown is the one
+train() does for a group it owns.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ import torch.distributed as dist
 from lmlab.config import config_from_dict
 from lmlab.training.trainer import train
 
-faulthandler.dump_traceback_later(90, exit=True)  # a hung collective fails the test, with stacks
+HANG_S = 90  # a job (a hung collective) running longer fails the test, with stacks
 
 
 def main(path: str) -> None:
+    faulthandler.dump_traceback_later(HANG_S, exit=True)
     dist.init_process_group("gloo")
     for job in json.loads(Path(path).read_text()):
-        if job.get("uneven_targets"):
+        faulthandler.dump_traceback_later(HANG_S, exit=True)  # each job its own 90 s
+        if job.get("uneven_targets"):  # stays installed: give it as the last job
             from _uneven import patch_uneven_clm
 
             patch_uneven_clm(setattr)

@@ -119,10 +119,13 @@ def ref4(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One torchrun job of 2 ranks x 2 micro-batches: DDP 3 steps, FSDP2 2 steps; and a
-    1-process FSDP run (2 steps, grad_accum 2) resumed with 2 ranks to step 3."""
+    """One torchrun job of 2 ranks x 2 micro-batches: DDP 3 steps, FSDP2 2 steps; a
+    1-process FSDP run (2 steps, grad_accum 2) resumed with 2 ranks to step 3; DDP with Muon;
+    and last (its patch stays installed) DDP 2 ranks x 1 micro-batch of unequal target counts
+    (one torchrun start and 2 rank imports for all of them)."""
     base = tmp_path_factory.mktemp("dist")
-    runs = {name: base / name for name in ("ddp2", "fsdp2", "fsdp1to2", "ddp2muon")}
+    names = ("ddp2", "fsdp2", "fsdp1to2", "ddp2muon", "ddp_uneven")
+    runs = {name: base / name for name in names}
     train(config(grad_accum_steps=2, parallel="fsdp"), out=runs["fsdp1to2"], max_steps=2)
     jobs = [
         {"config": config(grad_accum_steps=2).to_dict(), "out": str(runs["ddp2"])},
@@ -133,7 +136,9 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         },
         {"resume": str(runs["fsdp1to2"]), "max_steps": STEPS},
         {"config": config(grad_accum_steps=1, **MUON).to_dict(), "out": str(runs["ddp2muon"])},
-    ]
+        {"config": config(batch_size=2).to_dict(), "out": str(runs["ddp_uneven"]),
+         "uneven_targets": True},
+    ]  # fmt: skip
     (base / "jobs.json").write_text(json.dumps(jobs))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     res = run_command([*cmd, str(WORKER), str(base / "jobs.json")])
@@ -212,25 +217,21 @@ def test_ddp_resume_two_ranks_to_one_continues_the_trajectory(ref4, two_ranks, t
     assert_same_trajectory(run, ref4, range(1, STEPS + 1))
 
 
-def test_ddp_weights_ranks_by_their_target_tokens(tmp_path, monkeypatch):
+def test_ddp_weights_ranks_by_their_target_tokens(two_ranks, tmp_path, monkeypatch):
     """2 ranks x 1 micro-batch whose rows hold unequal numbers of targets follow one process
     training on one batch holding both ranks' rows: the loss and the gradient are the mean over
     every target, not the mean of the ranks' means."""
-    jobs = [{"config": config(batch_size=2).to_dict(), "out": str(tmp_path / "ddp"),
-             "uneven_targets": True}]  # fmt: skip
-    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    assert_clean_exit(run_command([*cmd, str(WORKER), str(tmp_path / "jobs.json")]))
+    ddp = two_ranks["ddp_uneven"]
     with monkeypatch.context() as m:
         patch_uneven_clm(m.setattr, parts=2)
         train(config(batch_size=4), out=tmp_path / "one", progress=False)
     for key in ("train_loss", "grad_norm"):  # grad_norm: before clipping
-        got, want = metrics(tmp_path / "ddp", key), metrics(tmp_path / "one", key)
+        got, want = metrics(ddp, key), metrics(tmp_path / "one", key)
         assert all(abs(got[s] - want[s]) < TOL for s in range(1, STEPS + 1)), (key, got, want)
     # AdamW's first step moves each weight by lr * g / (|g| + 1e-8): entries with |g| near 1e-8
     # turn the float32 rounding of a different summation order into ~4e-6
     for step in range(1, STEPS + 1):
-        assert max_diff(weights(tmp_path / "ddp", step), weights(tmp_path / "one", step)) < 1e-5
+        assert max_diff(weights(ddp, step), weights(tmp_path / "one", step)) < 1e-5
 
 
 def test_cli_nproc_resumes_a_one_process_ddp_run_with_two_ranks(ref2, tmp_path):
