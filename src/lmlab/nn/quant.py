@@ -288,10 +288,9 @@ def quantize_model(
             if not head and parent is model and child_name == "lm_head":
                 continue
             targets.append((parent, child_name, full, child))
-    new = {
-        full: QuantLinear(lin, bits, group_size, symmetric, pad, full)
-        for _, _, full, lin in targets
-    }  # fmt: skip  (every refusal before any change)
+    # every layer is quantized (and any refusal raised) before the model changes
+    new = {full: QuantLinear(lin, bits, group_size, symmetric, pad, full)
+           for _, _, full, lin in targets}  # fmt: skip
     tied = getattr(model, "tied", None)
     for parent, child_name, full, _ in targets:
         setattr(parent, child_name, new[full])
