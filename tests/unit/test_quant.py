@@ -148,7 +148,7 @@ def test_refusals_name_the_problem() -> None:
 
 @pytest.mark.parametrize("spec", ["int8", "int4"])
 def test_cached_greedy_decoding_equals_full_recomputation(tiny, spec) -> None:
-    """The cache feeds one row at a time (the kernels); the full pass 9+ rows (dequant + mm)."""
+    """The cache feeds one row at a time (the kernels); the full pass 6+ rows (dequant + mm)."""
     model = quantize_model(_fresh(tiny), **vars(parse_spec(spec)))
     prompt = [3, 14, 15, 9, 2, 6]
     params = SamplingParams(max_new_tokens=20, temperature=0.0)
