@@ -8,7 +8,7 @@ Perplexity: the first ``--tokens`` tokens of WikiText-2's test split (``--data``
 prompts, with the KV cache; ``equal`` = positions where the token equals float32's, ``prefix`` =
 tokens before the first difference (mean over prompts).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/quantized_quality.py --tokens 8192
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/quantized_quality.py --tokens 4096 --new-tokens 32
 """
 
 from __future__ import annotations
@@ -73,9 +73,9 @@ def agreement(ref: list[list[int]], out: list[list[int]]) -> tuple[float, float]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, default=WIKITEXT)
-    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--window", type=int, default=1024)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
     args = ap.parse_args()
