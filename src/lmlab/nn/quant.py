@@ -49,12 +49,12 @@ from lmlab.errors import LmlabError
 
 BITS = (4, 8)
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)
-DEFAULT_GROUP = {8: None, 4: 32}
+DEFAULT_GROUP = {8: None, 4: 32}  # int8: per row (the kernel's only form); int4: llama.cpp's 32
 # The kernels serve at most this many rows (decode); more rows (prefill, scoring) dequantize the
 # weight once and run one float matmul. Measured here (AVX2, one thread): a kernel's time grows
 # about linearly with the rows while a dequantization costs about 5 kernel rows; at 256 rows the
 # kernels took 17-25x as long as dequantize + matmul.
-KERNEL_MAX_ROWS = 4  # int8: per row (the kernel's only form); int4: llama.cpp's 32
+KERNEL_MAX_ROWS = 4
 
 
 @dataclass(frozen=True)
