@@ -10,8 +10,9 @@ from typing import Any
 __version__ = "0.1.0"
 
 
-def load(path: Any, device: str = "cpu") -> Any:
-    """See :func:`lmlab.interop.load.load` (imported lazily: ``import lmlab`` stays light)."""
+def load(path: Any, device: str = "cpu", quantize: Any = None) -> Any:
+    """See :func:`lmlab.interop.load.load` (imported lazily: ``import lmlab`` stays light);
+    ``quantize="int8"`` / ``"int4"`` / ``"int4:64"``: weight-only quantized linear layers."""
     from lmlab.interop.load import load as _load
 
-    return _load(path, device)
+    return _load(path, device, quantize)

@@ -29,6 +29,12 @@ COMMON_FLAGS: dict[str, dict[str, typing.Any]] = {
         "help": "where to run (default: the config's train.device, 'auto': cuda, mps, then cpu)",
     },
     "debug": {"action": "store_true", "help": "show Python tracebacks on errors"},
+    "quantize": {
+        "metavar": "int8|int4[:G]",
+        "help": "weight-only quantization of the linear layers after loading: int8 (one scale "
+        "per output row), int4 (asymmetric, a scale and zero per 32 weights); int4:64 sets the "
+        "group size (docs/quantization.md)",
+    },
     "debug-hidden": {"dest": "debug", "action": "store_true", "help": argparse.SUPPRESS},
     "plugin": {
         "action": "append",
@@ -40,6 +46,7 @@ COMMON_FLAGS: dict[str, dict[str, typing.Any]] = {
 COMMON_FLAG_NAMES = {
     "device": "--device",
     "debug": "--debug",
+    "quantize": "--quantize",
     "debug-hidden": "--debug",
     "plugin": "--plugin",
 }

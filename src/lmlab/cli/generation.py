@@ -69,7 +69,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise LmlabError("give either --chat or --prompt, not both")
     if args.system is not None and args.chat is None:
         raise LmlabError("--system needs --chat")
-    model, tokenizer = load_with_tokenizer(args.run, args.device)
+    model, tokenizer = load_with_tokenizer(args.run, args.device, args.quantize)
     max_seq_len = model.cfg.max_seq_len
     if model.cfg.kind != "decoder":
         if model.cfg.kind == "encoder" and model.cfg.mlm_head:
@@ -115,17 +115,23 @@ def _generate_seq2seq(args: argparse.Namespace, params: typing.Any) -> int:
         raise LmlabError(
             "give --source (encoder-decoder models) or --prompt / --chat (decoders), not both"
         )
-    model, tokenizer = load_with_tokenizer(args.run, args.device)
+    model, tokenizer = load_with_tokenizer(args.run, args.device, args.quantize)
     texts = generate_from_sources(model, tokenizer, args.source, params)
     for_terminal(sys.stdout).write("\n---\n".join(texts) + "\n")
     return 0
 
 
-def load_with_tokenizer(path: str, device: str | None) -> tuple[typing.Any, typing.Any]:
-    """``lmlab.load(path)``; LmlabError when the model comes without a tokenizer."""
+def load_with_tokenizer(
+    path: str, device: str | None, quantize: str | None = None
+) -> tuple[typing.Any, typing.Any]:
+    """``lmlab.load(path, quantize=...)``; LmlabError when the model comes without a tokenizer."""
     from lmlab.interop.load import load, no_tokenizer
 
-    model, tokenizer = load(path, device or "auto")
+    if quantize is not None:  # a bad spec fails before the load
+        from lmlab.nn.quant import parse_spec
+
+        parse_spec(quantize)
+    model, tokenizer = load(path, device or "auto", quantize)
     if tokenizer is None:
         raise no_tokenizer(path, "generated")
     return model, tokenizer
@@ -137,7 +143,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     if args.max_context is not None and args.max_context < 2:
         raise LmlabError(f"--max-context must be >= 2 tokens, got {args.max_context}")
-    model, tokenizer = load_with_tokenizer(args.run, args.device)
+    model, tokenizer = load_with_tokenizer(args.run, args.device, args.quantize)
     if model.cfg.kind != "decoder":  # else: a misleading "no chat template, use --prompt"
         raise LmlabError(
             f"lmlab chat needs a decoder model; {args.run} is model.kind={model.cfg.kind}"
@@ -154,7 +160,7 @@ GENERATE = Command(
     "prints only the answer.",
     arguments=_generate_arguments,
     run=cmd_generate,
-    common=("device", "debug", "plugin"),
+    common=("device", "debug", "plugin", "quantize"),
 )
 
 
@@ -165,4 +171,5 @@ CHAT = Command(
     "the history, /exit or Ctrl-D quits. Example: lmlab chat model.gguf --temperature 0.7",
     arguments=_chat_arguments,
     run=cmd_chat,
+    common=("device", "debug", "quantize"),
 )

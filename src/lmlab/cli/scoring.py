@@ -77,6 +77,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         device=args.device or "auto",
         batch_size=args.batch_size,
+        quantize=args.quantize,
     )
     if args.json:
         print(json.dumps(res.as_dict()))
@@ -91,6 +92,8 @@ def _eval_lengths(args: argparse.Namespace) -> int:
 
     if args.stride is not None:
         raise LmlabError("--stride cannot be combined with --lengths (windows do not overlap)")
+    if args.quantize is not None:
+        raise LmlabError("--quantize applies to a plain eval, not to --lengths or --set")
     res = eval_lengths(
         args.run,
         args.lengths,  # None (--set alone): the trained context
@@ -156,6 +159,7 @@ EVAL = Command(
     "e.g. lmlab eval runs/seq2seq-reverse",
     arguments=_eval_arguments,
     run=cmd_eval,
+    common=("device", "debug", "quantize"),
 )
 
 

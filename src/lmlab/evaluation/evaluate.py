@@ -198,6 +198,7 @@ def evaluate(
     max_tokens: int | None = None,
     device: str = "auto",
     batch_size: int = 8,
+    quantize: str | None = None,
 ) -> EvalResult | MaskedEvalResult | Seq2SeqEvalResult:
     """Score a model on ``data`` (a UTF-8 text file scored whole) or, for an lmlab run folder,
     on its corpus split (``train``, ``val`` or ``test``). ``model_path`` is anything
@@ -227,8 +228,12 @@ def evaluate(
         )
     if data is None and split not in ("train", "val", "test"):
         raise LmlabError(f"--split must be train, val or test, got {split!r}")
+    if quantize is not None:  # a bad spec fails before the load
+        from lmlab.nn.quant import parse_spec
+
+        parse_spec(quantize)
     text = read_text(data) if data is not None else None  # bad text fails before loading
-    model, tokenizer = load(model_path, device)
+    model, tokenizer = load(model_path, device, quantize)
     if tokenizer is None:
         from lmlab.interop.load import no_tokenizer
 

@@ -414,15 +414,24 @@ def no_tokenizer(path: str | Path, use: str) -> LmlabError:
     return LmlabError(f"{path} has no tokenizer, so text cannot be {use} with it")
 
 
-def load(path: str | Path, device: str = "cpu") -> tuple[nn.Module, Tokenizer | None]:
+def load(
+    path: str | Path, device: str = "cpu", quantize: Any = None
+) -> tuple[nn.Module, Tokenizer | None]:
     """Load ``(model, tokenizer)`` from an lmlab run folder (latest checkpoint), a Hugging Face
     model folder of a supported family (``lmlab list hf_family``) or a ``.gguf`` file of the
     llama or starcoder2 architecture (:mod:`lmlab.interop.gguf`: dequantized to float32,
     tokenizer and chat template from its metadata). The model is in eval mode;
     ``model(input_ids)`` returns an output whose ``.logits`` is (batch, seq, vocab).
+    ``quantize`` (``"int8"``, ``"int4"``, ``"int4:64"`` or a :class:`lmlab.nn.quant.QuantSpec`)
+    then makes its linear layers weight-only quantized (:func:`lmlab.nn.quant.quantize_model`).
 
     Raises LmlabError (or a subclass) when the path is neither, or its files are damaged.
     """
+    if quantize is not None:
+        from lmlab.nn.quant import apply_quantization
+
+        model, tokenizer = load(path, device)
+        return apply_quantization(model, quantize), tokenizer
     p = Path(path)
     if (p / "config.yaml").is_file():
         from lmlab.run import load_run

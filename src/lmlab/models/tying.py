@@ -77,7 +77,8 @@ def _check_tied_state(
     *_: Any,
 ) -> None:
     """Before a load: note which tied names the state dict holds; refuse two different values."""
-    assert module.tied is not None
+    if module.tied is None:  # untied since (lmlab.nn.quant: the head quantized on its own)
+        return
     names = {n: f"{prefix}{n}.weight" for n in module.tied}
     module._tie_loaded = {n for n, key in names.items() if key in state_dict}
     if len(module._tie_loaded) == 2:
@@ -98,7 +99,8 @@ def _check_tied_state(
 def _retie_after_load(module: TiedEmbeddingsModule, incompatible_keys: Any) -> None:
     """After a load: one ``Parameter`` again, taken from the name the state dict provided (the
     embedding if both); nothing loaded, nothing changed."""
-    assert module.tied is not None
+    if module.tied is None:  # untied since (lmlab.nn.quant: the head quantized on its own)
+        return
     head, embedding = module.tied
     loaded = module._tie_loaded
     if loaded:

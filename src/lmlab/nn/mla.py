@@ -107,6 +107,8 @@ class MultiHeadLatentAttention(Attention):
     :func:`softmax_mscale` squared, so the scores' temperature follows the context extension).
     """
 
+    keep_float = ("kv_b_proj",)  # lmlab.nn.quant leaves it float (absorb reads its weight)
+
     fields = {
         "kv_lora_rank": (int, 32),
         "q_lora_rank": (int, 0),

