@@ -161,10 +161,12 @@ def lens_report(
     target, ``out/dla.png`` unless ``out`` is None; ``html``: one self-contained page (an
     existing file is refused before the model is loaded). Raises LmlabError for a bad text,
     target, position or top."""
-    from lmlab.analysis.html_view import check_html_out
+    from lmlab.analysis.html_view import check_html_out, check_png_folder
     from lmlab.interop.load import load
     from lmlab.training.hardware import resolve_device
 
+    if out is not None:
+        check_png_folder(out)
     if html is not None:
         check_html_out(html)
         if out is not None:
