@@ -84,6 +84,8 @@ def test_heads_html_that_exists_is_refused_before_the_model_is_loaded(
         (["--seed", "-1"], "--seed must be in [0, 2^63)"),
         (["--text", ""], "--text is empty"),
         (["--text", "R"], "--text is 1 tokens"),
+        # 1,048,576 x 32 tokens: 4.3e9 scores (4 heads x 32 x 32): refused, nothing drawn
+        (["--batch", "1048576", "--seq-len", "16"], "give a smaller --batch or --seq-len"),
     ],
 )
 def test_a_bad_argument_is_one_error_line(tiny_run: Path, capsys, argv: list[str], needle: str):

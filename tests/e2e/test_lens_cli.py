@@ -93,6 +93,7 @@ def test_an_existing_html_page_is_refused_before_the_model_runs(tiny_run, tmp_pa
         (("--target", ""), ("--target is empty",)),
         (("--target", "O", "--versus", "OM"), ("--versus 'OM' is 2 tokens",)),
         (("--versus", "O"), ("--versus goes with --target",)),
+        (("--target", "O", "--versus", "O"), ("--versus 'O' is the --target token",)),
         (("--target", "O", "--position", "10"), ("--position 10 is out of range", "10 tokens")),
         (("--position", "-11"), ("--position -11 is out of range",)),
         (("--top", "0"), ("--top must be >= 1",)),
@@ -117,3 +118,10 @@ def test_an_encoders_lens_runs_and_its_attribution_is_refused_with_the_reason(
     assert report["tokens"][0] == "[CLS]" and report["tokens"][-1] == "[SEP]"
     assert report["dla"] is None and "not linear" in report["dla_unavailable"]
     assert err.startswith("note: direct logit attribution needs a decoder")
+
+
+def test_an_encoder_decoder_is_one_error_line_naming_the_model(seq2seq_run: Path, capsys):
+    code, out, err = run_cli(capsys, "lens", str(seq2seq_run), "--text", "abc", "--no-plot",
+                             "--device", "cpu")  # fmt: skip
+    assert_one_error(code, err, "lmlab lens covers decoder", str(seq2seq_run), "encoder_decoder")
+    assert out == ""

@@ -108,3 +108,20 @@ def test_an_existing_html_is_refused_before_the_model_is_loaded(tmp_path: Path, 
         "c", "--out", str(tmp_path / "o"), "--html", str(tmp_path / "o" / "patch-heads.png"),
     )  # fmt: skip
     assert_one_error(code, err, "--html", "one of their names")
+
+
+@pytest.mark.parametrize("command", ["patch", "lens", "heads"])
+def test_an_out_that_is_a_file_is_refused_before_any_work(tiny_run, tmp_path, capsys, command):
+    mine = tmp_path / "mine.txt"
+    mine.write_text("mine")
+    argv = {
+        "patch": ["--clean", "ROMEO", "--corrupted", "JULIE", "--target", "a"],
+        "lens": ["--text", "ROMEO"],
+        "heads": ["--seq-len", "4", "--batch", "1"],
+    }[command]
+    for out in (mine, mine / "sub"):
+        code, stdout, err = run_cli(capsys, command, str(tiny_run), *argv, "--out", str(out),
+                                    "--device", "cpu")  # fmt: skip
+        assert_one_error(code, err, f"--out {out}", "not a folder")
+        assert "patching:" not in err and stdout == ""
+    assert mine.read_text() == "mine"

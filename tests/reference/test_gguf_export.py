@@ -303,6 +303,21 @@ def test_cli_refuses_existing_out_and_bad_quant_and_force_replaces(minigpt, caps
     assert not list(root.glob(".*tmp*"))
 
 
+def test_force_never_replaces_a_fifo_or_device(minigpt, capsys) -> None:
+    """--force onto /dev/full (as root) used to rename a plain file over the device node."""
+    import os
+    import stat
+
+    fifo = minigpt["root"] / "pipe.gguf"
+    os.mkfifo(fifo)
+    code, _, err = run_cli(capsys, "export", str(minigpt["run"]), "--format", "gguf", "--out",
+                           str(fifo), "--force")  # fmt: skip
+    assert_one_error(code, err, "--out", "not a regular file")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    fifo.unlink()
+    assert not list(minigpt["root"].glob(".*tmp*"))
+
+
 def test_a_failed_check_leaves_nothing(minigpt, monkeypatch) -> None:
     monkeypatch.setattr(gguf_export, "_compare", lambda *a: (1.0, 1.0, 0.0))
     out = minigpt["root"] / "bad.gguf"

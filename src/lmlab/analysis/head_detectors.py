@@ -60,6 +60,9 @@ DETECTORS = ("previous_token", "induction", "duplicate_token", "sink")
 THRESHOLDS: dict[str, float] = dict.fromkeys(DETECTORS, 0.4)
 DEFAULT_SEQ_LEN = 50  # tokens per random block (TransformerLens's induction tutorial uses 50)
 DEFAULT_BATCH = 4
+# Elements of the largest tensor one pass of the repeated tokens may need (the logits
+# B x 2L x V, or one layer's scores B x H x 2L x 2L): 2^31 float32 are 8 GiB.
+MAX_PASS_ELEMENTS = 1 << 31
 
 
 # ------------------------------------------------------------------ scores of one layer's map
@@ -310,6 +313,18 @@ def _check_args(model: nn.Module, seq_len: int, batch: int, seed: int) -> int:
         raise LmlabError(f"--batch must be >= 1, got {batch}")
     if not (isinstance(seed, int) and 0 <= seed < 2**63):
         raise LmlabError(f"--seed must be in [0, 2^63), got {seed}")
+    tokens = batch * 2 * seq_len
+    vocab = int(getattr(cfg, "vocab_size", None) or 1)
+    n_heads = int(getattr(getattr(cfg, "attention", None), "n_heads", 1) or 1)
+    largest = max(tokens * vocab, batch * n_heads * (2 * seq_len) ** 2)
+    if largest > MAX_PASS_ELEMENTS:
+        raise LmlabError(
+            f"--batch {batch} x 2 --seq-len {seq_len} = {tokens:,} tokens in one pass needs a "
+            f"tensor of {largest:,} elements (logits {tokens:,} x {vocab:,} vocabulary, or "
+            f"{n_heads} heads' {2 * seq_len} x {2 * seq_len} attention scores), more than "
+            f"{MAX_PASS_ELEMENTS:,} ({4 * MAX_PASS_ELEMENTS >> 30} GiB of float32); give a "
+            "smaller --batch or --seq-len"
+        )
     return ctx
 
 

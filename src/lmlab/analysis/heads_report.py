@@ -146,10 +146,12 @@ def heads_report(
     score previous-token and sink on it (an encoder's framed as in training, [CLS] ... [SEP]).
     An existing ``html`` is refused before the model is
     loaded. Progress goes to stderr. Raises LmlabError for bad arguments (see detect_heads)."""
-    from lmlab.analysis.html_view import check_html_out, write_page
+    from lmlab.analysis.html_view import check_html_out, check_png_folder, write_page
     from lmlab.interop.load import load
     from lmlab.training.hardware import resolve_device
 
+    if out is not None:
+        check_png_folder(out)
     if html is not None:
         check_html_out(html)
         if out is not None:

@@ -209,3 +209,15 @@ RENDERERS: dict[str, str] = {
     "lens": _asset("lens.js"),  # lmlab.analysis.lens_view.lens_panel
     "dla": _asset("dla.js"),  # lmlab.analysis.lens_view.dla_panel
 }
+
+
+def check_png_folder(out: str | Path) -> None:
+    """Refuse, before any work, an ``--out`` PNG folder that cannot be one: an existing file (or
+    FIFO, device), or a path under a file. Raises LmlabError naming --out."""
+    o = Path(out)
+    for p in (o, *o.parents):
+        if p.exists() and not p.is_dir():
+            where = "is" if p == o else f"is under {p}, which is"
+            raise LmlabError(
+                f"--out {out} {where} a file, not a folder; give a folder for the PNGs"
+            )

@@ -161,10 +161,12 @@ def lens_report(
     target, ``out/dla.png`` unless ``out`` is None; ``html``: one self-contained page (an
     existing file is refused before the model is loaded). Raises LmlabError for a bad text,
     target, position or top."""
-    from lmlab.analysis.html_view import check_html_out
+    from lmlab.analysis.html_view import check_html_out, check_png_folder
     from lmlab.interop.load import load
     from lmlab.training.hardware import resolve_device
 
+    if out is not None:
+        check_png_folder(out)
     if html is not None:
         check_html_out(html)
         if out is not None:
@@ -173,7 +175,16 @@ def lens_report(
         raise LmlabError("--versus goes with --target (the logit difference target - versus)")
     if top < 1:
         raise LmlabError(f"--top must be >= 1, got {top}")
+    if versus is not None and versus == target:
+        raise LmlabError(f"--versus {versus!r} is the --target token; give a different one")
     model, tokenizer = load(path, str(resolve_device(device)))
+    kind = getattr(getattr(model, "cfg", None), "kind", None)
+    if kind == "encoder_decoder":
+        raise LmlabError(
+            f"lmlab lens covers decoder (causal LM) and encoder (masked LM) models; {path} is "
+            "model.kind=encoder_decoder (its decoder stream depends on the source and its "
+            "layers add cross-attention, which the lens does not decompose)"
+        )
     ids = encode_text(model, tokenizer, text)
     t = len(ids)
     if not -t <= position < t:

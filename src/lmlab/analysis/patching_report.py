@@ -88,9 +88,12 @@ def one_token(tokenizer: Any, text: str, flag: str) -> int:
 def _check_outputs(html: str | Path | None, out: str | Path | None) -> None:
     """Refuse, before any work, an existing --html file, or one that is the --out folder or
     the name of a PNG written there."""
+    from lmlab.analysis.html_view import check_html_out, check_png_folder
+
+    if out is not None:
+        check_png_folder(out)
     if html is None:
         return
-    from lmlab.analysis.html_view import check_html_out
 
     check_html_out(html)
     if out is None:

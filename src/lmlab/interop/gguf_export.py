@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import glob
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -386,6 +387,21 @@ def _compare(ours: nn.Module, theirs: nn.Module, cfg: ModelConfig) -> tuple[floa
     return diff, rel, agree
 
 
+def _check_replaceable(final: Path) -> None:
+    """Refuse an ``--out`` that is there but is neither a regular file nor a symbolic link (a
+    device such as /dev/full, a FIFO, a socket): even --force never replaces one (renaming onto
+    it would put a plain file where the device node was)."""
+    try:
+        st = os.lstat(final)
+    except OSError:
+        return
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        raise LmlabError(
+            f"--out {final} is not a regular file (a device, FIFO or socket); --force replaces "
+            "only a file: give another file name"
+        )
+
+
 def export_gguf(
     source: str | Path,
     out: str | Path,
@@ -410,6 +426,7 @@ def export_gguf(
     final = Path(out)
     check_out_path(final, folder=False, what="the GGUF file")
     check_not_source(final, source)
+    _check_replaceable(final)
     if final.exists() and not force:
         raise LmlabError(f"--out {final} exists; choose another file name or pass --force")
     model, tokenizer = load(source, "cpu")
@@ -427,6 +444,7 @@ def export_gguf(
     except OSError as e:
         raise LmlabError(f"cannot write beside --out {final}: {e.strerror or e}") from None
     with lock_beside(final):
+        _check_replaceable(final)
         if final.exists() and not force:
             raise LmlabError(f"--out {final} exists; choose another file name or pass --force")
         check_free_space(final.parent, needed, f"--out {final}")
