@@ -53,8 +53,8 @@ def cached_load(smollm2, monkeypatch):
     """Commands that load the GGUF get the session's model instead of reading it again."""
     path, model, tok = smollm2
 
-    def load(p, device="cpu"):
-        assert Path(p) == path
+    def load(p, device="cpu", quantize=None):
+        assert Path(p) == path and quantize is None
         return model, tok
 
     monkeypatch.setattr(lmlab_load, "load", load)
