@@ -176,3 +176,58 @@ def test_chat_template_and_specials_survive_a_saved_tokenizer_and_an_export(smol
     ids = hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     assert list(ids) == want and hf_tok.eos_token == "<|im_end|>"
+
+
+# ------------------------------------------------------------------ interpretability (issue 13)
+# Measured (docs/interpretability.md, the SmolLM2 walkthrough): `lmlab heads` at L = 16 random
+# tokens repeated twice, batch 1, seeds 0 / 1 / 2: the best induction score is L18H6's, 0.866 /
+# 0.836 / 0.819, then L17H4 (0.85 / 0.77 / 0.72) and L17H3; a random-init model of the same shape
+# scores at most 0.056 / 0.052 / 0.060, near a uniform head's 0.046. The threshold 0.5 sits 0.3
+# below the lowest measured best and 8x above the random model's best. The logit lens of "The
+# capital of France is": " Paris" is at rank > 1000 through layer 22, top-3 after layer 28 and
+# top-1 only after the last layer (p 0.773); DLA of " Paris" - " London": L23H4 writes +2.66 of
+# the actual 4.126, and the parts sum to the logit difference.
+INDUCTION = 0.5
+
+
+def test_smollm2_has_induction_heads_and_its_random_init_twin_has_none(smollm2, one_thread):
+    from lmlab.analysis.head_detectors import detect_heads
+    from lmlab.analysis.heads_report import special_ids
+    from lmlab.models import build_model
+
+    _, model, tok = smollm2
+    avoid = special_ids(tok)
+    assert avoid == set(range(17))  # <|endoftext|>, <|im_start|>, ... <empty_output>
+    scores = detect_heads(model, seq_len=16, batch=1, seed=0, avoid=avoid)
+    assert len(scores) == 30 * 9
+    best = max(scores, key=lambda s: s.induction)
+    assert (best.layer, best.head) == (18, 6) and best.induction > INDUCTION
+    assert "induction" in best.kinds
+    found = {(s.layer, s.head) for s in scores if s.induction > INDUCTION}
+    assert {(18, 6), (17, 4), (17, 3)} <= found
+    torch.manual_seed(0)
+    twin = build_model(model.cfg).eval()  # the same shape, lmlab's initialisation
+    random = detect_heads(twin, seq_len=16, batch=1, seed=0, avoid=avoid)
+    assert max(s.induction for s in random) < INDUCTION / 4
+    assert not any("induction" in s.kinds for s in random)
+
+
+def test_smollm2_logit_lens_shows_where_paris_appears_and_dla_sums(smollm2, one_thread):
+    from lmlab.analysis.lens import direct_logit_attribution, logit_lens
+
+    _, model, tok = smollm2
+    ids = torch.tensor([tok.encode("The capital of France is")])
+    paris, london = tok.encode(" Paris"), tok.encode(" London")
+    assert len(paris) == 1 and len(london) == 1
+    lens = logit_lens(model, ids, top_k=3, targets=paris[0], keep_log_probs=False)
+    ranks = lens.target_ranks[0, :, -1].tolist()  # rows: embed, after layer 0 .. 29
+    assert len(ranks) == 31
+    assert min(ranks[:23]) > 1000  # absent through layer 21
+    assert ranks[-1] == 1 and ranks[-2] <= 5 and all(r > 1 for r in ranks[:-1])
+    assert abs(float(lens.target_probs[0, -1, -1]) - 0.773) < 0.01
+    dla = direct_logit_attribution(model, ids, paris[0], versus=london[0])
+    logits = lens.logits[0, -1].double()
+    actual = float(logits[paris[0]] - logits[london[0]])
+    assert abs(float(dla.values.sum()) - actual) < 1e-3 and abs(actual - 4.126) < 0.01
+    top = dla.names[int(dla.values.abs().argmax())]
+    assert top == "L23H4", top
