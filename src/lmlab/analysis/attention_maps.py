@@ -190,6 +190,37 @@ def parse_window(text: str, length: int) -> tuple[int, int | None]:
     return start, end
 
 
+def model_config(model: torch.nn.Module) -> ModelConfig:
+    """``model.cfg``; LmlabError when the model has no lmlab ModelConfig."""
+    cfg = getattr(model, "cfg", None)
+    if not isinstance(cfg, ModelConfig):
+        raise LmlabError("the model has no lmlab ModelConfig (model.cfg)")
+    return cfg
+
+
+def encode_text(model: torch.nn.Module, tokenizer: Any, text: str) -> list[int]:
+    """The ids of ``text`` as the model reads it: an encoder's framed as in training
+    (:meth:`Tokenizer.encode_for_model`, [CLS] ... [SEP] for BERT), a decoder's plain. Raises
+    LmlabError for no tokenizer, an empty text, one that encodes to nothing or one past
+    model.cfg.max_seq_len tokens. Shared by ``lmlab attention``, ``lens``."""
+    if tokenizer is None:
+        raise LmlabError(
+            "this model has no tokenizer (no tokenizer.json), so --text cannot be encoded"
+        )
+    if not text:
+        raise LmlabError("--text is empty: give the text to run the model on")
+    cfg = model_config(model)
+    ids = tokenizer.encode_for_model(text) if cfg.kind == "encoder" else tokenizer.encode(text)
+    if not ids:
+        raise LmlabError(f"--text {text!r} encodes to no tokens")
+    if len(ids) > cfg.max_seq_len:
+        raise LmlabError(
+            f"--text is {len(ids)} tokens, more than the model's context of {cfg.max_seq_len} "
+            "(model.max_seq_len); shorten it"
+        )
+    return [int(i) for i in ids]
+
+
 def self_attention_maps(model: torch.nn.Module, tokenizer: Any, text: str) -> AttentionMaps:
     """Run ``model`` on ``text`` with ``need_weights=True`` (the math backend, see
     lmlab.nn.attention) and return every layer's self-attention weights for that one sequence.
@@ -202,28 +233,12 @@ def self_attention_maps(model: torch.nn.Module, tokenizer: Any, text: str) -> At
     Raises LmlabError for an empty text, a missing tokenizer, a text longer than
     model.cfg.max_seq_len tokens, an encoder-decoder model, or a model that returns no weights.
     """
-    if tokenizer is None:
-        raise LmlabError(
-            "this model has no tokenizer (no tokenizer.json), so --text cannot be encoded"
-        )
-    if not text:
-        raise LmlabError("--text is empty: give the text whose attention to show")
-    cfg = getattr(model, "cfg", None)
-    if not isinstance(cfg, ModelConfig):
-        raise LmlabError("the model has no lmlab ModelConfig (model.cfg)")
+    cfg = model_config(model)
     if cfg.kind not in ("decoder", "encoder"):  # one self-attention stack over one text
         raise LmlabError(
             f"attention maps cover decoders and encoders; this model is model.kind={cfg.kind}"
         )
-    # An encoder sees its input framed as in training ([CLS] ... [SEP] for BERT).
-    ids = tokenizer.encode_for_model(text) if cfg.kind == "encoder" else tokenizer.encode(text)
-    if not ids:
-        raise LmlabError(f"--text {text!r} encodes to no tokens")
-    if len(ids) > cfg.max_seq_len:
-        raise LmlabError(
-            f"--text is {len(ids)} tokens, more than the model's context of {cfg.max_seq_len} "
-            "(model.max_seq_len); shorten it"
-        )
+    ids = encode_text(model, tokenizer, text)
     device = next(model.parameters()).device
     x = torch.tensor([ids], dtype=torch.long, device=device)
     was_training = model.training

@@ -13,9 +13,8 @@ from typing import Any
 
 import torch
 
-from lmlab.analysis.attention_maps import token_label
+from lmlab.analysis.attention_maps import encode_text, token_label
 from lmlab.analysis.lens import LogitAttribution, LogitLens, direct_logit_attribution, logit_lens
-from lmlab.config import ModelConfig
 from lmlab.errors import LmlabError
 
 PNG_NAMES = ("lens.png", "dla.png")
@@ -118,28 +117,6 @@ def one_token(tokenizer: Any, text: str, flag: str) -> int:
             f"{SPACE_HINT}"
         )
     return int(ids[0])
-
-
-def encode_text(model: torch.nn.Module, tokenizer: Any, text: str) -> list[int]:
-    """The ids of ``text`` as the model reads it (an encoder: framed [CLS] ... [SEP]).
-    Raises LmlabError for no tokenizer, an empty text or one past model.max_seq_len."""
-    if tokenizer is None:
-        raise LmlabError("this model has no tokenizer (no tokenizer.json), so --text cannot be "
-                         "encoded")  # fmt: skip
-    if not text:
-        raise LmlabError("--text is empty: give the text to run the model on")
-    cfg = getattr(model, "cfg", None)
-    if not isinstance(cfg, ModelConfig):
-        raise LmlabError("the model has no lmlab ModelConfig (model.cfg)")
-    ids = tokenizer.encode_for_model(text) if cfg.kind == "encoder" else tokenizer.encode(text)
-    if not ids:
-        raise LmlabError(f"--text {text!r} encodes to no tokens")
-    if len(ids) > cfg.max_seq_len:
-        raise LmlabError(
-            f"--text is {len(ids)} tokens, more than the model's context of {cfg.max_seq_len} "
-            "(model.max_seq_len); shorten it"
-        )
-    return [int(i) for i in ids]
 
 
 def lens_report(
