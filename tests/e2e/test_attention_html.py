@@ -80,7 +80,8 @@ def test_an_html_path_the_pngs_would_take_is_refused_before_anything_is_written(
             capsys, "attention", str(tiny_run), "--text", "ROMEO:", "--out", str(out),
             "--html", str(html), "--device", "cpu",
         )  # fmt: skip
-        assert_one_error(code, err, "--html", "another file name" if html != out else "folder")
+        what = "the name of a PNG" if html != out else "the --out folder"
+        assert_one_error(code, err, "--html", what, "file name of its own")
         assert not out.exists()  # nothing written, not even the folder
     code, _, err = run_cli(
         capsys, "attention", str(tiny_run), "--text", "ROMEO:", "--no-plot", "--html", ""

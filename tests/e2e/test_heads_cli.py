@@ -70,7 +70,7 @@ def test_heads_html_that_exists_is_refused_before_the_model_is_loaded(
     assert page.read_text() == "mine" and out == ""
     code, _, err = run_cli(capsys, "heads", tiny_run, "--html", tmp_path / "o" / "heads.png",
                            "--out", tmp_path / "o")  # fmt: skip
-    assert_one_error(code, err, "--html", "heads.png")
+    assert_one_error(code, err, "--html", "the name of a PNG", "file name of its own")
 
 
 @pytest.mark.parametrize(

@@ -81,7 +81,7 @@ def test_an_existing_html_page_is_refused_before_the_model_runs(tiny_run, tmp_pa
     assert page.read_text() == "mine" and not (tmp_path / "pngs").exists()
     beside = tmp_path / "lens.png"  # the name of a PNG --out receives
     code, _, err = lens(capsys, tiny_run, "--out", str(tmp_path), "--html", str(beside))
-    assert_one_error(code, err, "--html", "one of its PNGs")
+    assert_one_error(code, err, "--html", "the name of a PNG", "file name of its own")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.html"]
 
 

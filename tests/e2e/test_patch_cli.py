@@ -107,7 +107,7 @@ def test_an_existing_html_is_refused_before_the_model_is_loaded(tmp_path: Path, 
         capsys, "patch", str(tmp_path / "m"), "--clean", "a", "--corrupted", "b", "--target",
         "c", "--out", str(tmp_path / "o"), "--html", str(tmp_path / "o" / "patch-heads.png"),
     )  # fmt: skip
-    assert_one_error(code, err, "--html", "one of their names")
+    assert_one_error(code, err, "--html", "the name of a PNG", "file name of its own")
 
 
 @pytest.mark.parametrize("command", ["patch", "lens", "heads"])

@@ -102,3 +102,28 @@ def test_an_existing_page_is_never_replaced(tmp_path: Path):
     assert sorted(p.name for p in path.parent.iterdir()) == ["p.html"]  # no temporary left
     with pytest.raises(LmlabError, match="is a folder"):
         check_html_out(tmp_path)
+
+
+def test_check_html_beside_pngs_one_rule_for_every_command(tmp_path):
+    """The --html / --out clash check shared by attention, lens, patch and heads: the folder
+    itself and a PNG's name are refused (pattern or tuple of names), another name passes."""
+    import re
+
+    from lmlab.analysis.html_view import check_html_beside_pngs
+    from lmlab.errors import LmlabError
+
+    out = tmp_path / "o"
+    pattern = re.compile(r"layer-\d+\.png")
+    for html, pngs in (
+        (out, pattern),
+        (out / "layer-03.png", pattern),
+        (out / "a.png", ("a.png",)),
+    ):
+        with pytest.raises(LmlabError, match="file name of its own") as e:
+            check_html_beside_pngs(html, out, pngs, "the PNGs")
+        folder = html == out
+        assert ("the --out folder" in str(e.value)) == folder
+        assert ("the name of a PNG" in str(e.value)) == (not folder)
+    check_html_beside_pngs(out / "page.html", out, pattern, "layer-LL.png")
+    check_html_beside_pngs(out / "layer-3x.png", out, pattern, "layer-LL.png")  # not a PNG name
+    check_html_beside_pngs(tmp_path / "layer-03.png", out, pattern, "layer-LL.png")  # elsewhere

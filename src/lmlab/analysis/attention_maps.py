@@ -388,14 +388,14 @@ def attention_report(
     the model is loaded, never replaced. ``window`` ("START:END", :func:`parse_window`): the
     PNGs and the page show token positions START .. END-1 only (the stats cover every token).
     """
-    from lmlab.analysis.html_view import check_html_out
+    from lmlab.analysis.html_view import check_html_beside_pngs, check_html_out
     from lmlab.interop.load import load
     from lmlab.training.hardware import resolve_device
 
     if html is not None:
         check_html_out(html)
         if out is not None:
-            _check_html_beside_pngs(html, out)
+            check_html_beside_pngs(html, out, PNG_NAME, "[cross-|encoder-|decoder-]layer-LL.png")
     if (text is None) == (source is None):
         raise LmlabError("give --text (decoder or encoder models) or --source (encoder-decoder)")
     if target is not None and source is None:
@@ -432,22 +432,6 @@ def attention_report(
 
 
 PNG_NAME = re.compile(r"(?:(?:cross|encoder|decoder)-)?layer-\d+\.png")
-
-
-def _check_html_beside_pngs(html: str | Path, out: str | Path) -> None:
-    """Refuse, before any work, an ``--html`` path that is the ``--out`` folder or the name of
-    a PNG the command writes there (``[cross-|encoder-|decoder-]layer-LL.png``)."""
-    h, o = Path(html).resolve(), Path(out).resolve()
-    if h == o:
-        raise LmlabError(
-            f"--html {html} is the --out folder of the PNGs; give the page a file name of its "
-            f"own (e.g. {Path(out) / 'maps.html'})"
-        )
-    if h.parent == o and PNG_NAME.fullmatch(h.name):
-        raise LmlabError(
-            f"--html {html} is the name of a PNG that --out {out} receives; give the page "
-            "another file name (e.g. maps.html)"
-        )
 
 
 def _seq2seq_report(

@@ -105,15 +105,6 @@ class HeadsReport:
     files: list[Path]
 
 
-def _check_html_beside_png(html: str | Path, out: str | Path) -> None:
-    h, o = Path(html).resolve(), Path(out).resolve()
-    if h == o or h == o / PNG:
-        raise LmlabError(
-            f"--html {html} is the --out folder or its {PNG}; give the page a file name of its "
-            f"own (e.g. {Path(out) / 'heads.html'})"
-        )
-
-
 def special_ids(tokenizer: Any) -> set[int]:
     """Every special id of ``tokenizer``: its roles (bos, eos, pad ...) and, for one backed by
     a Hugging Face ``tokenizers`` file, each added token marked special (SmolLM2's
@@ -146,7 +137,12 @@ def heads_report(
     score previous-token and sink on it (an encoder's framed as in training, [CLS] ... [SEP]).
     An existing ``html`` is refused before the model is
     loaded. Progress goes to stderr. Raises LmlabError for bad arguments (see detect_heads)."""
-    from lmlab.analysis.html_view import check_html_out, check_png_folder, write_page
+    from lmlab.analysis.html_view import (
+        check_html_beside_pngs,
+        check_html_out,
+        check_png_folder,
+        write_page,
+    )
     from lmlab.interop.load import load
     from lmlab.training.hardware import resolve_device
 
@@ -155,7 +151,7 @@ def heads_report(
     if html is not None:
         check_html_out(html)
         if out is not None:
-            _check_html_beside_png(html, out)
+            check_html_beside_pngs(html, out, (PNG,), PNG)
     if text is not None and not text:
         raise LmlabError("--text is empty: give the text to score, or leave --text out")
     if seq_len is not None and seq_len < 2:

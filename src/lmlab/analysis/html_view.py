@@ -167,6 +167,25 @@ def check_html_out(path: str | Path, flag: str = "--html") -> Path:
     return p
 
 
+def check_html_beside_pngs(
+    html: str | Path, out: str | Path, pngs: re.Pattern[str] | tuple[str, ...], shown: str
+) -> None:
+    """Refuse, before any work, an ``--html`` path that is the ``--out`` folder or the name of
+    a PNG the command writes there: ``pngs`` is a pattern matching those names in full or the
+    tuple of them, ``shown`` how the message names them (e.g. ``"layer-LL.png"``). One message
+    for every command (``lmlab attention``, ``lens``, ``patch``, ``heads``)."""
+    h, o = Path(html).resolve(), Path(out).resolve()
+    name_clash = h.parent == o and (
+        pngs.fullmatch(h.name) is not None if isinstance(pngs, re.Pattern) else h.name in pngs
+    )
+    if h == o or name_clash:
+        what = "the --out folder" if h == o else f"the name of a PNG that --out {out} receives"
+        raise LmlabError(
+            f"--html {html} is {what} (the PNGs there: {shown}); give the page a file name "
+            "of its own, e.g. page.html"
+        )
+
+
 def write_page(path: str | Path, title: str, panels: list[Panel], flag: str = "--html") -> Path:
     """Write the page to ``path`` (parent folders created) all at once: a temporary file beside
     it is linked to ``path``, which fails if ``path`` appeared meanwhile, so an existing file is

@@ -138,7 +138,7 @@ def lens_report(
     target, ``out/dla.png`` unless ``out`` is None; ``html``: one self-contained page (an
     existing file is refused before the model is loaded). Raises LmlabError for a bad text,
     target, position or top."""
-    from lmlab.analysis.html_view import check_html_out, check_png_folder
+    from lmlab.analysis.html_view import check_html_beside_pngs, check_html_out, check_png_folder
     from lmlab.interop.load import load
     from lmlab.training.hardware import resolve_device
 
@@ -147,7 +147,7 @@ def lens_report(
     if html is not None:
         check_html_out(html)
         if out is not None:
-            _check_html_beside_pngs(html, out)
+            check_html_beside_pngs(html, out, PNG_NAMES, ", ".join(PNG_NAMES))
     if versus is not None and target is None:
         raise LmlabError("--versus goes with --target (the logit difference target - versus)")
     if top < 1:
@@ -204,17 +204,6 @@ def _labeller(tokenizer: Any) -> Any:
         return cache[i]
 
     return label
-
-
-def _check_html_beside_pngs(html: str | Path, out: str | Path) -> None:
-    """Refuse, before any work, an ``--html`` path that is the ``--out`` folder or one of the
-    PNGs written there."""
-    h, o = Path(html).resolve(), Path(out).resolve()
-    if h == o or (h.parent == o and h.name in PNG_NAMES):
-        raise LmlabError(
-            f"--html {html} is the --out folder or one of its PNGs ({', '.join(PNG_NAMES)}); "
-            f"give the page a file name of its own (e.g. {Path(out) / 'lens.html'})"
-        )
 
 
 def _save_pngs(folder: Path, report: LensReport, name: str) -> list[Path]:

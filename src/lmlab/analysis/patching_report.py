@@ -88,7 +88,7 @@ def one_token(tokenizer: Any, text: str, flag: str) -> int:
 def _check_outputs(html: str | Path | None, out: str | Path | None) -> None:
     """Refuse, before any work, an existing --html file, or one that is the --out folder or
     the name of a PNG written there."""
-    from lmlab.analysis.html_view import check_html_out, check_png_folder
+    from lmlab.analysis.html_view import check_html_beside_pngs, check_html_out, check_png_folder
 
     if out is not None:
         check_png_folder(out)
@@ -98,12 +98,7 @@ def _check_outputs(html: str | Path | None, out: str | Path | None) -> None:
     check_html_out(html)
     if out is None:
         return
-    h, o = Path(html).resolve(), Path(out).resolve()
-    if h == o or (h.parent == o and PNG_NAME.fullmatch(h.name)):
-        raise LmlabError(
-            f"--html {html} is the --out folder of the PNGs or one of their names; give the "
-            f"page a file name of its own (e.g. {Path(out) / 'patch.html'})"
-        )
+    check_html_beside_pngs(html, out, PNG_NAME, "patch-WHAT.png")
 
 
 def patch_report(
