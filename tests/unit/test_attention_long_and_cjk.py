@@ -67,10 +67,18 @@ def test_a_window_keeps_the_token_positions():
     assert m.window(*parse_window("190:", 200)).query_labels == [f"w{i}" for i in range(190, 200)]
 
 
-@pytest.mark.parametrize("bad", ["5", "a:b", "10:5", "200:", "-1:4", "1:2:3"])
+@pytest.mark.parametrize("bad", ["5", "a:b", "10:5", "200:", "-1:4", "1:2:3", "0:201"])
 def test_a_bad_window_is_one_error_naming_the_flag(bad: str):
     with pytest.raises(LmlabError, match="--window"):
         parse_window(bad, 200)
+
+
+def test_a_window_past_the_text_is_refused_not_clipped():
+    """``0:201`` on 200 tokens would silently draw 0..199: refused, naming the length; ``0:200``
+    (the whole text) and an open end are fine."""
+    with pytest.raises(LmlabError, match="ends past the text: it has 200 tokens"):
+        parse_window("0:201", 200)
+    assert parse_window("0:200", 200) == (0, 200) and parse_window("5:", 200) == (5, None)
 
 
 def cjk_font_files() -> list[str]:

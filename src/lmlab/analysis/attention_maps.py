@@ -172,8 +172,8 @@ class AttentionMaps:
 
 def parse_window(text: str, length: int) -> tuple[int, int | None]:
     """``--window START:END`` (token positions, END exclusive, either may be empty) checked
-    against an axis of ``length`` tokens. Raises LmlabError for anything else or an empty
-    window."""
+    against an axis of ``length`` tokens. Raises LmlabError for anything else, an empty window
+    or an END past the last token (never clipped silently)."""
     parts = text.split(":")
     try:
         if len(parts) != 2:
@@ -186,6 +186,11 @@ def parse_window(text: str, length: int) -> tuple[int, int | None]:
         raise LmlabError(
             f"--window {text!r} is empty: the text has {length} tokens (positions 0..{length - 1})"
             " and START must be below END"
+        )
+    if end is not None and end > length:
+        raise LmlabError(
+            f"--window {text!r} ends past the text: it has {length} tokens (positions "
+            f"0..{length - 1}); give END <= {length} or leave it empty ({start}:)"
         )
     return start, end
 
