@@ -148,7 +148,8 @@ def check_out_path(
     if folder and os.path.abspath(p) == os.path.abspath(os.sep):
         raise LmlabError(f"{flag} {p} is the file-system root; give a folder for {what}")
     if os.path.exists(p) and folder and not os.path.isdir(p):
-        raise LmlabError(f"{flag} {p} is a file; give a folder for {what}")
+        kind = "a file" if os.path.isfile(p) else "not a folder (a FIFO, socket or device)"
+        raise LmlabError(f"{flag} {p} is {kind}; give a folder for {what}")
     if os.path.exists(p) and not folder and os.path.isdir(p):
         raise LmlabError(f"{flag} {p} is a folder; give a file name")
     for parent in p.parents:

@@ -450,6 +450,12 @@ def load(
         if is_gguf_file(p):
             return load_gguf(p, device)
         raise LmlabError(not_a_model_file(p))
+    for name in ("config.yaml", "config.json"):
+        if os.path.lexists(p / name):  # there, but not a regular file (FIFO, folder, link)
+            raise LmlabError(
+                f"{p / name} is not a regular file (a FIFO, folder, device or broken link); "
+                "a model folder's config must be a plain file"
+            )
     raise LmlabError(
         f"{p} is neither an lmlab run folder (config.yaml) nor a Hugging Face model folder "
         "(config.json + model.safetensors)"
