@@ -84,6 +84,9 @@ def write_run(
     """Store ``model`` (weights as they are) and ``tokenizer`` as a run folder ``out`` with one
     step-0 checkpoint. Raises LmlabError for an ``out`` that is a file or a non-empty folder
     (unless ``force``); nothing is left in ``out`` on error."""
+    from lmlab.training.checkpoint import refuse_quantized
+
+    refuse_quantized(model)  # before any work: integer codes are not a run folder's weights
     final = Path(out)
     cfg = run_config_for(model, tokenizer, final.name or "imported")
     with staged_folder(final, force) as tmp:

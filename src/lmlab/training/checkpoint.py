@@ -34,7 +34,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file, save_model
 from torch import nn
 
-from lmlab.errors import CheckpointError
+from lmlab.errors import CheckpointError, LmlabError
 from lmlab.fsutil import check_free_space, writing
 from lmlab.safeio import KiB, MiB, inside, read_bytes, read_json_object
 from lmlab.training.weights_fit import check_finite, check_weights_fit, safetensors_header
@@ -245,6 +245,21 @@ def checkpoint_bytes(model: nn.Module, optimizer_state: dict[str, torch.Tensor] 
     return total + 64 * 1024
 
 
+def refuse_quantized(model: nn.Module) -> None:
+    """Raise LmlabError when ``model`` has weight-only quantized layers
+    (:class:`lmlab.nn.quant.QuantLinear`): their integer weights and scales are not a format
+    lmlab saves or reloads (a run folder stores float weights; quantize at load time)."""
+    from lmlab.nn.quant import QuantLinear
+
+    names = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    if names:
+        raise LmlabError(
+            f"this model has {len(names)} weight-only quantized layers (e.g. {names[0]}); lmlab "
+            "saves float weights only: save the float model and quantize when loading "
+            "(--quantize int8|int4, or lmlab.load(path, quantize=...))"
+        )
+
+
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -261,6 +276,7 @@ def save_checkpoint(
     folder. On any failure the temporary folder is removed and the previous checkpoint and
     ``latest`` are left as they were.
     """
+    refuse_quantized(model)
     root = Path(run_dir) / "checkpoints"
     final = root / checkpoint_name(step)
     tmp = root / f".tmp-{checkpoint_name(step)}-{os.getpid()}"
