@@ -25,6 +25,7 @@ from lmlab.data.tokenizer import CharTokenizer  # noqa: E402
 from lmlab.evaluation.evaluate import evaluate  # noqa: E402
 from lmlab.interop.export import export_model, verify_hf_folder  # noqa: E402
 from lmlab.interop.importer import import_model, write_run  # noqa: E402
+from lmlab.interop.load import load as lmlab_load  # noqa: E402
 from lmlab.models import build_model  # noqa: E402
 from lmlab.run import load_run  # noqa: E402
 from tests.helpers import perturb_all, tiny_model_config, write_hf_folder  # noqa: E402
@@ -169,6 +170,15 @@ def _hf_folder(tmp_path: Path, model_type: str) -> tuple[Path, torch.nn.Module]:
         "gpt2": transformers.GPT2Config(
             **common, n_positions=32, n_embd=32, n_layer=2, n_head=4, n_inner=48
         ),
+        "gpt2_untied": transformers.GPT2Config(  # a head of its own (tie_word_embeddings false)
+            **common,
+            n_positions=32,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_inner=48,
+            tie_word_embeddings=False,
+        ),  # fmt: skip
         "gpt_neox": transformers.GPTNeoXConfig(
             **common,
             hidden_size=32,
@@ -196,7 +206,8 @@ def _hf_folder(tmp_path: Path, model_type: str) -> tuple[Path, torch.nn.Module]:
 
 
 @pytest.mark.parametrize(
-    "model_type", ["gpt2", "gpt_neox", "llama", "mistral", "mixtral", "qwen2", "qwen3"]
+    "model_type",
+    ["gpt2", "gpt2_untied", "gpt_neox", "llama", "mistral", "mixtral", "qwen2", "qwen3"],
 )
 def test_hf_import_export_round_trip_gives_back_every_weight(tmp_path: Path, model_type: str):
     folder, hf = _hf_folder(tmp_path, model_type)
@@ -208,6 +219,12 @@ def test_hf_import_export_round_trip_gives_back_every_weight(tmp_path: Path, mod
     assert got.keys() == ref.keys()
     for key, value in ref.items():
         assert torch.equal(got[key], value), key
+    if model_type == "gpt2_untied":  # the head stayed its own, and lmlab computes HF's logits
+        assert not torch.equal(ref["lm_head.weight"], ref["transformer.wte.weight"])
+        model, _ = lmlab_load(folder)
+        x = torch.randint(0, VOCAB, (2, 9))
+        with torch.no_grad():
+            torch.testing.assert_close(model(x).logits, hf.eval()(x).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_an_imported_hf_model_evaluates_as_transformers_scores_it(tmp_path: Path, capsys):

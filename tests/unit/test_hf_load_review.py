@@ -108,13 +108,20 @@ def test_head_equal_to_embedding_stays_tied(tmp_path):
     assert ours.cfg.tie_embeddings
 
 
-def test_distinct_gpt2_head_under_tie_flag_is_refused(tmp_path, capsys):
+def test_distinct_gpt2_head_under_tie_flag_is_kept_as_transformers_does(tmp_path):
+    """GPT-2 as Llama: a stored lm_head.weight that differs from wte under
+    ``tie_word_embeddings: true`` is kept (transformers: "we will NOT tie them"), logits equal."""
     torch.manual_seed(0)
     model = redraw(transformers.GPT2LMHeadModel(hf_config("gpt2")))
     folder = write_hf_folder(tmp_path / "g", model)
     edit_weights(folder, **{"lm_head.weight": torch.randn_like(model.lm_head.weight)})
-    code, _, err = run_cli(capsys, "generate", folder, "--prompt", "ab")
-    assert_one_error(code, err, "config.json", "tie_word_embeddings", "lm_head.weight")
+    ref = transformers.GPT2LMHeadModel.from_pretrained(str(folder)).eval()
+    assert ref.lm_head.weight.data_ptr() != ref.transformer.wte.weight.data_ptr()
+    ours, _ = load(folder)
+    assert not ours.cfg.tie_embeddings
+    x = torch.randint(0, ref.config.vocab_size, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x).logits, ref(x).logits, atol=1e-5, rtol=0)
 
 
 def with_config(tmp_path: Path, model: torch.nn.Module, **fields) -> Path:

@@ -262,7 +262,6 @@ def _gpt2_from(cfg: ModelConfig) -> dict[str, Any]:
     c.require(not a.qk_norm, "model.attention.qk_norm")
     c.require(cfg.head_dim * a.n_heads == cfg.d_model, "model.attention.head_dim")
     c.require(not cfg.block.parallel, "model.block.parallel")
-    c.require(cfg.tie_embeddings, "model.tie_embeddings=false")
     c.done()
     return {
         "vocab_size": cfg.vocab_size,
@@ -276,7 +275,7 @@ def _gpt2_from(cfg: ModelConfig) -> dict[str, Any]:
         "resid_pdrop": 0.0,
         "embd_pdrop": 0.0,
         "attn_pdrop": 0.0,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": cfg.tie_embeddings,
         "bos_token_id": None,
         "eos_token_id": None,
     }
@@ -320,7 +319,7 @@ HF_FAMILIES.register(
         "GPT2LMHeadModel",
         "GPT2Config",
         hf.gpt2_model_config,
-        lambda sd, cfg: hf.gpt2_state_dict(sd, cfg.d_model),
+        lambda sd, cfg: hf.gpt2_state_dict(sd, cfg.d_model, cfg.tie_embeddings),
         _gpt2_from,
         _untied(hf.gpt2_hf_state_dict),
     )

@@ -158,7 +158,7 @@ def gpt2_model_config(hf: Any) -> ModelConfig:
         d_model=hf.n_embd,
         n_layers=hf.n_layer,
         max_seq_len=hf.n_positions,
-        tie_embeddings=True,
+        tie_embeddings=bool(getattr(hf, "tie_word_embeddings", True)),
         attention=AttentionConfig(n_heads=hf.n_head, bias=True),
         position=PositionConfig(kind="learned"),
         norm=NormConfig(kind="layernorm", eps=hf.layer_norm_epsilon, bias=True),
@@ -167,9 +167,13 @@ def gpt2_model_config(hf: Any) -> ModelConfig:
     )
 
 
-def gpt2_state_dict(sd: dict[str, torch.Tensor], d_model: int) -> dict[str, torch.Tensor]:
+def gpt2_state_dict(
+    sd: dict[str, torch.Tensor], d_model: int, tied: bool = True
+) -> dict[str, torch.Tensor]:
     """GPT-2 keys -> lmlab's. GPT-2's Conv1D stores (in, out) matrices: transpose them; split the
-    fused c_attn (D, 3D) into q, k and v."""
+    fused c_attn (D, 3D) into q, k and v. ``tied`` (config.json's ``tie_word_embeddings``,
+    default true): the head is the embedding; untied, the stored ``lm_head.weight`` is kept."""
+    head = sd.get("lm_head.weight")
     out: dict[str, torch.Tensor] = {}
     for key, value in sd.items():
         if key.endswith(".attn.bias") or key.endswith(".attn.masked_bias"):
@@ -181,7 +185,7 @@ def gpt2_state_dict(sd: dict[str, torch.Tensor], d_model: int) -> dict[str, torc
         elif key.startswith("transformer.ln_f."):
             out["final_norm." + key.split(".")[-1]] = value
         elif key == "lm_head.weight":
-            continue  # tied to wte
+            continue  # tied to wte, or kept below
         elif key.startswith("transformer.h."):
             parts = key.split(".")
             i, module, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
@@ -205,7 +209,10 @@ def gpt2_state_dict(sd: dict[str, torch.Tensor], d_model: int) -> dict[str, torc
         else:
             raise LmlabError(f"GPT-2 weight {key!r} has no place in an lmlab model")
     out = {k: v.contiguous() for k, v in out.items()}
-    out["lm_head.weight"] = out["embed.weight"]
+    if tied or head is None:  # an untied config without a head: the load names the missing one
+        out["lm_head.weight"] = out["embed.weight"]
+    else:
+        out["lm_head.weight"] = head.contiguous()
     return out
 
 
@@ -223,9 +230,10 @@ def gpt2_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
 
     q, k and v (D, D) are fused into c_attn as [q; k; v] along the output dim and every Conv1D
     weight is stored transposed, (in, out): c_attn (D, 3D), c_proj (D, D), c_fc (D, F),
-    mlp.c_proj (F, D). ``lm_head.weight`` is written (the embedding, GPT-2 ties them), as
-    ``GPT2LMHeadModel.state_dict()`` lists it. Raises LmlabError for a weight GPT-2 has no place
-    for (a gate projection, grouped-query k/v, ...), naming it, or for a missing one.
+    mlp.c_proj (F, D). ``lm_head.weight`` is written (the embedding when tied, else the model's
+    own head), as ``GPT2LMHeadModel.state_dict()`` lists it. Raises LmlabError for a weight
+    GPT-2 has no place for (a gate projection, grouped-query k/v, ...), naming it, or for a
+    missing one.
     """
     if cfg.n_kv_heads != cfg.attention.n_heads:
         raise LmlabError("GPT-2 has no grouped-query attention: n_kv_heads must equal n_heads")
@@ -243,6 +251,8 @@ def gpt2_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
             out[top[key]] = value
             continue
         if key == "lm_head.weight":
+            if not cfg.tie_embeddings:
+                out["lm_head.weight"] = value  # an untied head of its own
             continue  # tied: written from the embedding below
         parts = key.split(".")  # layers.{i}.{module...}.{weight|bias}
         i, module, kind = parts[1], ".".join(parts[2:-1]), parts[-1]
@@ -264,5 +274,6 @@ def gpt2_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
         out[f"transformer.h.{i}.attn.c_attn.{kind}"] = cat.t() if kind == "weight" else cat
     if "transformer.wte.weight" not in out:
         raise LmlabError("the state dict has no embed.weight")
-    out["lm_head.weight"] = out["transformer.wte.weight"]
+    if cfg.tie_embeddings or "lm_head.weight" not in out:
+        out["lm_head.weight"] = out["transformer.wte.weight"]
     return {k: v.contiguous() for k, v in out.items()}

@@ -274,13 +274,14 @@ def _to_state(
 
 # (LM head, embedding) as Hugging Face names them, for the families whose lmlab state converter
 # honours model.tie_embeddings (Llama, Mistral, Qwen, Mixtral, DiffLlama, DeepSeek-V3; GPT-NeoX)
-UNTIEABLE_HEADS = {
-    "lm_head.weight": "model.embed_tokens.weight",
-    "embed_out.weight": "gpt_neox.embed_in.weight",
-}
-# families whose converter always ties the head (GPT-2, T5, BART): a distinct one is refused
+UNTIEABLE_HEADS: tuple[tuple[str, str], ...] = (  # (head, embedding) pairs
+    ("lm_head.weight", "model.embed_tokens.weight"),
+    ("lm_head.weight", "transformer.wte.weight"),  # GPT-2
+    ("embed_out.weight", "gpt_neox.embed_in.weight"),
+)
+# families whose converter always ties the head (T5, BART): a distinct one is refused
 TIED_ONLY_HEADS = {
-    "lm_head.weight": ("transformer.wte.weight", "shared.weight", "model.shared.weight"),
+    "lm_head.weight": ("shared.weight", "model.shared.weight"),
 }
 
 
@@ -290,7 +291,7 @@ def untie_stored_head(
     """``cfg`` untied when config.json sets ``tie_word_embeddings: true`` yet the weights hold an
     LM head that differs from the embedding: transformers then keeps both ("both are present in
     the checkpoints with different values, so we will NOT tie them"), and so does lmlab. A head
-    equal to the embedding stays tied. For a family lmlab only loads tied (GPT-2, T5, BART)
+    equal to the embedding stays tied. For a family lmlab only loads tied (T5, BART)
     raises CheckpointError naming config.json's tie_word_embeddings and the tensor."""
     if not cfg.tie_embeddings:
         return cfg
@@ -300,7 +301,7 @@ def untie_stored_head(
         with safe_open(str(stored[name].file), framework="pt") as f:
             return f.get_tensor(name)
 
-    pairs = [(h, e, True) for h, e in UNTIEABLE_HEADS.items()]
+    pairs = [(h, e, True) for h, e in UNTIEABLE_HEADS]
     pairs += [(h, e, False) for h, es in TIED_ONLY_HEADS.items() for e in es]
     for head, embed, can_untie in pairs:
         if head not in stored or embed not in stored:
