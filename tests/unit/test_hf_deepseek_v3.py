@@ -300,8 +300,8 @@ def test_an_lmlab_mla_model_exports_to_deepseek_v3_with_equal_logits(tmp_path):
 
 
 def test_a_tensor_beyond_the_last_layer_is_refused(tmp_path, capsys):
-    """A multi-token-prediction layer (DeepSeek's checkpoints hold one after the last layer) or
-    any stray tensor is named, not silently dropped."""
+    """A stray tensor past the last layer (not a multi-token-prediction layer, which holds an
+    eh_proj and is skipped: tests/unit/test_hf_load_review.py) is named, not silently dropped."""
     from safetensors.torch import load_file, save_file
 
     folder = write_hf_folder(tmp_path, hf_model())

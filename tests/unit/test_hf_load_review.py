@@ -191,3 +191,29 @@ def test_deepseek_odd_qk_rope_head_dim_without_head_dim_is_refused(tmp_path, cap
     folder = with_config(tmp_path, deepseek_model(), qk_rope_head_dim=7, head_dim=None)
     code, _, err = run_cli(capsys, "inspect", folder)
     assert_one_error(code, err, "config.json", "even number")
+
+
+def test_deepseek_mtp_layer_tensors_are_skipped_as_transformers_does(tmp_path):
+    """A DeepSeek-V3 folder with its multi-token-prediction layer stored after the last one
+    (``model.layers.{n}.eh_proj`` ... , ``num_nextn_predict_layers: 1``) loads: the MTP tensors
+    are skipped and the logits equal transformers' (which ignores them too); a stray key that
+    is not a layer is still refused by name."""
+    model = deepseek_model()
+    n = model.config.num_hidden_layers
+    folder = with_config(tmp_path, model, num_nextn_predict_layers=1)
+    d = model.config.hidden_size
+    mtp = {
+        f"model.layers.{n}.eh_proj.weight": torch.randn(d, 2 * d),
+        f"model.layers.{n}.enorm.weight": torch.ones(d),
+        f"model.layers.{n}.hnorm.weight": torch.ones(d),
+        f"model.layers.{n}.shared_head.norm.weight": torch.ones(d),
+    }
+    edit_weights(folder, **mtp)
+    ours, _ = load(folder)
+    assert ours.cfg.n_layers == n
+    x = torch.randint(0, model.config.vocab_size, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x).logits, model.eval()(x).logits, atol=1e-5, rtol=0)
+    edit_weights(folder, **{"model.extra.weight": torch.ones(d)})
+    with pytest.raises(LmlabError, match="model.extra.weight"):
+        load(folder)

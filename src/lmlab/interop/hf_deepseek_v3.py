@@ -230,10 +230,28 @@ def deepseek_v3_state_dict(
     sd: dict[str, torch.Tensor], cfg: ModelConfig
 ) -> dict[str, torch.Tensor]:
     """DeepSeek-V3 keys -> lmlab's: Llama's rename with the MLA modules (a tied head copied from
-    the embedding). Raises LmlabError naming a weight with no place: an MoE expert or router; a
-    multi-token-prediction layer after the last one (DeepSeek's own checkpoints hold one, but
-    their MoE layers are refused first) is renamed and then refused by the shape check."""
-    return llama_state_dict(sd, cfg.tie_embeddings, LAYER_KEYS, "DeepSeek-V3")
+    the embedding). The multi-token-prediction (MTP) modules that DeepSeek's checkpoints store
+    as extra layers after the last one (``model.layers.{n_layers + j}.*``: enorm, hnorm,
+    eh_proj, a block and a shared head; ``num_nextn_predict_layers`` of them) are skipped, as
+    transformers skips them (the next-token model does not use them; DeepSeek-V3 sec. 2.2): a
+    layer past the last one is MTP when it holds an ``eh_proj`` (the MTP projection of
+    [norm(h); norm(embedding)]); any other tensor past the last layer is a stray one, refused.
+    Raises LmlabError naming a weight with no place: an MoE expert or router, any other key."""
+    mtp = {
+        i
+        for k in sd
+        if (i := _layer_index(k)) is not None and i >= cfg.n_layers and ".eh_proj." in k
+    }
+    kept = {k: v for k, v in sd.items() if _layer_index(k) not in mtp}
+    return llama_state_dict(kept, cfg.tie_embeddings, LAYER_KEYS, "DeepSeek-V3")
+
+
+def _layer_index(key: str) -> int | None:
+    """i of ``model.layers.{i}.*`` (None for any other key or a non-numeric index)."""
+    parts = key.split(".")
+    if parts[:2] != ["model", "layers"] or len(parts) < 3 or not parts[2].isdigit():
+        return None
+    return int(parts[2])
 
 
 def deepseek_v3_hf_state_dict(
