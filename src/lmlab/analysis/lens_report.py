@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from lmlab.analysis.attention_maps import encode_text, token_label
-from lmlab.analysis.lens import LogitAttribution, LogitLens, direct_logit_attribution, logit_lens
+from lmlab.analysis.lens import LogitLens, logit_lens
+from lmlab.analysis.lens_attribution import LogitAttribution, direct_logit_attribution
 from lmlab.errors import LmlabError
 
 PNG_NAMES = ("lens.png", "dla.png")
@@ -352,12 +353,13 @@ def format_dla(report: LensReport) -> str:
     d = report.dla
     if d is None:
         return f"direct logit attribution: not available: {report.dla_unavailable}"
+    w = max(16, *(len(n) for n in d.names))  # final_logits_bias (BART) is 17
     lines = [
         f"direct logit attribution of {report.what} at position {d.position} "
         f"({report.tokens[d.position]!r}), final norm frozen at scale {d.scale:.4g}:",
-        f"{'component':>16} {'logits':>10}",
+        f"{'component':>{w}} {'logits':>10}",
     ]
-    lines += [f"{n:>16} {v:+10.4f}" for n, v in d.top(10)]
-    lines.append(f"{'sum of all ' + str(len(d.names)):>16} {d.total:+10.4f}")
-    lines.append(f"{'actual':>16} {d.actual:+10.4f}")
+    lines += [f"{n:>{w}} {v:+10.4f}" for n, v in d.top(10)]
+    lines.append(f"{'sum of all ' + str(len(d.names)):>{w}} {d.total:+10.4f}")
+    lines.append(f"{'actual':>{w}} {d.actual:+10.4f}")
     return "\n".join(lines)

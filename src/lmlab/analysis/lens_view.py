@@ -21,7 +21,7 @@ from lmlab.analysis.html_view import Panel, pack
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from lmlab.analysis.lens import LogitAttribution
+    from lmlab.analysis.lens_attribution import LogitAttribution
 
 CELL_TEXT_MAX = 48  # positions (and rows) up to which every cell is labelled with its token
 
