@@ -284,7 +284,8 @@ def _save_pngs(folder: Path, report: LensReport, name: str) -> list[Path]:
     title = f"{name}: logit lens"
     if report.source is not None:
         xlabel = f"decoder input token (the column predicts {after})"
-        title += f" of the decoder; source: {_shown(report.source)}"
+        inches = max(4.0, 0.55 * len(report.tokens) + 2.0)  # plot_lens's width (uncapped)
+        title += f" of the decoder\nsource: {_shown(report.source, int(10 * inches))}"
     fig = plot_lens(probs, labels, report.tokens, report.rows, title, xlabel)
     files = [save(fig, folder / "lens.png")]
     if report.dla is not None:
@@ -338,9 +339,10 @@ def format_lens(report: LensReport) -> str:
     return "\n\n".join(blocks)
 
 
-def _shown(tokens: list[str], n: int = 40) -> str:
-    """The first ``n`` token labels joined, with an ellipsis when there are more."""
-    return " ".join(tokens[:n]) + (" ..." if len(tokens) > n else "")
+def _shown(tokens: list[str], chars: int) -> str:
+    """The token labels joined by spaces, cut to about ``chars`` characters with an ellipsis."""
+    text = " ".join(tokens)
+    return text if len(text) <= chars else text[: max(chars - 4, 1)] + " ..."
 
 
 def _cell(entry: tuple[str, float]) -> str:
