@@ -150,6 +150,10 @@ def test_lens_cli_on_an_encoder_decoder_run(seq2seq_run: Path, tmp_path: Path, c
     code, text_out, _ = run_cli(capsys, "lens", str(seq2seq_run), "--source", "abcd", "--text",
                                 "dc", "--target", "b", "--no-plot", "--device", "cpu")  # fmt: skip
     assert code == 0 and text_out.startswith("source, ") and "L" in text_out
+    code, out, err = run_cli(capsys, "lens", str(seq2seq_run), "--source", "abcd", "--text", "",
+                             "--json", "--no-plot", "--device", "cpu")  # fmt: skip
+    assert code == 0, err
+    assert json.loads(out)["ids"] == [start]  # the start token alone: the first prediction
 
 
 def test_lens_cli_source_refusals_are_one_error_line(seq2seq_run, tiny_run, capsys):

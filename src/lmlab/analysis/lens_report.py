@@ -209,7 +209,8 @@ def encode_pair(
     (:func:`encode_text`); for an encoder-decoder (decoder ids, source ids) as in training
     (lmlab.training.objectives.encode_pairs, lmlab.models.encoder_decoder.shift_right): the
     source framed by ``encode_for_model``, the decoder input ``decoder_start_token_id`` then
-    ``text``'s plain ids (column j predicts target token j). Raises LmlabError for a source
+    ``text``'s plain ids (column j predicts target token j; an empty ``text``: the start token
+    alone, whose column predicts the first target token). Raises LmlabError for a source
     missing (encoder-decoder) or given (other kinds), empty or longer than the context, or an
     unset start token."""
     cfg: Any = getattr(model, "cfg", None)
@@ -227,7 +228,7 @@ def encode_pair(
             "model.kind=encoder_decoder: give the encoder's input with --source TEXT (and the "
             "decoder's target prefix with --text)"
         )
-    ids = encode_text(model, tokenizer, text)
+    ids = encode_text(model, tokenizer, text) if text else []  # "": the start token alone
     if not source:
         raise LmlabError("--source is empty: give the encoder's input text")
     src = [int(i) for i in tokenizer.encode_for_model(source)]

@@ -15,7 +15,8 @@ def _lens_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--text", required=True, help="the text to run the model on (an encoder-decoder: the "
         "decoder's target prefix, read behind model.seq2seq.decoder_start_token_id as in "
-        "training, so column 0 is the start token and predicts the first target token)"
+        "training, so column 0 is the start token and predicts the first target token; "
+        "--text '' runs the start token alone)"
     )  # fmt: skip
     p.add_argument(
         "--source", metavar="TEXT", help="encoder-decoder only, and required there: the "
