@@ -107,3 +107,29 @@ def test_a_long_grid_keeps_its_scroll_so_a_click_far_right_picks_that_cell(b: Br
     assert b.eval("document.body.dataset.state") == "panel=lens&row=1&token=110"
     assert b.eval("document.querySelector('#topk td').textContent") == "r1t110k0"
     assert page_errors(b) == []
+
+
+def test_an_encoder_decoders_page_lists_its_source_and_names_self_and_cross_heads(
+    b: Browser, tmp_path: Path
+):
+    tok = CharTokenizer(sorted(set(TEXT)))
+    model = build_model(tiny_model_config(vocab_size=tok.vocab_size, kind="encoder_decoder"))
+    src, ids = torch.tensor([tok.encode(TEXT)]), torch.tensor([tok.encode(TEXT[:4])])
+    lens = logit_lens(model.eval(), ids, top_k=2, source_ids=src, keep_log_probs=False)
+    label = [token_label(tok.token_bytes(i)) for i in range(tok.vocab_size)]
+    tokens = [label[i] for i in ids[0].tolist()]
+    tops = [[[label[i] for i in cell] for cell in row] for row in lens.top_ids[0].tolist()]
+    source = [label[i] for i in src[0].tolist()]
+    dla = direct_logit_attribution(model, ids, 3, source_ids=src)
+    panels = [lens_panel(tokens, lens.row_labels, tops, lens.top_probs[0], source=source),
+              dla_panel(dla, "logit('x')", tokens[-1])]  # fmt: skip
+    b.open(write_page(tmp_path / "s2s.html", "lens", panels))
+    assert " ".join(source) in b.eval("document.body.textContent")  # as text, not markup
+    assert b.eval("document.querySelectorAll('#grid b').length") == 0
+    b.click("#lmlab-tabs button[data-panel='dla']")
+    heads = b.eval("[...document.querySelectorAll('#dla-grid tr:first-child th')]"
+                   ".map(e => e.textContent)")  # fmt: skip
+    assert heads == ["", *[f"self H{h}" for h in range(4)], *[f"cross H{h}" for h in range(4)],
+                     "FFN"]  # fmt: skip
+    assert f"{dla.total:.4f}" in b.eval("document.getElementById('dla-sum').textContent")
+    assert page_errors(b) == []

@@ -1,7 +1,9 @@
 """``lmlab lens`` on the tiny trained run: --json is one JSON object on stdout whose last lens
 row is the model's own prediction and whose attribution sums to the real logit; the PNGs and
 the page are written; a bad --target, --position or an existing --html is one error line
-before anything is written."""
+before anything is written. An encoder-decoder run with --source: the lens of its decoder
+behind the start token, its attribution with self and cross heads, the refusals of a missing
+or misplaced --source."""
 
 from __future__ import annotations
 
@@ -120,8 +122,48 @@ def test_an_encoders_lens_runs_and_its_attribution_is_refused_with_the_reason(
     assert err.startswith("note: direct logit attribution needs a decoder")
 
 
-def test_an_encoder_decoder_is_one_error_line_naming_the_model(seq2seq_run: Path, capsys):
+def test_lens_cli_on_an_encoder_decoder_run(seq2seq_run: Path, tmp_path: Path, capsys):
+    code, out, err = run_cli(
+        capsys, "lens", str(seq2seq_run), "--source", "abcd", "--text", "dc", "--target", "b",
+        "--json", "--device", "cpu", "--out", str(tmp_path / "pngs"),
+        "--html", str(tmp_path / "lens.html"),
+    )  # fmt: skip
+    assert code == 0, err
+    report = json.loads(out)
+    model, tok = load(seq2seq_run)
+    start = model.cfg.seq2seq.decoder_start_token_id
+    src = tok.encode_for_model("abcd")
+    dec = [start, *tok.encode("dc")]
+    assert report["source"]["ids"] == src and report["ids"] == dec
+    assert report["hooks"][0] == "decoder.layers.0.hook_resid_pre"
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([src]), decoder_input_ids=torch.tensor([dec]))
+    logits = logits.logits[0]
+    assert [row[0] for row in report["top_ids"][-1]] == logits.argmax(-1).tolist()
+    dla, b = report["dla"], tok.encode("b")[0]
+    assert dla["actual"] == pytest.approx(float(logits[-1, b]), abs=1e-5)
+    assert abs(sum(dla["components"].values()) - dla["actual"]) < 1e-4
+    assert "L0.cross.H0" in dla["components"] and "L0.self.H0" in dla["components"]
+    assert sorted(Path(f).name for f in report["files"]) == ["dla.png", "lens.html", "lens.png"]
+    page = (tmp_path / "lens.html").read_text(encoding="utf-8")
+    assert "cross H0" in page and report["source"]["tokens"][0] in page
+    code, text_out, _ = run_cli(capsys, "lens", str(seq2seq_run), "--source", "abcd", "--text",
+                                "dc", "--target", "b", "--no-plot", "--device", "cpu")  # fmt: skip
+    assert code == 0 and text_out.startswith("source, ") and "L" in text_out
+    code, out, err = run_cli(capsys, "lens", str(seq2seq_run), "--source", "abcd", "--text", "",
+                             "--json", "--no-plot", "--device", "cpu")  # fmt: skip
+    assert code == 0, err
+    assert json.loads(out)["ids"] == [start]  # the start token alone: the first prediction
+
+
+def test_lens_cli_source_refusals_are_one_error_line(seq2seq_run, tiny_run, capsys):
     code, out, err = run_cli(capsys, "lens", str(seq2seq_run), "--text", "abc", "--no-plot",
                              "--device", "cpu")  # fmt: skip
-    assert_one_error(code, err, "lmlab lens covers decoder", str(seq2seq_run), "encoder_decoder")
+    assert_one_error(code, err, "model.kind=encoder_decoder", "--source")
+    code, out, err = run_cli(capsys, "lens", str(tiny_run), "--text", "abc", "--source", "x",
+                             "--no-plot", "--device", "cpu")  # fmt: skip
+    assert_one_error(code, err, "--source goes with an encoder-decoder", "model.kind=decoder")
+    code, out, err = run_cli(capsys, "lens", str(seq2seq_run), "--text", "abc", "--source",
+                             "a" * 40, "--no-plot", "--device", "cpu")  # fmt: skip
+    assert_one_error(code, err, "--source is", "encoder context")
     assert out == ""

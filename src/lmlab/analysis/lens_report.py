@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from lmlab.analysis.attention_maps import encode_text, token_label
-from lmlab.analysis.lens import LogitAttribution, LogitLens, direct_logit_attribution, logit_lens
+from lmlab.analysis.lens import LogitLens, logit_lens
+from lmlab.analysis.lens_attribution import LogitAttribution, direct_logit_attribution
 from lmlab.errors import LmlabError
 
 PNG_NAMES = ("lens.png", "dla.png")
@@ -42,6 +43,8 @@ class LensReport:
     dla_unavailable: str | None = None
     files: list[Path] = field(default_factory=list)
     masked_lm: bool = False  # an encoder: each column predicts its own (masked) token
+    source: list[str] | None = None  # an encoder-decoder: the encoder input's token labels
+    source_ids: list[int] | None = None
 
     @property
     def predicts(self) -> str:
@@ -59,6 +62,9 @@ class LensReport:
         out: dict[str, Any] = {
             "tokens": self.tokens,
             "ids": self.ids,
+            "source": None
+            if self.source is None
+            else {"tokens": self.source, "ids": self.source_ids},
             "rows": self.rows,
             "hooks": lens.hooks,
             "top": [[[[s, p] for s, p in cell] for cell in row] for row in self.top],
@@ -129,6 +135,7 @@ def lens_report(
     out: str | Path | None = "lens",
     html: str | Path | None = None,
     device: str = "cpu",
+    source: str | None = None,
 ) -> LensReport:
     """Load the model at ``path`` (lmlab.interop.load.load), run the logit lens on ``text``
     (:func:`lmlab.analysis.lens.logit_lens`, top ``top`` tokens) and, given ``target`` (one
@@ -136,8 +143,11 @@ def lens_report(
     (minus ``versus``'s) to the components (:func:`direct_logit_attribution`; where the model's
     blocks do not allow it, ``dla_unavailable`` says why). Writes ``out/lens.png`` and, with a
     target, ``out/dla.png`` unless ``out`` is None; ``html``: one self-contained page (an
-    existing file is refused before the model is loaded). Raises LmlabError for a bad text,
-    target, position or top."""
+    existing file is refused before the model is loaded). An encoder-decoder needs ``source``
+    (the encoder's text, encoded as in training); ``text`` is then the decoder's, read behind
+    the decoder start token (:func:`encode_pair`). Raises LmlabError for a bad text, source,
+    target, position or top, and for ``source`` given to another kind or missing for an
+    encoder-decoder."""
     from lmlab.analysis.html_view import check_html_beside_pngs, check_html_out, check_png_folder
     from lmlab.interop.load import load
     from lmlab.training.hardware import resolve_device
@@ -155,14 +165,7 @@ def lens_report(
     if versus is not None and versus == target:
         raise LmlabError(f"--versus {versus!r} is the --target token; give a different one")
     model, tokenizer = load(path, str(resolve_device(device)))
-    kind = getattr(getattr(model, "cfg", None), "kind", None)
-    if kind == "encoder_decoder":
-        raise LmlabError(
-            f"lmlab lens covers decoder (causal LM) and encoder (masked LM) models; {path} is "
-            "model.kind=encoder_decoder (its decoder stream depends on the source and its "
-            "layers add cross-attention, which the lens does not decompose)"
-        )
-    ids = encode_text(model, tokenizer, text)
+    ids, src = encode_pair(model, tokenizer, text, source, path)
     t = len(ids)
     if not -t <= position < t:
         raise LmlabError(
@@ -173,8 +176,11 @@ def lens_report(
     vid = one_token(tokenizer, versus, "--versus") if versus is not None else None
     device_ = next(model.parameters()).device
     x = torch.tensor([ids], dtype=torch.long, device=device_)
+    sx = None if src is None else torch.tensor([src], dtype=torch.long, device=device_)
     vocab = int(getattr(model, "cfg").vocab_size)  # noqa: B009  (checked in encode_text)
-    lens = logit_lens(model, x, top_k=min(top, vocab), targets=tid, keep_log_probs=False)
+    lens = logit_lens(
+        model, x, top_k=min(top, vocab), targets=tid, keep_log_probs=False, source_ids=sx
+    )
     label = _labeller(tokenizer)
     report = LensReport(
         [label(i) for i in ids], ids, lens.row_labels,
@@ -182,10 +188,11 @@ def lens_report(
           for ci, cp in zip(ri, rp, strict=True)]
          for ri, rp in zip(lens.top_ids[0], lens.top_probs[0], strict=True)],
         lens, target, tid, versus, vid, masked_lm=model.cfg.kind == "encoder",  # type: ignore[union-attr]
+        source=None if src is None else [label(i) for i in src], source_ids=src,
     )  # fmt: skip
     if tid is not None:
         try:
-            report.dla = direct_logit_attribution(model, x, tid, vid, position)
+            report.dla = direct_logit_attribution(model, x, tid, vid, position, source_ids=sx)
         except LmlabError as e:
             report.dla_unavailable = str(e)
     if out is not None:
@@ -193,6 +200,53 @@ def lens_report(
     if html is not None:
         report.files.append(_save_page(html, report, Path(path).name))
     return report
+
+
+def encode_pair(
+    model: Any, tokenizer: Any, text: str, source: str | None, path: str | Path
+) -> tuple[list[int], list[int] | None]:
+    """The ids ``lmlab lens`` runs: (``text``'s, None) for a decoder or encoder
+    (:func:`encode_text`); for an encoder-decoder (decoder ids, source ids) as in training
+    (lmlab.training.objectives.encode_pairs, lmlab.models.encoder_decoder.shift_right): the
+    source framed by ``encode_for_model``, the decoder input ``decoder_start_token_id`` then
+    ``text``'s plain ids (column j predicts target token j; an empty ``text``: the start token
+    alone, whose column predicts the first target token). Raises LmlabError for a source
+    missing (encoder-decoder) or given (other kinds), empty or longer than the context, or an
+    unset start token."""
+    cfg: Any = getattr(model, "cfg", None)
+    kind = getattr(cfg, "kind", None)
+    if kind != "encoder_decoder":
+        if source is not None:
+            raise LmlabError(
+                f"--source goes with an encoder-decoder (model.kind=encoder_decoder); {path} is "
+                f"model.kind={kind}: give the whole text with --text"
+            )
+        return encode_text(model, tokenizer, text), None
+    if source is None:
+        raise LmlabError(
+            f"lmlab lens covers decoder, encoder and encoder-decoder models; {path} is "
+            "model.kind=encoder_decoder: give the encoder's input with --source TEXT (and the "
+            "decoder's target prefix with --text)"
+        )
+    ids = encode_text(model, tokenizer, text) if text else []  # "": the start token alone
+    if not source:
+        raise LmlabError("--source is empty: give the encoder's input text")
+    src = [int(i) for i in tokenizer.encode_for_model(source)]
+    if not src:
+        raise LmlabError(f"--source {source!r} encodes to no tokens")
+    if len(src) > cfg.max_seq_len:
+        raise LmlabError(f"--source is {len(src)} tokens, more than the encoder context of "
+                         f"{cfg.max_seq_len} (model.max_seq_len); shorten it")  # fmt: skip
+    start = cfg.seq2seq.decoder_start_token_id
+    if start is None:
+        raise LmlabError(f"{path}: model.seq2seq.decoder_start_token_id is not set, so the "
+                         "decoder input cannot be built")  # fmt: skip
+    if len(ids) + 1 > cfg.max_seq_len:
+        raise LmlabError(
+            f"--text is {len(ids)} tokens; with the decoder start token that is more than the "
+            f"model's context of {cfg.max_seq_len} (model.max_seq_len); shorten it"
+        )
+    return [int(start), *ids], src
 
 
 def _labeller(tokenizer: Any) -> Any:
@@ -217,7 +271,12 @@ def _save_pngs(folder: Path, report: LensReport, name: str) -> list[Path]:
     labels = [[cell[0][0] for cell in row] for row in report.top]
     after = "the token there (masked LM)" if report.masked_lm else "the token after it"
     xlabel = f"input token (the column predicts {after})"
-    fig = plot_lens(probs, labels, report.tokens, report.rows, f"{name}: logit lens", xlabel)
+    title = f"{name}: logit lens"
+    if report.source is not None:
+        xlabel = f"decoder input token (the column predicts {after})"
+        inches = max(4.0, 0.55 * len(report.tokens) + 2.0)  # plot_lens's width (uncapped)
+        title += f" of the decoder\nsource: {_shown(report.source, int(10 * inches))}"
+    fig = plot_lens(probs, labels, report.tokens, report.rows, title, xlabel)
     files = [save(fig, folder / "lens.png")]
     if report.dla is not None:
         title = f"{name}: {report.what} at position {report.dla.position}"
@@ -235,7 +294,8 @@ def _save_page(html: str | Path, report: LensReport, name: str) -> Path:
         assert lens.target_ranks is not None
         target = (report.target, lens.target_probs[0], lens.target_ranks[0])
     labels = [[[s for s, _ in cell] for cell in row] for row in report.top]
-    panels = [lens_panel(report.tokens, report.rows, labels, lens.top_probs[0], target)]
+    panels = [lens_panel(report.tokens, report.rows, labels, lens.top_probs[0], target,
+                         source=report.source)]  # fmt: skip
     if report.dla is not None:
         panels.append(dla_panel(report.dla, report.what, report.tokens[report.dla.position]))
     return write_page(html, f"{name}: logit lens", panels)
@@ -269,6 +329,12 @@ def format_lens(report: LensReport) -> str:
     return "\n\n".join(blocks)
 
 
+def _shown(tokens: list[str], chars: int) -> str:
+    """The token labels joined by spaces, cut to about ``chars`` characters with an ellipsis."""
+    text = " ".join(tokens)
+    return text if len(text) <= chars else text[: max(chars - 4, 1)] + " ..."
+
+
 def _cell(entry: tuple[str, float]) -> str:
     label, p = entry
     return f"{label[:8]} {p:.2f}"
@@ -279,12 +345,13 @@ def format_dla(report: LensReport) -> str:
     d = report.dla
     if d is None:
         return f"direct logit attribution: not available: {report.dla_unavailable}"
+    w = max(16, *(len(n) for n in d.names))  # final_logits_bias (BART) is 17
     lines = [
         f"direct logit attribution of {report.what} at position {d.position} "
         f"({report.tokens[d.position]!r}), final norm frozen at scale {d.scale:.4g}:",
-        f"{'component':>16} {'logits':>10}",
+        f"{'component':>{w}} {'logits':>10}",
     ]
-    lines += [f"{n:>16} {v:+10.4f}" for n, v in d.top(10)]
-    lines.append(f"{'sum of all ' + str(len(d.names)):>16} {d.total:+10.4f}")
-    lines.append(f"{'actual':>16} {d.actual:+10.4f}")
+    lines += [f"{n:>{w}} {v:+10.4f}" for n, v in d.top(10)]
+    lines.append(f"{'sum of all ' + str(len(d.names)):>{w}} {d.total:+10.4f}")
+    lines.append(f"{'actual':>{w}} {d.actual:+10.4f}")
     return "\n".join(lines)

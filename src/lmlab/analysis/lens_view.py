@@ -21,7 +21,7 @@ from lmlab.analysis.html_view import Panel, pack
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from lmlab.analysis.lens import LogitAttribution
+    from lmlab.analysis.lens_attribution import LogitAttribution
 
 CELL_TEXT_MAX = 48  # positions (and rows) up to which every cell is labelled with its token
 
@@ -82,18 +82,16 @@ def plot_dla(dla: LogitAttribution, what: str, title: str = "") -> Figure:
     """Heatmap (L, H + 1 [+ 1]) of the attribution: one column per head, then the FFN (and the
     o_proj bias when the model has one), red positive / blue negative, symmetric around 0,
     values written in the cells when there are few; the embedding, positions and constant terms
-    and the sum against the actual logit in the caption. ``what``: the logit named in words."""
+    and the sum against the actual logit in the caption. ``what``: the logit named in words.
+    An encoder-decoder's grid has the self-attention heads, then the cross-attention heads,
+    the FFN, then the self and cross o_proj biases (when present), each column named."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    cols = [dla.heads, dla.ffn.unsqueeze(1)]
-    names = [f"H{h}" for h in range(dla.heads.shape[1])] + ["FFN"]
-    if any(n.endswith(".attn_bias") for n in dla.names):
-        cols.append(dla.attn_bias.unsqueeze(1))
-        names.append("bias")
-    grid = torch.cat(cols, dim=1).float().numpy()  # (L, columns)
+    columns, names = dla_columns(dla)
+    grid = columns.float().numpy()  # (L, columns)
     n_layers, n_cols = grid.shape
     width = min(max(4.0, 0.6 * n_cols + 2.5), MAX_FIGURE_INCHES)
     height = min(max(2.5, 0.4 * n_layers + 2.0), MAX_FIGURE_INCHES)
@@ -109,7 +107,7 @@ def plot_dla(dla: LogitAttribution, what: str, title: str = "") -> Figure:
                 ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=6,
                         color="white" if white else "black")  # fmt: skip
     ax.set_xticks(range(n_cols))
-    ax.set_xticklabels(names, fontsize=7, rotation=90 if n_cols > 16 else 0)
+    ax.set_xticklabels(names, fontsize=7, rotation=90 if n_cols > 16 or len(names[0]) > 3 else 0)
     yt, _ = _ticks([str(i) for i in range(n_layers)], 0, max(8, int(height * 72 / 10)))
     ax.set_yticks(yt)
     ax.set_yticklabels([f"layer {i}" for i in yt], fontsize=8)
@@ -120,6 +118,27 @@ def plot_dla(dla: LogitAttribution, what: str, title: str = "") -> Figure:
     fig.colorbar(image, ax=ax, shrink=0.8, label=f"contribution to {what} (logits)")
     fig.suptitle(title or f"direct logit attribution: {what}", fontsize=10)
     return fig
+
+
+def dla_columns(dla: LogitAttribution) -> tuple[torch.Tensor, list[str]]:
+    """The attribution as a layers x columns grid (L, C) float64 and the C column names: heads
+    ``H{h}``, ``FFN``, ``bias`` (when o_proj has one); an encoder-decoder's ``self H{h}``,
+    ``cross H{h}``, ``FFN``, ``self bias``, ``cross bias``."""
+    n_h = dla.heads.shape[1]
+    if dla.cross_heads is None or dla.cross_bias is None:
+        cols, names = [dla.heads, dla.ffn.unsqueeze(1)], [f"H{h}" for h in range(n_h)] + ["FFN"]
+        if any(n.endswith(".attn_bias") for n in dla.names):
+            cols.append(dla.attn_bias.unsqueeze(1))
+            names.append("bias")
+        return torch.cat(cols, dim=1), names
+    cols = [dla.heads, dla.cross_heads, dla.ffn.unsqueeze(1)]
+    names = [f"self H{h}" for h in range(n_h)]
+    names += [f"cross H{h}" for h in range(dla.cross_heads.shape[1])] + ["FFN"]
+    for what, values in (("self", dla.attn_bias), ("cross", dla.cross_bias)):
+        if any(n.endswith(f".{what}.bias") for n in dla.names):
+            cols.append(values.unsqueeze(1))
+            names.append(f"{what} bias")
+    return torch.cat(cols, dim=1), names
 
 
 def save(fig: Figure, path: Path) -> Path:
@@ -139,12 +158,14 @@ def lens_panel(
     top_probs: torch.Tensor,
     target: tuple[str, torch.Tensor, torch.Tensor] | None = None,
     panel_id: str = "lens",
+    source: list[str] | None = None,
 ) -> Panel:
     """The lens grid: ``tokens`` T input labels, ``rows`` R row names, ``top_labels`` (R, T, k)
     nested lists of token labels with ``top_probs`` (R, T, k) float, most likely first.
     ``target``: (its label, probabilities (R, T), ranks (R, T) int, 1 = top). The page colours
     each cell by its top-1 probability; hovering or clicking a cell lists its top k. Token text
-    is sent as JSON strings and drawn with textContent. Raises ValueError for mismatched
+    is sent as JSON strings and drawn with textContent. ``source``: an encoder-decoder's encoder
+    input labels (the page lists them above the grid). Raises ValueError for mismatched
     shapes."""
     r, t, k = top_probs.shape
     if len(rows) != r or len(tokens) != t or len(top_labels) != r:
@@ -160,6 +181,7 @@ def lens_panel(
         "top": idx,
         "probs": pack(top_probs.float()),
         "target": None,
+        "source": None if source is None else list(source),
     }
     if target is not None:
         label, probs, ranks = target
@@ -170,16 +192,24 @@ def lens_panel(
 def dla_panel(dla: LogitAttribution, what: str, token: str, panel_id: str = "dla") -> Panel:
     """The attribution panel: a layers x (heads, FFN, bias) table coloured by sign and size,
     the top components by |contribution|, and the sum against the actual logit. ``what`` names
-    the logit, ``token`` the input token at the attributed position."""
+    the logit, ``token`` the input token at the attributed position. An encoder-decoder's
+    ``heads`` rows hold its self heads, cross heads and biases, named by ``head_labels``."""
+    head_labels = None
+    heads, attn_bias = dla.heads, None
+    if any(n.endswith(".attn_bias") for n in dla.names):
+        attn_bias = dla.attn_bias.tolist()
+    if dla.cross_heads is not None:
+        grid, names = dla_columns(dla)
+        keep = [j for j, n in enumerate(names) if n != "FFN"]  # the page adds the FFN column
+        heads, head_labels = grid[:, keep], [names[j] for j in keep]
     data = {
         "what": what,
         "token": token,
         "position": dla.position,
-        "heads": dla.heads.tolist(),
+        "heads": heads.tolist(),
+        "head_labels": head_labels,
         "ffn": dla.ffn.tolist(),
-        "attn_bias": dla.attn_bias.tolist()
-        if any(n.endswith(".attn_bias") for n in dla.names)
-        else None,
+        "attn_bias": attn_bias,
         "top": [[n, v] for n, v in dla.top(10)],
         "others": [
             [n, v]

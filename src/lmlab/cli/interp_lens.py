@@ -12,7 +12,16 @@ from lmlab.cli.common import Command
 
 def _lens_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL", help="run folder, Hugging Face folder or .gguf file")
-    p.add_argument("--text", required=True, help="the text to run the model on")
+    p.add_argument(
+        "--text", required=True, help="the text to run the model on (an encoder-decoder: the "
+        "decoder's target prefix, read behind model.seq2seq.decoder_start_token_id as in "
+        "training, so column 0 is the start token and predicts the first target token; "
+        "--text '' runs the start token alone)"
+    )  # fmt: skip
+    p.add_argument(
+        "--source", metavar="TEXT", help="encoder-decoder only, and required there: the "
+        "encoder's input (framed as in training); the lens and attribution read the decoder"
+    )  # fmt: skip
     p.add_argument("--top", type=int, default=5, metavar="K",
                    help="top tokens kept per layer and position (default %(default)s)")  # fmt: skip
     p.add_argument(
@@ -49,12 +58,16 @@ def cmd_lens(args: argparse.Namespace) -> int:
         out=None if args.no_plot else args.out,
         html=args.html,
         device=args.device or "auto",
+        source=args.source,
     )
     if args.json:
         print(json.dumps(report.as_dict(), ensure_ascii=False))
         if report.dla_unavailable:
             print(f"note: {report.dla_unavailable}", file=sys.stderr)
         return 0
+    if report.source is not None:
+        print(f"source, {len(report.source)} tokens: {' '.join(report.source)}")
+        print("decoder input, ", end="")
     print(f"{len(report.tokens)} tokens: {' '.join(report.tokens)}")
     print(f"logit lens: top-1 prediction of {report.predicts} and its probability after each "
           "layer")  # fmt: skip
@@ -75,11 +88,15 @@ LENS = Command(
     "(the last row is the model's output). With --target TOKEN: that token's probability and "
     "rank per layer x position, and the direct logit attribution of its logit at --position "
     "(Elhage et al. 2021): the embedding, every head, every FFN, with the final norm frozen at "
-    "the run's scale, summing to the actual logit (pre-norm decoders). Writes OUT/lens.png "
-    "and OUT/dla.png; --html one interactive page. Layers, heads and positions count from 0.",
+    "the run's scale, summing to the actual logit (pre-norm decoders). An encoder-decoder "
+    "(T5, BART) needs --source (the encoder's text): the lens reads its decoder, whose input "
+    "is the decoder start token then --text, and the attribution (pre-norm only) splits each "
+    "decoder layer into self-attention heads (L{i}.self.H{h}), cross-attention heads "
+    "(L{i}.cross.H{h}) and the FFN. Writes OUT/lens.png and OUT/dla.png; --html one "
+    "interactive page. Layers, heads and positions count from 0.",
     arguments=_lens_arguments,
     run=cmd_lens,
     epilog='example: lmlab lens runs/minigpt --text "ROMEO: But soft" --target " " --out lens; '
     'lmlab lens model.gguf --text "The capital of France is" --target " Paris" --versus '
-    '" London" --html lens.html',
+    '" London" --html lens.html; lmlab lens runs/t5 --source "abcd" --text "dc" --target "b"',
 )

@@ -1,5 +1,6 @@
 LM.render.dla = function (root, p, st, set) {
-  // d.heads (L, H) logits; d.ffn (L,); d.attn_bias (L,) or null; d.top [[name, value]]
+  // d.heads (L, H) logits; d.ffn (L,); d.attn_bias (L,) or null; d.top [[name, value]];
+  // d.head_labels: the heads' column names (an encoder-decoder: self H0.., cross H0.., biases)
   const d = p.data, L = d.heads.length, H = L ? d.heads[0].length : 0;
   root.appendChild(el("div", "lbl", "contributions to " + d.what + " at position " + d.position +
     " (\u201c" + d.token + "\u201d), in logits; the final norm frozen at this run's scale"));
@@ -12,7 +13,7 @@ LM.render.dla = function (root, p, st, set) {
   };
   const table = el("table"); table.id = "dla-grid"; table.style.borderCollapse = "collapse";
   const head = el("tr"); head.appendChild(el("th"));
-  for (let h = 0; h < H; h++) head.appendChild(el("th", "", "H" + h));
+  for (let h = 0; h < H; h++) head.appendChild(el("th", "", d.head_labels ? d.head_labels[h] : "H" + h));
   head.appendChild(el("th", "", "FFN"));
   if (d.attn_bias) head.appendChild(el("th", "", "bias"));
   table.appendChild(head);

@@ -6,6 +6,7 @@ LM.render.lens = function (root, p, st, set) {
   const clamp = (v, n) => Math.max(0, Math.min(n - 1, Number.isFinite(+v) ? Math.floor(+v) : 0));
   const row = clamp(st.row === undefined ? R - 1 : st.row, R), tok = clamp(st.token === undefined ? T - 1 : st.token, T);
   const prob = (r, t, k) => d._p[(r * T + t) * K + k];
+  if (d.source) root.appendChild(el("div", "lbl", "source (the encoder's input): " + d.source.join(" ")));
   root.appendChild(el("div", "lbl", "rows: the residual stream after each layer (embed at the bottom); " +
     "columns: input tokens, each predicting the next; colour = top-1 probability; hover or click a cell"));
   const wrap = el("div"); wrap.style.overflowX = "auto";
