@@ -11,7 +11,8 @@ states into a noised run) and the path/activation patching of Wang et al. 2022
 & Nanda 2024 ("How to use and interpret activation patching").
 
 Everything here is written against :mod:`lmlab.hooks` (``run_with_cache`` / ``run_with_hooks``)
-and works on any model kind whose forward takes ``model(ids)`` (decoders, encoders).
+and works on any model kind whose forward takes ``model(ids)`` (decoders, encoders), and on
+encoder-decoders (``model(input_ids=source, decoder_input_ids=ids)``; below the tables).
 
 Legend: B batch (one row per patch in a batched run), T tokens, V vocab, L layers, H heads,
 hd head_dim. The metric m(logits) is the logit difference ``logits[pos, target] -
