@@ -1,7 +1,9 @@
 """The activation-patching page in a real headless Chromium (tests.helpers.browser; skipped,
 saying so, when none is installed): it loads with no console error, shows the map of the first
 ``what`` with the tokens as text, a click on a cell reports that cell's score, layer and token,
-and switching the selector shows another map."""
+and switching the selector shows another map; an encoder-decoder's page (in the same browser)
+draws each map with its own layers (2 encoder, 3 decoder), the encoder map over the source
+tokens, and a click on a cross-attention head cell reports that head and its score."""
 
 from __future__ import annotations
 
@@ -19,6 +21,25 @@ from tests.helpers.browser import Browser, browser_test_marks
 
 CHROMIUM, pytestmark = browser_test_marks()
 TOKENS = ["满", "<b>", "&amp;", "'", '"', "x"]  # CJK, and text that would be markup in HTML
+SOURCE, DECODER = ["满", "<b>", "c", "d"], ["<s>", "x", "y"]
+
+
+def encoder_decoder_page(tmp_path: Path) -> tuple[Path, torch.Tensor]:
+    """An encoder-decoder's page (encoder.resid_pre, cross_heads) and its cross_heads map."""
+    torch.manual_seed(0)
+    cfg = tiny_model_config(vocab_size=20, kind="encoder_decoder",
+                            seq2seq={"n_decoder_layers": 3})  # fmt: skip
+    model = build_model(cfg).eval()
+    src = torch.randint(3, 20, (1, 4))
+    bad = src.clone()
+    bad[0, 1] = 3 + (src[0, 1] - 3 + 5) % 17
+    dec = torch.randint(3, 20, (1, 3))
+    res = patch_activations(model, dec, dec, 3, 4, what=("encoder.resid_pre", "cross_heads"),
+                            clean_source=src, corrupted_source=bad)  # fmt: skip
+    report = PatchReport(DECODER, DECODER, "t", "v", res, source_tokens=SOURCE,
+                         corrupted_source_tokens=["满", "z", "c", "d"])  # fmt: skip
+    page = write_page(tmp_path / "s2s.html", "patch", [patch_panel(report)])
+    return page, res.scores["cross_heads"]
 
 
 def test_the_patch_page_shows_a_cell_and_switches_maps(tmp_path: Path):
@@ -30,6 +51,7 @@ def test_the_patch_page_shows_a_cell_and_switches_maps(tmp_path: Path):
     res = patch_activations(model, clean, corrupted, 3, 4, what=("resid_pre", "heads"))
     report = PatchReport(TOKENS, TOKENS, "t", "v", res)
     page = write_page(tmp_path / "p.html", "patch", [patch_panel(report)])
+    s2s, cross = encoder_decoder_page(tmp_path)
     s = res.scores["resid_pre"]
     step = float(s.max() - s.min()) / 65535  # the page's 16-bit quantisation
     assert CHROMIUM is not None
@@ -67,3 +89,21 @@ def test_the_patch_page_shows_a_cell_and_switches_maps(tmp_path: Path):
         assert (
             b.errors == [] and b.eval("document.getElementById('lmlab-errors').textContent") == ""
         )
+        b.open(s2s)
+        assert b.errors + [b.eval("document.getElementById('lmlab-errors').textContent")] == [""]
+        assert b.eval("document.getElementById('patch-map').dataset.what") == "encoder.resid_pre"
+        assert b.eval("document.getElementById('patch-map').height") == 2 * 28  # 2 encoder layers
+        cols = b.eval("[...document.querySelectorAll('#patch-columns .tok')]"
+                      ".map(e => e.firstChild.data)")  # fmt: skip
+        assert cols == SOURCE
+        b.eval("(() => { const s = document.querySelector('select[name=map]'); s.value = '1';"
+               " s.dispatchEvent(new Event('change')); })()")  # fmt: skip
+        assert b.eval("document.getElementById('patch-map').dataset.what") == "cross_heads"
+        assert b.eval("document.getElementById('patch-map').height") == 3 * 28  # 3 decoder
+        b.click("#patch-map", dx=(2 + 0.5) / 4, dy=(2 + 0.5) / 3)  # layer 2, head 2
+        info = b.eval("document.getElementById('patch-cell').textContent")
+        assert info.startswith("cross_heads, layer 2, head 2 (all positions): score ")
+        got = float(b.eval("document.getElementById('patch-cell').dataset.score"))
+        step = float(cross.max() - cross.min()) / 65535
+        assert got == pytest.approx(float(cross[2, 2]), abs=step + 1e-6)
+        assert b.errors == []

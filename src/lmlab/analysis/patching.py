@@ -11,7 +11,8 @@ states into a noised run) and the path/activation patching of Wang et al. 2022
 & Nanda 2024 ("How to use and interpret activation patching").
 
 Everything here is written against :mod:`lmlab.hooks` (``run_with_cache`` / ``run_with_hooks``)
-and works on any model kind whose forward takes ``model(ids)`` (decoders, encoders).
+and works on any model kind whose forward takes ``model(ids)`` (decoders, encoders), and on
+encoder-decoders (``model(input_ids=source, decoder_input_ids=ids)``; below the tables).
 
 Legend: B batch (one row per patch in a batched run), T tokens, V vocab, L layers, H heads,
 hd head_dim. The metric m(logits) is the logit difference ``logits[pos, target] -
@@ -37,6 +38,35 @@ what            hook point                      one patch               score ma
 ``heads``       ``layers.{i}.attn.hook_z``      layer i, head h, all    (L, H)
                                                 positions (z[:, h])
 ==============  ==============================  ======================  =====================
+
+An encoder-decoder (``model.kind: encoder_decoder``) is patched with ``clean_source`` /
+``corrupted_source`` (the encoder inputs, S tokens each) next to the decoder inputs
+``clean_ids`` / ``corrupted_ids`` (T tokens each; in the usual case one source word changes and
+the decoder input is the same in both runs). The metric is read from the decoder's logits. The
+decoder-only names above then mean the decoder's points (``decoder.layers.{i}...``, maps
+(L_dec, T) and (L_dec, H)), and :data:`ENCODER_DECODER_POINTS` adds:
+
+======================  ==========================================  ================  ==========
+what                    hook point                                  one patch         score map
+======================  ==========================================  ================  ==========
+``encoder.resid_pre``   ``encoder.layers.{i}.hook_resid_pre``       layer i, source   (L_enc, S)
+                                                                    position s
+``encoder.resid_mid``   ``encoder.layers.{i}.hook_resid_mid``       layer i, s        (L_enc, S)
+``encoder.resid_post``  ``encoder.layers.{i}.hook_resid_post``      layer i, s        (L_enc, S)
+``encoder.attn_out``    ``encoder.layers.{i}.attn.hook_out``        layer i, s        (L_enc, S)
+``encoder.ffn_out``     ``encoder.layers.{i}.ffn.hook_out``         layer i, s        (L_enc, S)
+``encoder.heads``       ``encoder.layers.{i}.attn.hook_z``          layer i, head h,  (L_enc, H)
+                                                                    all positions
+``resid_cross``         ``decoder.layers.{i}.hook_resid_cross``     layer i, t        (L_dec, T)
+``cross_out``           ``decoder.layers.{i}.cross_attn.hook_out``  layer i, t        (L_dec, T)
+``cross_heads``         ``decoder.layers.{i}.cross_attn.hook_z``    layer i, cross-   (L_dec, H)
+                                                                    attention head h,
+                                                                    all positions
+======================  ==========================================  ================  ==========
+
+An encoder patch changes the memory that every decoder layer's cross-attention reads: each
+patched row runs the whole model, encoder included, with its own patch, and no cache is passed,
+so each row's cross-attention keys and values are computed from that row's own encoder output.
 """
 
 from __future__ import annotations
@@ -62,6 +92,21 @@ POINTS: dict[str, str] = {
     "heads": "layers.{i}.attn.hook_z",
 }
 DEFAULT_WHAT = ("resid_pre", "attn_out", "ffn_out", "heads")
+# an encoder-decoder's points: the encoder's under "encoder.", the decoder's under the
+# decoder-only names, plus its cross-attention
+ENCODER_DECODER_POINTS: dict[str, str] = {
+    **{f"encoder.{w}": f"encoder.{name}" for w, name in POINTS.items()},
+    "resid_pre": "decoder.layers.{i}.hook_resid_pre",
+    "resid_mid": "decoder.layers.{i}.hook_resid_mid",
+    "resid_cross": "decoder.layers.{i}.hook_resid_cross",
+    "resid_post": "decoder.layers.{i}.hook_resid_post",
+    "attn_out": "decoder.layers.{i}.attn.hook_out",
+    "cross_out": "decoder.layers.{i}.cross_attn.hook_out",
+    "ffn_out": "decoder.layers.{i}.ffn.hook_out",
+    "heads": "decoder.layers.{i}.attn.hook_z",
+    "cross_heads": "decoder.layers.{i}.cross_attn.hook_z",
+}
+ENCODER_DECODER_DEFAULT_WHAT = ("encoder.resid_pre", "resid_pre", "heads", "cross_heads")
 BATCH = 32  # patched runs per batched forward at most
 LOGIT_BUDGET = 1 << 26  # and at most this many logits (R T V floats) per batched forward
 
@@ -159,12 +204,16 @@ def run_patched(
     ids: torch.Tensor,
     source: ActivationCache,
     rows: Sequence[Sequence[Patch]],
+    source_ids: torch.Tensor | None = None,
     **forward_kwargs: Any,
 ) -> torch.Tensor:
     """Run ``ids`` (T,) or (1, T) int64 once per entry of ``rows``, batched (R = len(rows)
     copies in one forward), row r with the patches ``rows[r]`` taken from ``source`` (a
     :class:`~lmlab.hooks.ActivationCache` of a run on one sequence of the same length, holding
     every named point). ``forward_kwargs`` (e.g. ``attention_mask`` (R, T)) go to the model.
+    ``source_ids`` (S,) or (1, S): an encoder-decoder's source; ``ids`` are then its decoder
+    input, and each row runs the encoder too (``model(input_ids=, decoder_input_ids=)``, no
+    cache, so an encoder patch reaches that row's cross-attention keys and values only).
     Returns the logits (R, T, V). Batched rows equal one-at-a-time runs to float rounding of
     the batched matmuls (bit for bit where the backend's kernels do not depend on the batch;
     MoE layers multiply each expert's routed tokens together, about 1e-6 apart; routing is
@@ -172,7 +221,13 @@ def run_patched(
     Raises LmlabError for a hook name the model lacks or a point that did not run."""
     ids = _one_row(ids, "ids")
     batch = ids.expand(len(rows), -1)
-    out = run_with_hooks(model, batch, _row_hooks(rows, source), **forward_kwargs)
+    fns = _row_hooks(rows, source)
+    if source_ids is None:
+        out = run_with_hooks(model, batch, fns, **forward_kwargs)
+    else:
+        src = _one_row(source_ids, "source_ids").expand(len(rows), -1)
+        out = run_with_hooks(model, None, fns, input_ids=src, decoder_input_ids=batch,
+                             **forward_kwargs)  # fmt: skip
     logits: torch.Tensor = out.logits
     return logits
 
@@ -190,7 +245,9 @@ class PatchResult:
     """What :func:`patch_activations` measured. ``scores[what]`` is a float64 tensor (L, T) for
     the per-position points, (L, H) for ``heads``; ``patched[what]`` the patched metric itself
     (same shape). ``metric_clean`` / ``metric_corrupt`` are m on the clean and corrupted runs;
-    ``metric_name`` is ``"logit_diff"`` (logits) or ``"log_prob"`` (nats)."""
+    ``metric_name`` is ``"logit_diff"`` (logits) or ``"log_prob"`` (nats). An encoder-decoder's
+    maps: (L_enc, S) or (L_enc, H) for ``encoder.*``, the decoder's (L_dec, T) or (L_dec, H);
+    ``n_source`` is S (None for other kinds)."""
 
     metric_name: str
     metric_clean: float
@@ -201,6 +258,7 @@ class PatchResult:
     n_tokens: int
     scores: dict[str, torch.Tensor] = field(default_factory=dict)
     patched: dict[str, torch.Tensor] = field(default_factory=dict)
+    n_source: int | None = None  # an encoder-decoder's source tokens S (n_tokens: decoder T)
 
     def top(self, n: int = 10, what: str | None = None) -> list[dict[str, Any]]:
         """The ``n`` patches with the largest |score| (of the map ``what``; None: of all maps):
@@ -209,7 +267,7 @@ class PatchResult:
         for w, s in self.scores.items():
             if what is not None and w != what:
                 continue
-            axis = "head" if w == "heads" else "position"
+            axis = "head" if w.endswith("heads") else "position"
             for (layer, j), v in zip(
                 ((a, b) for a in range(s.shape[0]) for b in range(s.shape[1])),
                 s.flatten().tolist(),
@@ -236,37 +294,46 @@ class PatchResult:
             "versus": self.versus,
             "position": self.position,
             "n_tokens": self.n_tokens,
+            **({} if self.n_source is None else {"n_source": self.n_source}),
             "scores": {k: v.tolist() for k, v in self.scores.items()},
             "patched": {k: v.tolist() for k, v in self.patched.items()},
         }
 
 
-def _layers(model: nn.Module) -> int:
-    names = set(hook_names(model))
+def _layers(names: set[str], prefix: str = "") -> int:
+    """How many ``{prefix}layers.{i}.hook_resid_pre`` points (layers) the model has."""
     n = 0
-    while f"layers.{n}.hook_resid_pre" in names:
+    while f"{prefix}layers.{n}.hook_resid_pre" in names:
         n += 1
     if n == 0:
-        raise LmlabError(
-            "the model has no layers.{i}.hook_resid_pre points (encoder-decoders are not "
-            "supported by activation patching yet)"
-        )
+        raise LmlabError(f"the model has no {prefix}layers.{{i}}.hook_resid_pre points")
     return n
 
 
+def _stack(template: str) -> str:
+    """The stack prefix of a hook template: ``""``, ``"encoder."`` or ``"decoder."``."""
+    return template[: template.index("layers.")]
+
+
 def _jobs(
-    what: Sequence[str], n_layers: int, n_tokens: int, clean: ActivationCache
+    what: Sequence[str],
+    points: dict[str, str],
+    n_layers: dict[str, int],
+    n_tokens: dict[str, int],
+    clean: ActivationCache,
 ) -> list[tuple[str, int, list[Patch]]]:
-    """(what, layer, the patches of that layer's row of the map), in map order."""
+    """(what, layer, the patches of that layer's row of the map), in map order. ``n_layers`` /
+    ``n_tokens``: per stack prefix, its layers and the tokens its positions run over."""
     jobs = []
     for w in what:
-        for i in range(n_layers):
-            name = POINTS[w].format(i=i)
-            if w == "heads":
+        stack = _stack(points[w])
+        for i in range(n_layers[stack]):
+            name = points[w].format(i=i)
+            if w.endswith("heads"):
                 heads = clean[name].shape[1]
                 jobs.append((w, i, [Patch(name, head=h) for h in range(heads)]))
             else:
-                jobs.append((w, i, [Patch(name, position=t) for t in range(n_tokens)]))
+                jobs.append((w, i, [Patch(name, position=t) for t in range(n_tokens[stack])]))
     return jobs
 
 
@@ -276,11 +343,13 @@ def patch_activations(
     corrupted_ids: torch.Tensor,
     target: int,
     versus: int | None = None,
-    what: Sequence[str] = DEFAULT_WHAT,
+    what: Sequence[str] | None = None,
     key_mask: torch.Tensor | None = None,
     progress: Callable[[int, int], None] | None = None,
     position: int = -1,
     batch_size: int = BATCH,
+    clean_source: torch.Tensor | None = None,
+    corrupted_source: torch.Tensor | None = None,
 ) -> PatchResult:
     """Patch each clean activation into the corrupted run, one at a time, and score it.
 
@@ -292,6 +361,12 @@ def patch_activations(
     positions counted over real tokens (left padding); padding positions are patched too (a
     padding key is never attended to, so that changes nothing but the padding row itself).
 
+    An encoder-decoder needs ``clean_source`` / ``corrupted_source`` (S,) or (1, S) int64, the
+    same S: the encoder inputs; ``clean_ids`` / ``corrupted_ids`` are then the decoder inputs
+    (as the model was trained: the decoder start token first), the metric is read from the
+    decoder's logits, and ``what`` takes keys of :data:`ENCODER_DECODER_POINTS` (default
+    encoder.resid_pre, resid_pre, heads, cross_heads). No ``key_mask`` (no padding) there.
+
     The clean run is cached once (only the points patched); the corrupted run gives m_corrupt;
     then every (layer, position) and (layer, head) patch is one row of a batched forward of up
     to ``batch_size`` rows and :data:`LOGIT_BUDGET` logits (one map row per call at most, so
@@ -299,10 +374,11 @@ def patch_activations(
     each ``what``). The model runs in eval mode under ``torch.no_grad``; its mode is restored.
     Patched runs: L T per position map, L H for ``heads``, plus the clean and corrupted runs.
 
-    Returns a :class:`PatchResult`. Raises LmlabError for prompts of different lengths, more
-    than one sequence, an unknown ``what``, a token id outside the vocabulary, m_clean ==
-    m_corrupt (the score is undefined: the corruption changes nothing the metric sees), a
-    non-finite metric, or a model kind lacking a point (e.g. ``resid_mid`` of a hyper block).
+    Returns a :class:`PatchResult`. Raises LmlabError for prompts (or sources) of different
+    lengths, more than one sequence, an unknown ``what``, a token id outside the vocabulary,
+    m_clean == m_corrupt (the score is undefined: the corruption changes nothing the metric
+    sees), a non-finite metric, sources given to a model without an encoder (or none to an
+    encoder-decoder), or a model kind lacking a point (e.g. ``resid_mid`` of a hyper block).
     """
     clean_ids, corrupted_ids = _one_row(clean_ids, "clean"), _one_row(corrupted_ids, "corrupted")
     tc, tx = clean_ids.shape[1], corrupted_ids.shape[1]
@@ -312,27 +388,45 @@ def patch_activations(
             "swaps activations position by position, so give prompts of the same token length "
             "(change words for words that are one token each, e.g. one name for another)"
         )
-    bad = [w for w in what if w not in POINTS]
+    names_all = set(hook_names(model))
+    seq2seq = "decoder.layers.0.hook_resid_pre" in names_all
+    sources = _sources(seq2seq, clean_source, corrupted_source, key_mask)
+    points = ENCODER_DECODER_POINTS if seq2seq else POINTS
+    if what is None:
+        what = ENCODER_DECODER_DEFAULT_WHAT if seq2seq else DEFAULT_WHAT
+    bad = [w for w in what if w not in points]
     if bad or not what:
-        raise LmlabError(f"unknown patch target(s) {bad}; choose from {', '.join(POINTS)}")
+        raise LmlabError(f"unknown patch target(s) {bad}; choose from {', '.join(points)}")
     if batch_size < 1:
         raise LmlabError(f"batch_size must be >= 1, got {batch_size}")
-    n_layers = _layers(model)
-    names = [POINTS[w].format(i=i) for w in what for i in range(n_layers)]
+    stacks = {_stack(points[w]) for w in what}
+    n_layers = {p: _layers(names_all, p) for p in stacks}
+    n_tokens = {"": tc, "decoder.": tc, "encoder.": sources[0].shape[1] if sources else 0}
+    names = [points[w].format(i=i) for w in what for i in range(n_layers[_stack(points[w])])]
     kwargs = _mask_kwargs(key_mask, tc)
+    src_clean, src_corrupt = sources if sources else (None, None)
+
+    def inputs(ids: torch.Tensor, src: torch.Tensor | None) -> tuple[Any, dict[str, Any]]:
+        """One run's (positional ids, keywords): decoder-only ids, or a source and decoder ids."""
+        if src is None:
+            return ids, kwargs(1)
+        return None, {"input_ids": src, "decoder_input_ids": ids}
+
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            out, clean = run_with_cache(model, clean_ids, names=names, **kwargs(1))
+            ids, kw = inputs(clean_ids, src_clean)
+            out, clean = run_with_cache(model, ids, names=names, **kw)
             vocab = out.logits.shape[-1]
             for what_id, tok in (("target", target), ("versus", versus)):
                 if tok is not None and not 0 <= tok < vocab:
                     raise LmlabError(f"{what_id} token id {tok} is outside the vocabulary "
                                      f"(0..{vocab - 1})")  # fmt: skip
             m_clean = float(metric(out.logits, target, versus, position)[0])
-            m_corrupt = float(metric(model(corrupted_ids, **kwargs(1)).logits, target, versus,
-                                     position)[0])  # fmt: skip
+            ids, kw = inputs(corrupted_ids, src_corrupt)
+            corrupt_logits = run_with_hooks(model, ids, {}, **kw).logits
+            m_corrupt = float(metric(corrupt_logits, target, versus, position)[0])
             if not (math.isfinite(m_clean) and math.isfinite(m_corrupt)):
                 raise LmlabError(
                     f"the metric is not finite (clean {m_clean}, corrupted {m_corrupt})"
@@ -346,8 +440,9 @@ def patch_activations(
             result = PatchResult(
                 "log_prob" if versus is None else "logit_diff",
                 m_clean, m_corrupt, target, versus, position, tc,
+                n_source=None if src_clean is None else src_clean.shape[1],
             )  # fmt: skip
-            jobs = _jobs(what, n_layers, tc, clean)
+            jobs = _jobs(what, points, n_layers, n_tokens, clean)
             per_call = max(1, min(batch_size, LOGIT_BUDGET // (tc * vocab)))
             total, done = sum(len(p) for _, _, p in jobs), 0
             rows: dict[str, list[torch.Tensor]] = {w: [] for w in what}
@@ -355,7 +450,8 @@ def patch_activations(
                 values = []
                 for k in range(0, len(patches), per_call):
                     chunk = [[p] for p in patches[k : k + per_call]]
-                    logits = run_patched(model, corrupted_ids, clean, chunk, **kwargs(len(chunk)))
+                    extra = kwargs(len(chunk)) if src_corrupt is None else {}
+                    logits = run_patched(model, corrupted_ids, clean, chunk, src_corrupt, **extra)
                     values.append(metric(logits, target, versus, position))
                     done += len(chunk)
                     if progress is not None:
@@ -369,6 +465,41 @@ def patch_activations(
         result.patched[w] = patched
         result.scores[w] = (patched - m_corrupt) / span
     return result
+
+
+def _sources(
+    seq2seq: bool,
+    clean: torch.Tensor | None,
+    corrupted: torch.Tensor | None,
+    key_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The checked (1, S) source pair of an encoder-decoder, None for other kinds. Raises
+    LmlabError for sources given to a model without an encoder or missing for one, sources of
+    different lengths, or a key_mask with an encoder-decoder."""
+    if not seq2seq:
+        if clean is not None or corrupted is not None:
+            raise LmlabError(
+                "clean_source / corrupted_source are an encoder-decoder's encoder inputs; this "
+                "model has no encoder (no decoder.layers.{i} / encoder.layers.{i} hook points)"
+            )
+        return None
+    if clean is None or corrupted is None:
+        raise LmlabError(
+            "an encoder-decoder is patched with clean_source and corrupted_source (the encoder "
+            "inputs) next to the decoder inputs; give both (the same ids when only the decoder "
+            "input differs)"
+        )
+    if key_mask is not None:
+        raise LmlabError("key_mask (padding) is not supported for an encoder-decoder")
+    clean, corrupted = _one_row(clean, "clean_source"), _one_row(corrupted, "corrupted_source")
+    sc, sx = clean.shape[1], corrupted.shape[1]
+    if sc != sx:
+        raise LmlabError(
+            f"the clean source is {sc} tokens and the corrupted one {sx}: activation patching "
+            "swaps activations position by position, so give sources of the same token length "
+            "(change words for words that are one token each)"
+        )
+    return clean, corrupted
 
 
 def _mask_kwargs(key_mask: torch.Tensor | None, t: int) -> Callable[[int], dict[str, torch.Tensor]]:

@@ -6,7 +6,14 @@ model, encodes the texts (``--target`` / ``--versus`` must each be one token), d
 WHAT.png (layers x positions, the clean tokens on the x axis; layers x heads for ``heads``) and
 builds the page's panel (renderer html_assets/patch.js).
 
-Legend: L layers, T tokens, H heads.
+An encoder-decoder is patched on a source pair (``clean_source`` / ``corrupted_source``, encoded
+as the model reads it, :meth:`encode_for_model`) and a decoder text pair, each decoder input
+being ``model.seq2seq.decoder_start_token_id`` followed by the text (as the model was trained:
+targets shifted right behind the start token). Its maps: OUT/patch-encoder_WHAT.png (encoder
+layers x source positions, or x heads) and the decoder's (layers x decoder positions, x self-
+or cross-attention heads).
+
+Legend: L layers, T tokens (decoder tokens of an encoder-decoder), S source tokens, H heads.
 """
 
 from __future__ import annotations
@@ -20,7 +27,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmlab.analysis.attention_maps import token_label
-from lmlab.analysis.patching import DEFAULT_WHAT, POINTS, PatchResult, patch_activations
+from lmlab.analysis.patching import (
+    DEFAULT_WHAT,
+    ENCODER_DECODER_DEFAULT_WHAT,
+    ENCODER_DECODER_POINTS,
+    POINTS,
+    PatchResult,
+    patch_activations,
+)
 from lmlab.errors import LmlabError
 
 if TYPE_CHECKING:
@@ -34,7 +48,9 @@ PNG_NAME = re.compile(r"patch-[a-z_]+\.png")
 @dataclass
 class PatchReport:
     """What ``lmlab patch`` found: the clean and corrupted tokens' labels, the target and
-    versus tokens' labels, the :class:`PatchResult` and the files written."""
+    versus tokens' labels, the :class:`PatchResult` and the files written; for an
+    encoder-decoder ``tokens`` are the decoder inputs' labels (the start token first) and
+    ``source_tokens`` / ``corrupted_source_tokens`` the sources'."""
 
     tokens: list[str]
     corrupted_tokens: list[str]
@@ -42,9 +58,16 @@ class PatchReport:
     versus: str | None
     result: PatchResult
     files: list[Path] = field(default_factory=list)
+    source_tokens: list[str] | None = None  # an encoder-decoder's sources (tokens: decoder's)
+    corrupted_source_tokens: list[str] | None = None
 
     def as_dict(self, top: int = 5) -> dict[str, Any]:
+        sources = {}
+        if self.source_tokens is not None:
+            sources = {"source_tokens": self.source_tokens,
+                       "corrupted_source_tokens": self.corrupted_source_tokens}  # fmt: skip
         return {
+            **sources,
             "tokens": self.tokens,
             "corrupted_tokens": self.corrupted_tokens,
             "target_token": self.target,
@@ -55,18 +78,21 @@ class PatchReport:
         }
 
 
-def parse_what(text: str | Sequence[str] | None) -> list[str]:
-    """``--what resid_pre,attn_out`` (or a list) -> the names, each a key of POINTS, in the
-    order given, no repeats. None: the default four. Raises LmlabError naming a bad one."""
+def parse_what(text: str | Sequence[str] | None, seq2seq: bool = False) -> list[str]:
+    """``--what resid_pre,attn_out`` (or a list) -> the names, each a key of POINTS (of
+    ENCODER_DECODER_POINTS with ``seq2seq``), in the order given, no repeats. None: the
+    default maps. Raises LmlabError naming a bad one."""
+    points = ENCODER_DECODER_POINTS if seq2seq else POINTS
     if text is None:
-        return list(DEFAULT_WHAT)
+        return list(ENCODER_DECODER_DEFAULT_WHAT if seq2seq else DEFAULT_WHAT)
     parts = [p.strip() for p in text.split(",")] if isinstance(text, str) else list(text)
     parts = [p for p in parts if p]
-    bad = [p for p in parts if p not in POINTS]
+    bad = [p for p in parts if p not in points]
     if bad or not parts:
+        kind = " (an encoder-decoder's)" if seq2seq else ""
         raise LmlabError(
-            f"--what {','.join(bad) if bad else repr(text)}: choose from {', '.join(POINTS)} "
-            "(comma-separated)"
+            f"--what {','.join(bad) if bad else repr(text)}: choose from{kind} "
+            f"{', '.join(points)} (comma-separated)"
         )
     return list(dict.fromkeys(parts))
 
@@ -103,8 +129,8 @@ def _check_outputs(html: str | Path | None, out: str | Path | None) -> None:
 
 def patch_report(
     path: str | Path,
-    clean: str,
-    corrupted: str,
+    clean: str | None,
+    corrupted: str | None,
     target: str,
     versus: str | None = None,
     what: str | Sequence[str] | None = None,
@@ -112,54 +138,76 @@ def patch_report(
     html: str | Path | None = None,
     device: str = "cpu",
     progress: Callable[[int, int], None] | None = None,
+    clean_source: str | None = None,
+    corrupted_source: str | None = None,
 ) -> PatchReport:
     """Load the decoder model at ``path`` (lmlab.interop.load.load: run folder, HF folder,
     GGUF), patch every activation of ``clean`` into ``corrupted`` (the same token length) and
     score it with the logit difference ``target`` - ``versus`` at the last token (each one
     token; no ``versus``: the target's log-probability, nats). Writes OUT/patch-WHAT.png per
     ``what`` unless ``out`` is None, and the page at ``html`` (refused before anything is
-    loaded if it exists). Raises LmlabError for bad texts, tokens or paths."""
+    loaded if it exists). Raises LmlabError for bad texts, tokens or paths.
+
+    With ``clean_source`` the model must be an encoder-decoder: the sources are its encoder
+    inputs (``corrupted_source`` defaults to ``clean_source``), ``clean`` / ``corrupted`` the
+    decoder texts after the start token (``clean`` defaults to "", the start token alone, so
+    the metric is on the first output token; ``corrupted`` defaults to ``clean``)."""
     from lmlab.interop.load import load
     from lmlab.training.hardware import resolve_device
 
-    chosen = parse_what(what)
+    seq2seq = clean_source is not None or corrupted_source is not None
+    chosen = parse_what(what, seq2seq)
     _check_outputs(html, out)
-    for flag, text in (("--clean", clean), ("--corrupted", corrupted)):
-        if not text:
-            raise LmlabError(f"{flag} is empty: give the prompt text")
+    if seq2seq:
+        texts = _seq2seq_texts(clean, corrupted, clean_source, corrupted_source)
+    else:
+        for flag, text in (("--clean", clean), ("--corrupted", corrupted)):
+            if text is None:
+                raise LmlabError(f"{flag} is required: give the prompt text")
+            if not text:
+                raise LmlabError(f"{flag} is empty: give the prompt text")
     model, tokenizer = load(path, str(resolve_device(device)))
     cfg = getattr(model, "cfg", None)
-    if cfg is None or getattr(cfg, "kind", None) != "decoder":
+    kind = getattr(cfg, "kind", None)
+    if cfg is None or kind != ("encoder_decoder" if seq2seq else "decoder"):
+        if seq2seq:
+            raise LmlabError(
+                f"--clean-source / --corrupted-source are an encoder-decoder's source texts; "
+                f"{path} is model.kind={kind} (give --clean and --corrupted only)"
+            )
+        hint = " (give its source text with --clean-source)" if kind == "encoder_decoder" else ""
         raise LmlabError(
-            f"lmlab patch covers decoder (causal LM) models; {path} is model.kind="
-            f"{getattr(cfg, 'kind', None)}"
+            f"lmlab patch covers decoder (causal LM) models; {path} is model.kind={kind}{hint}"
         )
     if tokenizer is None:
         raise LmlabError(f"{path} has no tokenizer (no tokenizer.json), so the texts cannot be "
                          "encoded")  # fmt: skip
-    ids = {}
-    for flag, text in (("--clean", clean), ("--corrupted", corrupted)):
-        ids[flag] = tokenizer.encode(text)
-        if not ids[flag]:
-            raise LmlabError(f"{flag} {text!r} encodes to no tokens")
-        if len(ids[flag]) > cfg.max_seq_len:
-            raise LmlabError(
-                f"{flag} is {len(ids[flag])} tokens, more than the model's context of "
-                f"{cfg.max_seq_len} (model.max_seq_len); shorten it"
-            )
+    if seq2seq:
+        ids = _seq2seq_ids(cfg, tokenizer, texts)
+    else:
+        ids = {}
+        for flag, text in (("--clean", clean), ("--corrupted", corrupted)):
+            assert text is not None
+            ids[flag] = tokenizer.encode(text)
+            if not ids[flag]:
+                raise LmlabError(f"{flag} {text!r} encodes to no tokens")
+            _check_context(flag, len(ids[flag]), cfg.max_seq_len)
     t_id = one_token(tokenizer, target, "--target")
     v_id = None if versus is None else one_token(tokenizer, versus, "--versus")
     if v_id == t_id:
         raise LmlabError(f"--versus {versus!r} is the --target token; give a different one")
     dev = next(model.parameters()).device
+    tensors = {k: torch.tensor([v], device=dev) for k, v in ids.items()}
     result = patch_activations(
         model,
-        torch.tensor([ids["--clean"]], device=dev),
-        torch.tensor([ids["--corrupted"]], device=dev),
+        tensors["--clean"],
+        tensors["--corrupted"],
         t_id,
         v_id,
         what=chosen,
         progress=progress,
+        clean_source=tensors.get("--clean-source"),
+        corrupted_source=tensors.get("--corrupted-source"),
     )
     labels = {k: [token_label(tokenizer.token_bytes(i)) for i in v] for k, v in ids.items()}
     report = PatchReport(
@@ -168,6 +216,8 @@ def patch_report(
         token_label(tokenizer.token_bytes(t_id)),
         None if v_id is None else token_label(tokenizer.token_bytes(v_id)),
         result,
+        source_tokens=labels.get("--clean-source"),
+        corrupted_source_tokens=labels.get("--corrupted-source"),
     )
     title = Path(path).name
     if out is not None:
@@ -180,6 +230,64 @@ def patch_report(
     return report
 
 
+def _check_context(flag: str, n: int, context: int) -> None:
+    if n > context:
+        raise LmlabError(
+            f"{flag} is {n} tokens, more than the model's context of {context} "
+            "(model.max_seq_len); shorten it"
+        )
+
+
+def _seq2seq_texts(
+    clean: str | None,
+    corrupted: str | None,
+    clean_source: str | None,
+    corrupted_source: str | None,
+) -> dict[str, str]:
+    """An encoder-decoder's four texts, the defaults filled in: flag -> text. Raises
+    LmlabError for a missing or empty --clean-source or a corrupted run equal to the clean."""
+    if clean_source is None:
+        raise LmlabError("--corrupted-source needs --clean-source (the source the model gets "
+                         "right)")  # fmt: skip
+    if not clean_source or corrupted_source == "":
+        flag = "--clean-source" if not clean_source else "--corrupted-source"
+        raise LmlabError(f"{flag} is empty: give the source text")
+    clean = clean or ""
+    texts = {
+        "--clean-source": clean_source,
+        "--corrupted-source": clean_source if corrupted_source is None else corrupted_source,
+        "--clean": clean,
+        "--corrupted": clean if corrupted is None else corrupted,
+    }
+    if (texts["--clean-source"], texts["--clean"]) == (texts["--corrupted-source"],
+                                                       texts["--corrupted"]):  # fmt: skip
+        raise LmlabError(
+            "the corrupted run is the clean one: give --corrupted-source (a source with a few "
+            "tokens changed) and/or --corrupted (a changed decoder text)"
+        )
+    return texts
+
+
+def _seq2seq_ids(cfg: Any, tokenizer: Any, texts: dict[str, str]) -> dict[str, list[int]]:
+    """flag -> ids: each source as the model reads it (``encode_for_model``), each decoder
+    input the start token then the text's tokens (the model's training input: targets
+    shifted right behind ``model.seq2seq.decoder_start_token_id``)."""
+    start = cfg.seq2seq.decoder_start_token_id
+    if start is None:
+        raise LmlabError("model.seq2seq.decoder_start_token_id is not set")
+    ids: dict[str, list[int]] = {}
+    for flag, text in texts.items():
+        if flag.endswith("-source"):
+            ids[flag] = tokenizer.encode_for_model(text)
+            if not ids[flag]:
+                raise LmlabError(f"{flag} {text!r} encodes to no tokens")
+        else:
+            ids[flag] = [int(start), *tokenizer.encode(text)]
+        _check_context(flag if flag.endswith("-source") else f"{flag} (+ the start token)",
+                       len(ids[flag]), cfg.max_seq_len)  # fmt: skip
+    return ids
+
+
 def metric_text(r: PatchReport) -> str:
     """One line: the metric, its tokens and its clean / corrupted values."""
     res = r.result
@@ -187,32 +295,45 @@ def metric_text(r: PatchReport) -> str:
         what = f"log p({r.target!r}) (nats)"
     else:
         what = f"logit diff {r.target!r} - {r.versus!r}"
-    return (
-        f"{what} at the last token: clean {res.metric_clean:.4f}, corrupted "
-        f"{res.metric_corrupt:.4f}"
-    )
+    where = "the last token" if r.source_tokens is None else "the last decoder token"
+    return f"{what} at {where}: clean {res.metric_clean:.4f}, corrupted {res.metric_corrupt:.4f}"
 
 
 def format_report(r: PatchReport, top: int = 5) -> str:
     """The tokens, the metric line, and the ``top`` patches by |score| of each map (scores of
     exactly 0, patches that change nothing, left out)."""
-    lines = [
-        f"clean, {len(r.tokens)} tokens: {' '.join(r.tokens)}",
-        f"corrupted: {' '.join(r.corrupted_tokens)}",
+    lines = []
+    if r.source_tokens is not None and r.corrupted_source_tokens is not None:
+        lines += [
+            f"clean source, {len(r.source_tokens)} tokens: {' '.join(r.source_tokens)}",
+            f"corrupted source: {' '.join(r.corrupted_source_tokens)}",
+        ]
+    decoder = "" if r.source_tokens is None else " decoder input"
+    n = max(10, *(len(w) for w in r.result.scores))  # "what" column width
+    lines += [
+        f"clean{decoder}, {len(r.tokens)} tokens: {' '.join(r.tokens)}",
+        f"corrupted{decoder}: {' '.join(r.corrupted_tokens)}",
         metric_text(r),
         "score = (patched - corrupted) / (clean - corrupted): 1 restores the clean value",
-        f"{'what':<10} {'layer':>5} {'where':<24} {'score':>8} {'patched':>9}",
+        f"{'what':<{n}} {'layer':>5} {'where':<24} {'score':>8} {'patched':>9}",
     ]
     cells = [c for w in r.result.scores for c in r.result.top(top, w) if c["score"] != 0.0]
     for c in cells:
         if "head" in c:
             where = f"head {c['head']}"
         else:
-            where = f"pos {c['position']} {r.tokens[c['position']]}"[:24]
+            where = f"pos {c['position']} {_tokens(r, c['what'])[c['position']]}"[:24]
         lines.append(
-            f"{c['what']:<10} {c['layer']:>5} {where:<24} {c['score']:8.3f} {c['patched']:9.4f}"
+            f"{c['what']:<{n}} {c['layer']:>5} {where:<24} {c['score']:8.3f} {c['patched']:9.4f}"
         )
     return "\n".join(lines)
+
+
+def _tokens(r: PatchReport, what: str) -> list[str]:
+    """The clean labels a map's positions run over: the source's for ``encoder.*`` maps."""
+    if what.startswith("encoder.") and r.source_tokens is not None:
+        return r.source_tokens
+    return r.tokens
 
 
 # --------------------------------------------------------------------------- pictures
@@ -264,9 +385,24 @@ def plot_map(scores: torch.Tensor, columns: list[str], column_name: str, title: 
 
 
 def _columns(r: PatchReport, what: str) -> tuple[list[str], str]:
-    if what == "heads":
-        return [str(h) for h in range(r.result.scores[what].shape[1])], "head (all positions)"
-    return r.tokens, "position (clean token)"
+    """A map's column labels and axis name."""
+    if r.source_tokens is None:  # decoder-only
+        if what == "heads":
+            return [str(h) for h in range(r.result.scores[what].shape[1])], "head (all positions)"
+        return r.tokens, "position (clean token)"
+    stack = "encoder" if what.startswith("encoder.") else "decoder"
+    if what.endswith("heads"):
+        kind = "cross-attention " if what == "cross_heads" else ""
+        heads = [str(h) for h in range(r.result.scores[what].shape[1])]
+        return heads, f"{stack} {kind}head (all positions)"
+    label = "source position (clean source token)" if stack == "encoder" else (
+        "decoder position (clean decoder token)")  # fmt: skip
+    return _tokens(r, what), label
+
+
+def png_name(what: str) -> str:
+    """The PNG of a map: patch-WHAT.png, a dot in WHAT (``encoder.heads``) written ``_``."""
+    return f"patch-{what.replace('.', '_')}.png"
 
 
 def save_maps(out: str | Path, r: PatchReport, title: str) -> list[Path]:
@@ -282,20 +418,29 @@ def save_maps(out: str | Path, r: PatchReport, title: str) -> list[Path]:
     for what, s in r.result.scores.items():
         cols, name = _columns(r, what)
         fig = plot_map(s, cols, name, f"{title}: patching {what}\n{metric_text(r)}")
-        files.append(save_figure(fig, folder / f"patch-{what}.png"))
+        files.append(save_figure(fig, folder / png_name(what)))
     return files
 
 
 def patch_panel(r: PatchReport, panel_id: str = "patch") -> Panel:
     """The page's panel (renderer ``patch``): one packed map per ``what`` with its column
-    labels, the clean and corrupted tokens and the metric."""
+    labels, the clean and corrupted tokens and the metric; an encoder-decoder's maps also carry
+    their own ``layers`` (encoder or decoder), ``corrupted`` labels and whether the columns
+    are ``heads``."""
     from lmlab.analysis.html_view import Panel, pack
 
     res = r.result
     maps = []
     for what, s in res.scores.items():
         cols, name = _columns(r, what)
-        maps.append({"what": what, "columns": cols, "axis": name, "values": pack(s.float())})
+        m: dict[str, Any] = {"what": what, "columns": cols, "axis": name,
+                             "values": pack(s.float())}  # fmt: skip
+        if r.source_tokens is not None:  # an encoder-decoder: its own layers and corrupted row
+            encoder = what.startswith("encoder.")
+            corrupted = r.corrupted_source_tokens if encoder else r.corrupted_tokens
+            m.update(layers=list(range(s.shape[0])), corrupted=corrupted,
+                     heads=what.endswith("heads"))  # fmt: skip
+        maps.append(m)
     data = {
         "maps": maps,
         "layers": list(range(next(iter(res.scores.values())).shape[0])),

@@ -12,10 +12,24 @@ from lmlab.cli.common import Command
 
 def _patch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL", help="run folder, Hugging Face folder or GGUF file")
-    p.add_argument("--clean", required=True, metavar="TEXT", help="the prompt the model gets right")
     p.add_argument(
-        "--corrupted", required=True, metavar="TEXT",
-        help="the same prompt with a few tokens changed (must be as many tokens as --clean)",
+        "--clean", metavar="TEXT", help="the prompt the model gets right (required for a "
+        "decoder; an encoder-decoder's decoder text, default empty: the metric is then on the "
+        "first output token)",
+    )  # fmt: skip
+    p.add_argument(
+        "--corrupted", metavar="TEXT",
+        help="the same prompt with a few tokens changed (must be as many tokens as --clean; "
+        "required for a decoder, an encoder-decoder's defaults to --clean)",
+    )  # fmt: skip
+    p.add_argument(
+        "--clean-source", metavar="TEXT", help="encoder-decoders only: the source text the "
+        "model gets right (encoded as in training); the decoder reads "
+        "model.seq2seq.decoder_start_token_id, then --clean, as it was trained",
+    )  # fmt: skip
+    p.add_argument(
+        "--corrupted-source", metavar="TEXT", help="encoder-decoders only: the source with a "
+        "few tokens changed (as many tokens as --clean-source; default --clean-source)",
     )  # fmt: skip
     p.add_argument(
         "--target", required=True, metavar="TOKEN",
@@ -27,9 +41,12 @@ def _patch_arguments(p: argparse.ArgumentParser) -> None:
         "difference target - versus (default: the target's log-probability, nats)",
     )  # fmt: skip
     p.add_argument(
-        "--what", metavar="LIST", default="resid_pre,attn_out,ffn_out,heads",
+        "--what", metavar="LIST",
         help="what to patch, comma-separated: resid_pre, resid_mid, resid_post, attn_out, "
-        "ffn_out, heads (default %(default)s)",
+        "ffn_out, heads (default resid_pre,attn_out,ffn_out,heads); an encoder-decoder's "
+        "decoder points take these names plus resid_cross, cross_out, cross_heads, and its "
+        "encoder's the same names after 'encoder.' (encoder.resid_pre, encoder.heads, ...; "
+        "default encoder.resid_pre,resid_pre,heads,cross_heads)",
     )  # fmt: skip
     p.add_argument("--out", default="patch", help="folder for the PNGs (default: patch)")
     p.add_argument("--no-plot", action="store_true", help="print the numbers only")
@@ -64,6 +81,8 @@ def cmd_patch(args: argparse.Namespace) -> int:
         html=args.html,
         device=args.device or "auto",
         progress=_progress,
+        clean_source=args.clean_source,
+        corrupted_source=args.corrupted_source,
     )
     if args.json:
         print(json.dumps(report.as_dict(args.top), ensure_ascii=False))
@@ -83,8 +102,11 @@ PATCH = Command(
     "(heads). Each is scored (patched - corrupted) / (clean - corrupted) on the logit "
     "difference --target - --versus at the last token (no --versus: log p(target)): 1 = the "
     "clean answer is fully restored, 0 = no effect. Prints the metric and each map's top patches; "
-    "writes OUT/patch-WHAT.png (layers x positions, layers x heads). Causal tracing (Meng et "
-    "al. 2022), IOI (Wang et al. 2022); see docs/interpretability.md.",
+    "writes OUT/patch-WHAT.png (layers x positions, layers x heads). An encoder-decoder takes "
+    "--clean-source/--corrupted-source (the encoder inputs) and --clean/--corrupted as decoder "
+    "texts (after the start token): maps of the encoder (layers x source positions, heads) "
+    "and of the decoder (layers x decoder positions, self- and cross-attention heads). Causal "
+    "tracing (Meng et al. 2022), IOI (Wang et al. 2022); see docs/interpretability.md.",
     arguments=_patch_arguments,
     run=cmd_patch,
     epilog='example: lmlab patch runs/minigpt --clean "Enter ROMEO an" --corrupted "Enter '

@@ -1,7 +1,10 @@
 LM.render.patch = function (root, p, st, set) {
-  const d = p.data, M = d.maps.length, L = d.layers.length;
+  const d = p.data, M = d.maps.length;
   const clamp = (v, n) => Math.max(0, Math.min(n - 1, Number.isFinite(+v) ? Math.floor(+v) : 0));
   const k = clamp(st.map, M), m = d.maps[k], X = m.columns.length;
+  // an encoder-decoder's maps carry their own layers, corrupted labels and heads flag
+  const layers = m.layers || d.layers, L = layers.length, corrupted = m.corrupted || d.corrupted;
+  const heads = m.heads !== undefined ? m.heads : m.what === "heads";
   if (!m._v) m._v = unpack(m.values);
   const at = (l, j) => m._v[l * X + j];
   let a = 1;  // colour scale [-a, a]: at least [-1, 1], wider when a score overshoots
@@ -30,27 +33,27 @@ LM.render.patch = function (root, p, st, set) {
   function show(e) {
     const j = clamp(Math.floor(e.offsetX / cell), X), l = clamp(Math.floor(e.offsetY / cell), L), v = at(l, j);
     const patched = d.metric_corrupt + v * (d.metric_clean - d.metric_corrupt);
-    const where = m.what === "heads" ? "head " + m.columns[j] + " (all positions)"
+    const where = heads ? "head " + m.columns[j] + " (all positions)"
       : "position " + j + " \u201c" + m.columns[j] + "\u201d";
-    info.textContent = m.what + ", layer " + d.layers[l] + ", " + where + ": score " + v.toFixed(4) +
+    info.textContent = m.what + ", layer " + layers[l] + ", " + where + ": score " + v.toFixed(4) +
       " (patched metric " + patched.toFixed(4) + ")";
     info.dataset.layer = String(l); info.dataset.column = String(j); info.dataset.score = v.toFixed(6);
   }
   c.addEventListener("mousemove", show);
   c.addEventListener("click", show);
-  root.appendChild(el("div", "lbl", "rows: layers " + d.layers[0] + " (top) .. " + d.layers[L - 1] + "; columns: " + m.axis));
+  root.appendChild(el("div", "lbl", "rows: layers " + layers[0] + " (top) .. " + layers[L - 1] + "; columns: " + m.axis));
   root.appendChild(c);
   const cols = el("div", "strip"); cols.id = "patch-columns";
   cols.style.gap = "0"; cols.style.flexWrap = "nowrap";  // one label under each map column
   m.columns.forEach((t, j) => {
     const s = el("span", "tok", t);
     s.dataset.j = String(j);
-    s.title = (m.what === "heads" ? "head " : "position " + j + ": ") + t;
+    s.title = (heads ? "head " : "position " + j + ": ") + t;
     Object.assign(s.style, {width: cell + "px", boxSizing: "border-box", padding: "0",
       overflow: "hidden", textAlign: "center", flexShrink: "0", fontSize: cell < 14 ? "8px" : ""});
-    if (m.what !== "heads" && j % 10 === 0) s.appendChild(el("sub", "", String(j)));
+    if (!heads && j % 10 === 0) s.appendChild(el("sub", "", String(j)));
     cols.appendChild(s);
   });
-  root.appendChild(el("div", "lbl", m.what === "heads" ? "heads" : "clean tokens (corrupted: " + d.corrupted.join(" ") + ")"));
+  root.appendChild(el("div", "lbl", heads ? "heads" : "clean tokens (corrupted: " + corrupted.join(" ") + ")"));
   root.appendChild(cols);
 };
