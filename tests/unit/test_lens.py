@@ -53,10 +53,10 @@ def assert_near(got: torch.Tensor, want: torch.Tensor, atol: float) -> None:
     assert err <= atol, f"max |difference| {err:.3g} > {atol}"
 
 
-def model_of(seed: int = 0, **over: object) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    model = build_model(tiny_model_config(vocab_size=V, **over)).eval()
-    with torch.no_grad():  # larger weights than the init: logits of order 1-10, not 1e-2
+def spread(model: torch.nn.Module) -> torch.nn.Module:
+    """Larger weights than the init, in place (logits of order 1-10, not 1e-2); norm weights
+    away from 1 and biases away from 0, so a missing norm or bias shows. Returns ``model``."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.mul_(3.0)
@@ -65,6 +65,11 @@ def model_of(seed: int = 0, **over: object) -> torch.nn.Module:
             else:
                 p.add_(0.1 * torch.randn_like(p))
     return model
+
+
+def model_of(seed: int = 0, **over: object) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return spread(build_model(tiny_model_config(vocab_size=V, **over)).eval())
 
 
 @pytest.fixture(scope="module")

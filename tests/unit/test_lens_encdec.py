@@ -18,6 +18,7 @@ from lmlab.errors import LmlabError
 from lmlab.hooks import run_with_cache, run_with_hooks
 from lmlab.models import build_model
 from tests.helpers import tiny_model_config
+from tests.unit.test_lens import spread
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 V = 50
@@ -50,15 +51,8 @@ POST = {
 def s2s(seed: int = 0, **over: object) -> torch.nn.Module:
     """A tiny random encoder-decoder with weights larger than the init (logits of order 1)."""
     torch.manual_seed(seed)
-    model = build_model(tiny_model_config(vocab_size=V, **S2S, **over)).eval()
+    model = spread(build_model(tiny_model_config(vocab_size=V, **S2S, **over)).eval())
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.mul_(3.0)
-            elif "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            else:
-                p.add_(0.1 * torch.randn_like(p))
         if model.final_logits_bias is not None:
             model.final_logits_bias.copy_(torch.randn(1, V))
     return model

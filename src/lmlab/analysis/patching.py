@@ -232,6 +232,18 @@ def run_patched(
     return logits
 
 
+def _same_length(clean: torch.Tensor, corrupted: torch.Tensor, what: str, eg: str = "") -> None:
+    """Raise LmlabError unless the (1, T) clean and corrupted ``what`` (prompt, source) have the
+    same token length: patching swaps activations position by position."""
+    tc, tx = clean.shape[1], corrupted.shape[1]
+    if tc != tx:
+        raise LmlabError(
+            f"the clean {what} is {tc} tokens and the corrupted one {tx}: activation patching "
+            f"swaps activations position by position, so give {what}s of the same token length "
+            f"(change words for words that are one token each{eg})"
+        )
+
+
 def _one_row(ids: torch.Tensor, what: str) -> torch.Tensor:
     if ids.dim() == 1:
         ids = ids[None]
@@ -381,13 +393,8 @@ def patch_activations(
     encoder-decoder), or a model kind lacking a point (e.g. ``resid_mid`` of a hyper block).
     """
     clean_ids, corrupted_ids = _one_row(clean_ids, "clean"), _one_row(corrupted_ids, "corrupted")
-    tc, tx = clean_ids.shape[1], corrupted_ids.shape[1]
-    if tc != tx:
-        raise LmlabError(
-            f"the clean prompt is {tc} tokens and the corrupted one {tx}: activation patching "
-            "swaps activations position by position, so give prompts of the same token length "
-            "(change words for words that are one token each, e.g. one name for another)"
-        )
+    _same_length(clean_ids, corrupted_ids, "prompt", ", e.g. one name for another")
+    tc = clean_ids.shape[1]
     names_all = set(hook_names(model))
     seq2seq = "decoder.layers.0.hook_resid_pre" in names_all
     sources = _sources(seq2seq, clean_source, corrupted_source, key_mask)
@@ -492,13 +499,7 @@ def _sources(
     if key_mask is not None:
         raise LmlabError("key_mask (padding) is not supported for an encoder-decoder")
     clean, corrupted = _one_row(clean, "clean_source"), _one_row(corrupted, "corrupted_source")
-    sc, sx = clean.shape[1], corrupted.shape[1]
-    if sc != sx:
-        raise LmlabError(
-            f"the clean source is {sc} tokens and the corrupted one {sx}: activation patching "
-            "swaps activations position by position, so give sources of the same token length "
-            "(change words for words that are one token each)"
-        )
+    _same_length(clean, corrupted, "source")
     return clean, corrupted
 
 
