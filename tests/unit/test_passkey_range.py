@@ -173,6 +173,7 @@ def test_the_report_says_an_answer_loss_is_over_the_answer_tokens_only(tmp_path,
     assert labels == ["val answer loss (nats/answer token)"] * 2
     text = (tmp_path / "report.md").read_text(encoding="utf-8")
     assert "| variant | val answer loss (nats/answer token) | perplexity |" in text
+    assert "| training time (s) | val answer loss (nats/answer token) |" in text  # per-run rows
     assert "mean cross-entropy over the answer tokens only" in text
     assert "key distances uniform in 20-21 characters" in text
     assert "val loss (nats/token)" not in text and "every token" not in text

@@ -402,7 +402,8 @@ def write_report(exp: Experiment, out: Path, summaries: list[dict[str, Any]]) ->
         md.append(f"- `{name}`: {text}")
     for name, inf in exp.eval.inference.items():
         md.append(f"- `{name}`: `{inf.variant}` evaluated with `{' '.join(inf.overrides)}`")
-    md += ["", "## Runs", "", "| variant | seed | steps | tokens | training time (s) | val loss |"]
+    runs_head = f"| variant | seed | steps | tokens | training time (s) | {loss_head} |"
+    md += ["", "## Runs", "", runs_head]
     md += ["|---|---|---|---|---|---|"]
     for r in summaries:
         md.append(
