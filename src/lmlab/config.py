@@ -266,6 +266,10 @@ class DataConfig:
     # all | answers: the LM loss over every target, or over the answer tokens of a synthetic
     # corpus only (passkey, recall; lmlab.data.answers)
     loss_on: str = "all"
+    # passkey corpus only: training (and val) distances uniform in [min, max] characters; None:
+    # lmlab.data.passkey.MIN_DISTANCE / TRAIN_MAX_DISTANCE (20 / 224)
+    passkey_min_distance: int | None = None
+    passkey_max_distance: int | None = None
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
 
 

@@ -94,6 +94,8 @@ FIELD_RANGES: dict[str, Range] = {
     "model.type_vocab_size": _count(0, 1024),
     "data.val_fraction": _PROB,
     "data.tokenizer.vocab_size": _count(1, MAX_VOCAB),
+    "data.passkey_min_distance": _count(1, MAX_TOKENS),  # and lmlab.data.passkey's own check
+    "data.passkey_max_distance": _count(1, MAX_TOKENS),
     "train.max_steps": _count(1, MAX_STEPS),
     "train.batch_size": _count(1, 1 << 16),
     "train.grad_accum_steps": _count(1, 1 << 16),

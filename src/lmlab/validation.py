@@ -32,6 +32,7 @@ import lmlab.training.objectives as objectives
 from lmlab.checks import choice, positive
 from lmlab.config import ModelConfig, RunConfig, TrainConfig, variant_fields
 from lmlab.config_ranges import check_ranges
+from lmlab.data import passkey
 from lmlab.data.answers import ANSWER_MASKS, LOSS_ON
 from lmlab.errors import ConfigError
 from lmlab.registry import Registry, families
@@ -207,6 +208,9 @@ def _data_rules(cfg: RunConfig) -> None:
                 "data.loss_on=answers needs data.tokenizer.kind=char (the answer positions are "
                 f"characters), got {d.tokenizer.kind!r}"
             )
+    t_len = cfg.train.seq_len  # a bad one is refused by the train rules, after these
+    seq_len = t_len if t_len is not None and t_len > 0 else cfg.model.max_seq_len
+    passkey.check_distance_range(d.passkey_min_distance, d.passkey_max_distance, d.corpus, seq_len)
 
 
 def _train_rules(cfg: RunConfig) -> None:

@@ -15,7 +15,7 @@ EXPERIMENTS = sorted((Path(__file__).parents[2] / "experiments").glob("*.yaml"))
 
 
 def test_one_experiment_per_claim():
-    assert len(EXPERIMENTS) == 11
+    assert len(EXPERIMENTS) == 12
     for path in EXPERIMENTS:
         exp = load_experiment(path)
         assert len(exp.seeds) >= 2, f"{path.name}: needs >= 2 seeds to judge seed noise"

@@ -10,9 +10,13 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lmlab.errors import DataError
 from lmlab.safeio import TEXT_FILE, read_bytes
+
+if TYPE_CHECKING:
+    from lmlab.config import DataConfig
 
 CORPORA_DIR = Path(__file__).parent / "corpora"
 
@@ -89,12 +93,27 @@ def split_text(text: str, val_fraction: float) -> dict[str, str]:
     return {"train": text[:n], "val": text[n:]}
 
 
-def load_corpus(source: str | Path, val_fraction: float = 0.1) -> Corpus:
+def load_data(data: DataConfig) -> Corpus:
+    """The corpus of a run's ``data`` section: :func:`load_corpus` with its ``val_fraction``
+    and, for ``passkey``, its training distance range."""
+    return load_corpus(
+        data.corpus, data.val_fraction, (data.passkey_min_distance, data.passkey_max_distance)
+    )
+
+
+def load_corpus(
+    source: str | Path,
+    val_fraction: float = 0.1,
+    passkey_distances: tuple[int | None, int | None] = (None, None),
+) -> Corpus:
     """Resolve ``source``: a bundled name, ``passkey`` or ``recall`` (generated,
     :mod:`lmlab.data.passkey`, :mod:`lmlab.data.recall`), a text file, or a folder with
     train/valid[/test].txt;
     (source, target) pairs (``synthetic:NAME``, a .tsv or .jsonl file, :mod:`lmlab.data.pairs`)
     become one ``source<TAB>target`` line per pair, split by pair.
+
+    ``passkey_distances``: (min, max) training distances of ``passkey``
+    (:func:`lmlab.data.passkey.passkey_splits`; None: its default).
 
     Raises DataError naming the path when it is missing, empty, or not UTF-8.
     """
@@ -107,7 +126,7 @@ def load_corpus(source: str | Path, val_fraction: float = 0.1) -> Corpus:
     if src == "passkey":  # generated: lmlab.data.passkey
         from lmlab.data.passkey import passkey_splits
 
-        return Corpus(src, passkey_splits(), [])
+        return Corpus(src, passkey_splits(*passkey_distances), [])
     if src == "recall":  # generated: lmlab.data.recall
         from lmlab.data.recall import recall_splits
 

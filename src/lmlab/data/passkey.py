@@ -15,7 +15,9 @@ are predictable from far back). Training windows are cut at random offsets, so a
 falls before a window's start is unanswerable in that window (noise, more of it at long
 distances: about distance / seq_len of the questions).
 
-Distances of training documents are uniform in [:data:`MIN_DISTANCE`, :data:`TRAIN_MAX_DISTANCE`].
+Distances of training documents are uniform in [:data:`MIN_DISTANCE`, :data:`TRAIN_MAX_DISTANCE`],
+or in the range ``data.passkey_min_distance`` .. ``data.passkey_max_distance`` where set (both
+splits: the val answer loss measures the task trained on; :func:`check_distance_range`).
 Everything is deterministic from the seed (Python's ``random.Random``, whose sequences are stable
 across platforms and versions for ``randrange``/``choice`` on integers). Evaluation prompts
 (:func:`passkey_sample`) hold exactly one key, at an exact distance from the answer.
@@ -111,14 +113,20 @@ def passkey_document(rng: random.Random, distance: int, max_prefix: int = 16) ->
     return filler(rng, rng.randrange(max_prefix + 1)) + _body(rng, key, distance) + key + ".\n"
 
 
-def passkey_text(seed: int, n_chars: int, max_distance: int = TRAIN_MAX_DISTANCE) -> str:
-    """Whole documents, distances uniform in [MIN_DISTANCE, max_distance], until at least
+def passkey_text(
+    seed: int,
+    n_chars: int,
+    max_distance: int = TRAIN_MAX_DISTANCE,
+    min_distance: int = MIN_DISTANCE,
+) -> str:
+    """Whole documents, distances uniform in [min_distance, max_distance], until at least
     ``n_chars`` characters."""
+    _check_distance(min_distance)
     rng = random.Random(seed)
     docs: list[str] = []
     size = 0
     while size < n_chars:
-        doc = passkey_document(rng, rng.randint(MIN_DISTANCE, max_distance))
+        doc = passkey_document(rng, rng.randint(min_distance, max_distance))
         docs.append(doc)
         size += len(doc)
     return "".join(docs)
@@ -137,10 +145,63 @@ def answer_mask(text: str) -> np.ndarray:
     return mask
 
 
-def passkey_splits() -> dict[str, str]:
+def distance_range(min_distance: int | None, max_distance: int | None) -> tuple[int, int]:
+    """(min, max) training distance in characters: ``data.passkey_min_distance`` and
+    ``data.passkey_max_distance``, :data:`MIN_DISTANCE` and :data:`TRAIN_MAX_DISTANCE` where
+    unset (None)."""
+    return (
+        MIN_DISTANCE if min_distance is None else min_distance,
+        TRAIN_MAX_DISTANCE if max_distance is None else max_distance,
+    )
+
+
+def farthest_key(seq_len: int) -> int:
+    """The longest distance (characters) whose whole question fits a ``seq_len``-token window:
+    the key sentence, the gap, the question and the answer digits (as an evaluation prompt of
+    :func:`passkey_sample` plus its answer)."""
+    return seq_len - len(KEY_PREFIX) - KEY_LEN + 1
+
+
+def check_distance_range(
+    min_distance: int | None, max_distance: int | None, corpus: str, seq_len: int
+) -> None:
+    """Validate ``data.passkey_min_distance`` / ``data.passkey_max_distance`` (ints or None):
+    only with ``data.corpus: passkey``; min >= :data:`MIN_DISTANCE`; max >= min; max <=
+    :func:`farthest_key` of the training window (``seq_len`` tokens). One ConfigError naming the
+    field at fault."""
+    if min_distance is None and max_distance is None:
+        return
+    if corpus != CORPUS_NAME:
+        name = "min" if min_distance is not None else "max"
+        raise ConfigError(
+            f"data.passkey_{name}_distance applies to data.corpus: {CORPUS_NAME} only, got "
+            f"data.corpus {corpus!r}"
+        )
+    lo, hi = distance_range(min_distance, max_distance)
+    if lo < MIN_DISTANCE:
+        raise ConfigError(
+            f"data.passkey_min_distance must be >= {MIN_DISTANCE} characters (the key, "
+            f"{KEY_END!r} and the question), got {lo}"
+        )
+    if hi < lo:
+        raise ConfigError(
+            f"data.passkey_max_distance ({hi}) must be >= data.passkey_min_distance ({lo})"
+        )
+    if hi > farthest_key(seq_len):
+        raise ConfigError(
+            f"data.passkey_max_distance ({hi}) is past the farthest key a {seq_len}-token "
+            f"training window holds with its question and answer ({farthest_key(seq_len)})"
+        )
+
+
+def passkey_splits(
+    min_distance: int | None = None, max_distance: int | None = None
+) -> dict[str, str]:
     """The ``passkey`` corpus: train (:data:`TRAIN_CHARS`, seed 0) and val (:data:`VAL_CHARS`,
-    seed 1) splits, generated afresh (well under a second)."""
+    seed 1) splits, distances uniform in :func:`distance_range` (both splits), generated afresh
+    (well under a second). Unset (None) bounds give the default corpus bit for bit."""
+    lo, hi = distance_range(min_distance, max_distance)
     return {
-        "train": passkey_text(TRAIN_SEED, TRAIN_CHARS),
-        "val": passkey_text(VAL_SEED, VAL_CHARS),
+        "train": passkey_text(TRAIN_SEED, TRAIN_CHARS, hi, lo),
+        "val": passkey_text(VAL_SEED, VAL_CHARS, hi, lo),
     }

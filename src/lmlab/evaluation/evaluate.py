@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmlab.config import ModelConfig, RunConfig
-from lmlab.data.corpus import load_corpus, read_text
+from lmlab.data.corpus import load_data, read_text
 from lmlab.data.tokenizer import Tokenizer
 from lmlab.errors import DataError, LmlabError
 from lmlab.evaluation.seq2seq import Seq2SeqEvalResult
@@ -243,7 +243,7 @@ def evaluate(
                                  batch_size)  # fmt: skip
     if text is None:
         cfg = read_run_config(model_path)
-        text = load_corpus(cfg.data.corpus, cfg.data.val_fraction).split(split)
+        text = load_data(cfg.data).split(split)
     ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
     if max_tokens is not None:
         ids = ids[:max_tokens]

@@ -35,7 +35,7 @@ import numpy as np
 from torch import nn
 
 from lmlab.config import MAX_TOKENS, ModelConfig, apply_override, config_from_dict
-from lmlab.data.corpus import load_corpus, read_text
+from lmlab.data.corpus import load_data, read_text
 from lmlab.errors import ConfigError, LmlabError
 from lmlab.evaluation.evaluate import score_tokens, token_byte_lengths
 
@@ -218,7 +218,7 @@ def eval_lengths(
         if split not in ("train", "val", "test"):
             raise LmlabError(f"--split must be train, val or test, got {split!r}")
         run_cfg = read_run_config(p)
-        text = load_corpus(run_cfg.data.corpus, run_cfg.data.val_fraction).split(split)
+        text = load_data(run_cfg.data).split(split)
         where = f"{run_cfg.data.corpus} {split} split"
     else:
         raise LmlabError(f"{p} is not an lmlab run folder, so it has no corpus: give --data FILE")

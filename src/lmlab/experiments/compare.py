@@ -175,9 +175,9 @@ def _diverged(run: Path, error: LmlabError) -> bool:
 
 
 def _val_ids(run: Path, cfg: Any, tokenizer: Any, max_tokens: int | None) -> np.ndarray:
-    from lmlab.data.corpus import load_corpus
+    from lmlab.data.corpus import load_data
 
-    text = load_corpus(cfg.data.corpus, cfg.data.val_fraction).split("val")
+    text = load_data(cfg.data).split("val")
     if max_tokens is not None:
         text = text[: max_tokens * 64]  # enough characters for max_tokens tokens
     ids = np.asarray(tokenizer.encode(text), dtype=np.int64)

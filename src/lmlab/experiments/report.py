@@ -130,7 +130,11 @@ def curve_series(groups: dict[str, list[dict[str, Any]]], axis: str) -> list[Cur
 
 
 def plot_curves(
-    groups: dict[str, list[dict[str, Any]]], out: Path, axis: str, title: str
+    groups: dict[str, list[dict[str, Any]]],
+    out: Path,
+    axis: str,
+    title: str,
+    ylabel: str = "val loss (nats/token)",
 ) -> tuple[Path, list[CurveSeries]]:
     """Val loss against ``axis`` ('step' or 'time'), per variant: the mean over seeds where the
     seeds share their x values (steps), else each seed's own measured curve (wall time), with a
@@ -158,7 +162,7 @@ def plot_curves(
         ymin = ax.get_ylim()[0]
         ax.set_ylim(ymin, max(starts) * 1.05)
     ax.set_xlabel("optimizer step" if axis == "step" else "training time (s)")
-    ax.set_ylabel("val loss (nats/token)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -195,14 +199,45 @@ def _length_losses(runs: list[dict[str, Any]], length: int, inference: str | Non
     return out
 
 
+def loss_scope(exp: Experiment) -> tuple[str, str]:
+    """(table header, definition) of the val loss column: the cross-entropy over every target,
+    or with ``data.loss_on: answers`` (:mod:`lmlab.data.answers`) over the answer tokens only;
+    variants that differ are named."""
+    on = {v: exp.config(v, exp.seeds[0]).data for v in exp.variants}
+    answers = [v for v, d in on.items() if d.loss_on == "answers"]
+    windows = "train.eval_batches fixed random windows of the val split"
+    if not answers:
+        return "val loss (nats/token)", f"mean cross-entropy over every token of {windows}"
+    what = (
+        "mean cross-entropy over the answer tokens only of "
+        f"{windows} (data.loss_on: answers; every other target is ignored, so this is not "
+        "comparable to an all-token loss; chance for a uniform digit: ln 10 = 2.303)"
+    )
+    ranges = sorted({(d.passkey_min_distance, d.passkey_max_distance) for d in on.values()})
+    if ranges != [(None, None)]:
+        from lmlab.data.passkey import distance_range
+
+        spans = ", ".join(f"{lo}-{hi}" for lo, hi in sorted({distance_range(*r) for r in ranges}))
+        what += f"; training and val key distances uniform in {spans} characters"
+    if len(answers) == len(on):
+        return "val answer loss (nats/answer token)", what
+    return "val loss (nats/token)", (
+        f"mean cross-entropy over every token of {windows}, except for "
+        f"{', '.join(f'`{v}`' for v in answers)}: {what}"
+    )
+
+
 def write_report(exp: Experiment, out: Path, summaries: list[dict[str, Any]]) -> list[Path]:
     """Write ``out/report.md`` and the plots; return the plot paths."""
     groups: dict[str, list[dict[str, Any]]] = {v: [] for v in exp.variants}
     for s in summaries:
         groups.setdefault(s["variant"], []).append(s)
+    loss_head, loss_what = loss_scope(exp)
     plots = [
-        plot_curves(groups, out / STEP_PLOT, "step", f"{exp.name}: val loss vs step")[0],
-        plot_curves(groups, out / TIME_PLOT, "time", f"{exp.name}: val loss vs training time")[0],
+        plot_curves(groups, out / STEP_PLOT, "step", f"{exp.name}: val loss vs step", loss_head)[0],
+        plot_curves(
+            groups, out / TIME_PLOT, "time", f"{exp.name}: val loss vs training time", loss_head
+        )[0],
     ]
     lengths = exp.eval.lengths
     rows: list[tuple[str, str | None, list[dict[str, Any]]]] = [
@@ -238,7 +273,7 @@ def write_report(exp: Experiment, out: Path, summaries: list[dict[str, Any]]) ->
         plots.append(plot_passkey(acc, out / PLOT, title, reach))
 
     ref_name = next(iter(exp.variants))
-    head = ["variant", "val loss (nats/token)", "perplexity", "params", "train tokens/s"]
+    head = ["variant", loss_head, "perplexity", "params", "train tokens/s"]
     head += ["KV cache bytes/token", "decode tokens/s", "steps"]
     moe = any(r.get("expert_load") is not None for r in summaries)
     head += ["expert load max/mean"] if moe else []
@@ -320,8 +355,7 @@ def write_report(exp: Experiment, out: Path, summaries: list[dict[str, Any]]) ->
         "",
         "\n".join(lines),
         "",
-        "val loss: the trainer's final validation loss (mean cross-entropy over "
-        "train.eval_batches fixed random windows of the val split, nats/token), mean ± sample "
+        f"val loss: the trainer's final validation loss ({loss_what}; nats), mean ± sample "
         "standard deviation over seeds; perplexity = exp(mean val loss); train tokens/s: "
         f"training throughput averaged over the run; decode tokens/s: batch 1, KV cache, greedy, "
         f"{exp.decode_tokens} tokens; KV cache bytes/token: K and V summed over layers at the "
@@ -368,7 +402,8 @@ def write_report(exp: Experiment, out: Path, summaries: list[dict[str, Any]]) ->
         md.append(f"- `{name}`: {text}")
     for name, inf in exp.eval.inference.items():
         md.append(f"- `{name}`: `{inf.variant}` evaluated with `{' '.join(inf.overrides)}`")
-    md += ["", "## Runs", "", "| variant | seed | steps | tokens | training time (s) | val loss |"]
+    runs_head = f"| variant | seed | steps | tokens | training time (s) | {loss_head} |"
+    md += ["", "## Runs", "", runs_head]
     md += ["|---|---|---|---|---|---|"]
     for r in summaries:
         md.append(

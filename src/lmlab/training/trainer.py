@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from lmlab.config import RunConfig, save_config
-from lmlab.data.corpus import load_corpus
+from lmlab.data.corpus import load_data
 from lmlab.data.dataset import build_token_cache, check_split_length
 from lmlab.data.tokenizer import fit_tokenizer
 from lmlab.data.tokenizer_config import save_tokenizer
@@ -175,7 +175,7 @@ def _train(
     check_precision(cfg, dev)
 
     # ---- data, tokenizer, and the fields a run fills in from them
-    corpus = load_corpus(cfg.data.corpus, cfg.data.val_fraction)
+    corpus = load_data(cfg.data)
     init_model: nn.Module | None = None  # --init-from: the loaded model, trained from
     if resuming:
         tokenizer = load_run_tokenizer(run_dir, cfg)
