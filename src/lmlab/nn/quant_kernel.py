@@ -22,6 +22,8 @@ from __future__ import annotations
 import ctypes
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -32,6 +34,7 @@ ENV_OFF = "LMLAB_NO_CPP_KERNELS"
 
 _lib: ctypes.CDLL | None = None
 _status: str | None = None  # None: not tried yet
+_off = False  # inside disabled()
 
 
 def _cpu_has_avx2_fma() -> bool:
@@ -92,8 +95,20 @@ def _load() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether the compiled kernels can be used (compiles them on the first call)."""
-    return _load() is not None
+    """Whether the compiled kernels can be used (compiles them on the first call); False inside
+    :func:`disabled`."""
+    return not _off and _load() is not None
+
+
+@contextmanager
+def disabled() -> Iterator[None]:
+    """Within the block QuantLinear does not use these kernels (A/B benchmarks, tests)."""
+    global _off
+    before, _off = _off, True
+    try:
+        yield
+    finally:
+        _off = before
 
 
 def status() -> str:
