@@ -31,6 +31,10 @@ namespace {
 
 constexpr int64_t kMaxRows = 8;
 
+inline float sum8(const float* v) {
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
 #if LMLAB_AVX2
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -63,7 +67,7 @@ inline __m256 int8x8(const int8_t* src) {
 template <int M>
 void int4_row(const float* x, int64_t K, const uint8_t* p, const float* s, const float* z,
               int64_t G, float* out) {
-  float tail[M] = {};
+  float tail[M][8] = {};  // the scalar columns, 8 partial sums per row (rounding like AVX2)
 #if LMLAB_AVX2
   const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
   const __m256i mask = _mm256_set1_epi32(15);
@@ -93,16 +97,16 @@ void int4_row(const float* x, int64_t K, const uint8_t* p, const float* s, const
     for (; k < k0 + G; ++k) {  // G % 8 columns (or all of them without AVX2)
       const uint8_t b = p[k / 2];
       const float w = static_cast<float>((k & 1) ? (b >> 4) : (b & 15)) * sg + zg;
-      for (int m = 0; m < M; ++m) tail[m] += w * x[m * K + k];
+      for (int m = 0; m < M; ++m) tail[m][k & 7] += w * x[m * K + k];
     }
   }
   for (int m = 0; m < M; ++m) {
 #if LMLAB_AVX2
     __m256 a = acc[m][0];
     for (int u = 1; u < kChains<M>; ++u) a = _mm256_add_ps(a, acc[m][u]);
-    out[m] = hsum(a) + tail[m];
+    out[m] = hsum(a) + sum8(tail[m]);
 #else
-    out[m] = tail[m];
+    out[m] = sum8(tail[m]);
 #endif
   }
 }
@@ -111,7 +115,7 @@ void int4_row(const float* x, int64_t K, const uint8_t* p, const float* s, const
 template <int M>
 void int8_row(const float* x, int64_t K, const int8_t* q, const float* s, int64_t G,
               float* out) {
-  float tail[M] = {};
+  float tail[M][8] = {};  // the scalar columns, 8 partial sums per row (rounding like AVX2)
 #if LMLAB_AVX2
   __m256 acc[M][kChains<M>];
   for (int m = 0; m < M; ++m)
@@ -138,16 +142,16 @@ void int8_row(const float* x, int64_t K, const int8_t* q, const float* s, int64_
 #endif
     for (; k < k0 + G; ++k) {
       const float w = static_cast<float>(q[k]) * sg;
-      for (int m = 0; m < M; ++m) tail[m] += w * x[m * K + k];
+      for (int m = 0; m < M; ++m) tail[m][k & 7] += w * x[m * K + k];
     }
   }
   for (int m = 0; m < M; ++m) {
 #if LMLAB_AVX2
     __m256 a = acc[m][0];
     for (int u = 1; u < kChains<M>; ++u) a = _mm256_add_ps(a, acc[m][u]);
-    out[m] = hsum(a) + tail[m];
+    out[m] = hsum(a) + sum8(tail[m]);
 #else
-    out[m] = tail[m];
+    out[m] = sum8(tail[m]);
 #endif
   }
 }
