@@ -7,6 +7,10 @@ in an order rotated every round, through lmlab's streamed ``generate_ids`` (gree
 timing as in benchmarks/smollm2_decode.py: decode = the tokens after the first new one); the
 medians are compared and printed as ratios to float32.
 
+Quantized layers run lmlab's C++ kernels (lmlab.nn.quant_kernel; the first line printed says
+whether they loaded or why not); a setting ending in ``+torch`` (``int4+torch``) runs the same
+quantized model with them off (PyTorch's int8/int4 CPU kernels, the path before them).
+
 Bytes read per token: the linear layers' weights (codes + scales + zeros for quantized layers;
 the LM head counted, tied or not) - the KV cache and activations are left out (about 1 MB at these
 lengths). Bandwidth: the best of 5 ``torch.sum`` passes over a 512 MiB float32 tensor with the
@@ -18,6 +22,7 @@ same threads, so "% of bandwidth" = tok/s x bytes/token / that rate.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -27,6 +32,7 @@ import torch
 from smollm2_decode import CORPUS, run_lmlab  # the same timing (benchmarks/ is on sys.path)
 
 from lmlab.interop.load import load
+from lmlab.nn import quant_kernel
 from lmlab.nn.quant import apply_quantization, quantized_weight_bytes
 
 
@@ -54,22 +60,33 @@ def main() -> None:
     ap.add_argument("--settings", nargs="*", default=["float32", "int8", "int4"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    quant_kernel.available()
+    took = time.perf_counter() - t0
+    print(f"lmlab C++ quantized kernels: {quant_kernel.status()} ({took:.1f} s to build or load)")
     base, tok = load(smollm2_path(), "cpu")
     models = {
-        name: base if name == "float32" else apply_quantization(copy.deepcopy(base), name)
+        name: base if name == "float32"
+        else apply_quantization(copy.deepcopy(base), name.removesuffix("+torch"))
         for name in args.settings
-    }
+    }  # fmt: skip
+
+    def path(name: str) -> contextlib.AbstractContextManager:
+        return quant_kernel.disabled() if name.endswith("+torch") else contextlib.nullcontext()
+
     prompt = tok.encode(CORPUS.read_text())[: args.prompt_tokens]
     bandwidth = read_bandwidth()
     nbytes = {name: quantized_weight_bytes(m) for name, m in models.items()}
     results: dict[str, list[dict]] = {name: [] for name in models}
     outs: dict[str, list[int]] = {}
-    for m in models.values():
-        run_lmlab(m, prompt[:8], 4)  # warm-up
+    for name, m in models.items():
+        with path(name):
+            run_lmlab(m, prompt[:8], 4)  # warm-up
     names = list(models)
     for r in range(args.rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            res, outs[name] = run_lmlab(models[name], prompt, args.new_tokens)
+            with path(name):
+                res, outs[name] = run_lmlab(models[name], prompt, args.new_tokens)
             results[name].append(res)
             print(f"round {r} {name:>8}: " + ", ".join(f"{k} {v:,.1f}" for k, v in res.items()))
     med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in results.items()}
@@ -90,10 +107,12 @@ def main() -> None:
         print(
             f"decode {name}/{ref} = {tps / med[ref]['decode_tok_s']:.2f}x ({tps:.1f} tok/s, "
             f"{nbytes[name] / 1e6:.0f} MB/token, {100 * frac:.0f}% of bandwidth; prefill "
-            f"{med[name]['prefill_tok_s']:.0f} tok/s; greedy equal {same}/{args.new_tokens})"
+            f"{med[name]['prefill_tok_s']:.0f} tok/s; greedy equal {same}/{args.new_tokens}; "
+            f"{1e3 / tps:.1f} ms/token)"
         )
     print(json.dumps({"threads": args.threads, "rounds": args.rounds, "bandwidth_gb_s":
-                      bandwidth / 1e9, "settings": summary}))  # fmt: skip
+                      bandwidth / 1e9, "cpp_kernels": quant_kernel.status(),
+                      "settings": summary}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -13,7 +13,12 @@ float32 scale (and for asymmetric int4 one float32 zero) per (row, group):
 
 Rounding to nearest makes |w - w_hat| <= s / 2 for every element (exactly, up to float32 rounding).
 
-Kernels (PyTorch 2.13 CPU, semantics checked by experiment and by tests/test_quant.py):
+Kernels. CPU float32 inputs of 1..8 rows (decode) go to lmlab's own C++ kernels
+(:mod:`lmlab.nn.quant_kernel`, ``quant_kernels.cpp``: the stored codes dequantized 8 at a time
+with AVX2 + FMA and multiply-added in float32, output rows over threads), compiled on first use;
+where they cannot be built (or ``LMLAB_NO_CPP_KERNELS=1``) the reason is warned once and the
+layer uses PyTorch's kernels as before (PyTorch 2.13 CPU, semantics checked by experiment and by
+tests/unit/test_quant.py):
 
 - ``aten._weight_int8pack_mm(x (M, K) float, w (N, K) int8, scales (N,)) -> (M, N)``:
   x @ (w * scales[:, None]).T; one scale per output row only (a group-wise scales tensor is
@@ -26,9 +31,9 @@ Kernels (PyTorch 2.13 CPU, semantics checked by experiment and by tests/test_qua
 
 Everything else (more than :data:`KERNEL_MAX_ROWS` rows, CUDA, non-float32 activations, shapes
 the kernels refuse) computes
-x @ dequantize().T, which gives the same numbers up to float32 rounding. On an AVX2 CPU these
-kernels are *slower* than float32 ``F.linear`` at batch 1 (see docs/quantization.md): they save
-memory; a speed-up needs a faster kernel.
+x @ dequantize().T, which gives the same numbers up to float32 rounding. On an AVX2 CPU torch's
+kernels are *slower* than float32 ``F.linear`` at batch 1, lmlab's are faster where the weight
+comes from memory rather than cache (docs/quantization.md).
 
 Papers: group-wise weight-only quantization as in GPTQ / AWQ deployments (Frantar et al. 2023;
 Lin et al. 2024) and llama.cpp's Q4_0 / Q4_1 / Q8_0 block formats (here without GPTQ's error
@@ -46,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmlab.errors import LmlabError
+from lmlab.nn import quant_kernel
 
 BITS = (4, 8)
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)
@@ -204,6 +210,12 @@ class QuantLinear(nn.Module):
         """Derive the kernel's operands from the stored buffers (not saved)."""
         self._packed: torch.Tensor | None = None
         self._sz: torch.Tensor | None = None
+        bufs = (self.qweight, self.scales, self.zeros)
+        self._cpp_ok = (  # lmlab's C++ kernel reads the stored buffers as they are
+            all(b.device.type == "cpu" and b.is_contiguous() for b in bufs)
+            and self.scales.dtype == self.zeros.dtype == torch.float32
+            and (self.bits == 8 or self.group_size % 2 == 0)  # int4 groups start on a byte
+        )
         if self.kernel == "int4pack" and self.qweight.device.type == "cpu":
             q = unpack_int4(self.qweight).to(torch.int32)  # (N, Kp)
             self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
@@ -227,10 +239,13 @@ class QuantLinear(nn.Module):
         if kp != self.in_features:
             x2 = F.pad(x2, (0, kp - self.in_features))  # zeros meet the padding columns
         on_cpu = x2.device.type == "cpu" and x2.dtype == torch.float32 and not x2.requires_grad
-        on_cpu = on_cpu and x2.shape[0] <= KERNEL_MAX_ROWS
-        if on_cpu and self.kernel == "int8pack":
+        few = 1 <= x2.shape[0] <= quant_kernel.MAX_ROWS  # an MoE expert may get 0 rows
+        if on_cpu and few and self._cpp_ok and quant_kernel.available():  # compiles once
+            y = quant_kernel.run(x2.contiguous(), self.qweight, self.scales, self.zeros,
+                                 self.group_size, self.bits)  # fmt: skip
+        elif on_cpu and x2.shape[0] <= KERNEL_MAX_ROWS and self.kernel == "int8pack":
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scales[:, 0])
-        elif on_cpu and self._packed is not None:
+        elif on_cpu and x2.shape[0] <= KERNEL_MAX_ROWS and self._packed is not None:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2.contiguous(), self._packed, self.group_size, self._sz
             )
