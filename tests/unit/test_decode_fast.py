@@ -46,7 +46,7 @@ def test_fused_qkv_and_gate_up_equal_the_separate_projections(llama: DecoderLM) 
     attn = llama.layers[0].attn
     h = torch.randn(3, 32)
     with torch.no_grad():
-        qkv = fused_linear(attn, "qkv", [attn.q_proj, attn.k_proj, attn.v_proj], h)
+        qkv = fused_linear(attn, "qkv", ("q_proj", "k_proj", "v_proj"), h)
         sep = torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
     assert qkv is not None
     torch.testing.assert_close(qkv, sep, rtol=0, atol=1e-6)
@@ -97,10 +97,15 @@ def test_fused_path_skips_hooked_and_non_linear_modules(llama: DecoderLM) -> Non
     class Scaled(nn.Linear):  # a subclass (as a quantized layer may be): not fused
         pass
 
+    owner = nn.Module()
+    owner.a, owner.b, owner.c = Scaled(32, 4), nn.Linear(32, 4), nn.Linear(32, 4, bias=False)
     with torch.no_grad():
-        assert fused_linear(attn, "x", [Scaled(32, 4), nn.Linear(32, 4)], h) is None
-        assert fused_linear(attn, "x", [nn.Linear(32, 4), nn.Linear(32, 4, bias=False)], h) is None
-    assert fused_linear(attn, "x", [nn.Linear(32, 4)], h) is None  # gradients on
+        assert fused_linear(owner, "x", ("a", "b"), h) is None
+        assert fused_linear(owner, "x", ("b", "c"), h) is None  # a bias on one only
+        assert fused_linear(owner, "x", ("b", "b"), h) is not None
+        owner.b.register_forward_pre_hook(lambda m, i: None)
+        assert fused_linear(owner, "x", ("b", "b"), h) is None  # hooked since: declined
+    assert fused_linear(owner, "x", ("c",), h) is None  # gradients on
 
 
 def test_in_place_cache_equals_the_growing_cache() -> None:

@@ -176,7 +176,7 @@ class Attention(nn.Module):
         and rotated to ``positions`` (T,) or (B, T)."""
         b, t, _ = x.shape
         h, kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = fused_linear(self, "qkv", [self.q_proj, self.k_proj, self.v_proj], x)
+        qkv = fused_linear(self, "qkv", ("q_proj", "k_proj", "v_proj"), x)
         if qkv is not None:  # inference: one matmul (lmlab.nn.fused), then the three views
             q, k, v = qkv.view(b, t, h + 2 * kv, hd).split([h, kv, kv], dim=2)
         else:

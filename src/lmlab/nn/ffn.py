@@ -105,7 +105,7 @@ class GatedMLP(nn.Module):
         self.hook_out = HookPoint()  # (B, T, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        both = fused_linear(self, "gate_up", [self.gate_proj, self.up_proj], x)
+        both = fused_linear(self, "gate_up", ("gate_proj", "up_proj"), x)
         if both is not None:  # inference: one matmul (lmlab.nn.fused)
             gate, up = both.chunk(2, dim=-1)  # (B, T, F) each
         else:

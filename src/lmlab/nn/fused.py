@@ -49,59 +49,70 @@ def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     linear (:func:`plain_linear`; no global module hooks), which skips the microseconds of
     ``nn.Module.__call__`` (a decode step makes hundreds of these calls)."""
     if plain_linear(m) and not _global_hooks():
-        return F.linear(x, m.weight, m.bias)  # type: ignore[arg-type]
+        p = m._parameters  # the dict itself: no nn.Module.__getattr__ per parameter
+        return F.linear(x, p["weight"], p["bias"])  # type: ignore[arg-type]
     return m(x)
+
+
+ENABLED = True  # False: fused_linear always declines (an A/B switch for benchmarks)
 
 
 class _Fused:
     """One fused weight (sum N, D) and bias (sum N,) or None, with what it was built from: the
-    source parameters, an alias of each one's data (which keeps its memory alive, so a new
-    tensor cannot take its address) and its version."""
+    modules, their parameters, an alias of each one's data (which keeps its memory alive, so a
+    new tensor cannot take its address) and its version."""
 
-    def __init__(self, params: list[torch.Tensor | None]) -> None:
-        self.params = params
-        self.data = [p.data if p is not None else None for p in params]
-        self.versions = [p._version if p is not None else 0 for p in params]
-        weights = [p for p in params[::2] if p is not None]
-        biases = [p for p in params[1::2] if p is not None]
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.modules = modules
+        self.params = [m._parameters[n] for m in modules for n in ("weight", "bias")]
+        self.data = [p.data if p is not None else None for p in self.params]
+        self.versions = [p._version if p is not None else 0 for p in self.params]
+        weights: list[torch.Tensor] = [p for p in self.params[::2] if p is not None]
+        biases: list[torch.Tensor] = [p for p in self.params[1::2] if p is not None]
         self.weight = torch.cat(weights, dim=0)
         self.bias = torch.cat(biases, dim=0) if biases else None
 
-    def fresh(self, params: list[torch.Tensor | None]) -> bool:
-        """Whether ``params`` are the very tensors this was built from, unchanged since."""
-        for p, q, d, v in zip(params, self.params, self.data, self.versions, strict=True):
-            if p is not q:
+    def fresh(self, modules: list[nn.Module]) -> bool:
+        """Whether ``modules`` are the very plain linears this was built from, holding the very
+        parameter tensors, unchanged since (same version, same memory)."""
+        i = 0
+        for m, was in zip(modules, self.modules, strict=True):
+            if m is not was or not plain_linear(m):
                 return False
-            if p is not None and (p._version != v or p.data_ptr() != d.data_ptr()):  # type: ignore[union-attr]
-                return False
+            for n in ("weight", "bias"):
+                p, d = m._parameters[n], self.data[i]
+                if p is not self.params[i]:
+                    return False
+                changed = p is not None and d is not None and p._version != self.versions[i]
+                if changed or (p is not None and d is not None and p.data_ptr() != d.data_ptr()):
+                    return False
+                i += 1
         return True
 
 
 def fused_linear(
-    owner: nn.Module, key: str, modules: list[nn.Module], x: torch.Tensor
+    owner: nn.Module, key: str, names: tuple[str, ...], x: torch.Tensor
 ) -> torch.Tensor | None:
-    """x (..., D) -> the outputs of every linear of ``modules`` concatenated on the last dim
-    (..., sum N), in one matmul with their weights concatenated (cached on ``owner`` under
-    ``key``); None when the fast path does not apply: gradients on, a module that is not a
-    plain linear (:func:`plain_linear`), a global module hook, biases on some but not all, or
-    mixed dtypes/devices. The caller then calls the modules one by one."""
-    if torch.is_grad_enabled() or _global_hooks():
+    """x (..., D) -> the outputs of the linears ``owner.<name>`` for each of ``names``,
+    concatenated on the last dim (..., sum N), in one matmul with their weights concatenated
+    (cached on ``owner`` under ``key``); None when the fast path does not apply: gradients on,
+    a module that is not a plain linear (:func:`plain_linear`), a global module hook, biases on
+    some but not all, or mixed dtypes/devices. The caller then calls the modules one by one."""
+    if not ENABLED or torch.is_grad_enabled() or _global_hooks():
         return None
-    if not all(plain_linear(m) for m in modules):
-        return None
-    params: list[torch.Tensor | None] = []
-    linears: list[nn.Linear] = modules  # type: ignore[assignment]  # checked just above
-    for m in linears:
-        params += [m.weight, m.bias]
-    has_bias = {m.bias is not None for m in linears}
-    kinds = {(p.dtype, p.device) for p in params if p is not None}
-    if len(has_bias) > 1 or len(kinds) > 1:
-        return None
+    modules = [owner._modules[n] for n in names]  # the dict: no nn.Module.__getattr__
     cache: dict[str, _Fused] = owner.__dict__.setdefault("_fused_linears", {})
     fused = cache.get(key)
-    if fused is None or not fused.fresh(params):
+    if fused is None or not fused.fresh(modules):  # type: ignore[arg-type]
         cache.pop(key, None)  # release the old copy before building the new one
-        fused = cache[key] = _Fused(params)
+        if not all(plain_linear(m) for m in modules):  # type: ignore[arg-type]
+            return None
+        params = [m._parameters[n] for m in modules for n in ("weight", "bias")]  # type: ignore[union-attr]
+        has_bias = {p is not None for p in params[1::2]}
+        kinds = {(p.dtype, p.device) for p in params if p is not None}
+        if len(has_bias) > 1 or len(kinds) > 1:
+            return None
+        fused = cache[key] = _Fused(modules)  # type: ignore[arg-type]
     return F.linear(x, fused.weight, fused.bias)
 
 
