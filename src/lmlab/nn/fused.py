@@ -97,8 +97,11 @@ def fused_linear(
     concatenated on the last dim (..., sum N), in one matmul with their weights concatenated
     (cached on ``owner`` under ``key``); None when the fast path does not apply: gradients on,
     a module that is not a plain linear (:func:`plain_linear`), a global module hook, biases on
-    some but not all, or mixed dtypes/devices. The caller then calls the modules one by one."""
+    some but not all, mixed dtypes/devices, or under ``torch.compile``. The caller then calls
+    the modules one by one."""
     if not ENABLED or torch.is_grad_enabled() or _global_hooks():
+        return None
+    if torch.compiler.is_compiling():  # the compiler fuses what it can itself
         return None
     modules = [owner._modules[n] for n in names]  # the dict: no nn.Module.__getattr__
     cache: dict[str, _Fused] = owner.__dict__.setdefault("_fused_linears", {})

@@ -55,7 +55,7 @@ class LayerKVCache:
         """Append new keys/values (B, K, T, hd); return all of them, (B, K, S + T, hd)."""
         if self.k is None or self.v is None:
             self.k, self.v = k, v
-        elif torch.is_grad_enabled() or not self._fits(k, v):
+        elif torch.is_grad_enabled() or torch.compiler.is_compiling() or not self._fits(k, v):
             self.k = torch.cat([self.k, k], dim=2)
             self.v = torch.cat([self.v, v], dim=2)
             self._kbuf = self._vbuf = None

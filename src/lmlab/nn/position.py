@@ -422,7 +422,10 @@ class RotaryPosition(PositionEncoding):
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """:meth:`rotation` and, in the half-split layout, sin with its first half negated
-        ([-sin1, sin2], for :meth:`rotate`), else None."""
+        ([-sin1, sin2], for :meth:`rotate`), else None. Under ``torch.compile`` nothing is kept
+        (the compiler traces the computation once per graph anyway)."""
+        if torch.compiler.is_compiling():
+            return self._compute_rotation(positions, dtype)
         key = (
             positions._version,
             dtype,
@@ -434,6 +437,13 @@ class RotaryPosition(PositionEncoding):
         fresh = memo is not None and memo[0] is positions and memo[1] is self.inv_freq
         if fresh and memo[2] == key:  # type: ignore[index]
             return memo[3]  # type: ignore[index]
+        out = self._compute_rotation(positions, dtype)
+        self.__dict__["_rotation_memo"] = (positions, self.inv_freq, key, out)
+        return out
+
+    def _compute_rotation(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         cos, sin = self.cos_sin(positions)
         cos, sin = cos.to(dtype), sin.to(dtype)  # (T, r) or (B, T, r)
         if cos.dim() == 3:  # per-row positions: broadcast over heads
@@ -442,6 +452,4 @@ class RotaryPosition(PositionEncoding):
         if not self.interleaved:
             half = sin.shape[-1] // 2
             signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        out = (cos, sin, signed)
-        self.__dict__["_rotation_memo"] = (positions, self.inv_freq, key, out)
-        return out
+        return cos, sin, signed
