@@ -36,6 +36,7 @@ from lmlab.nn.attention_core import (  # noqa: F401  (re-exported from their old
     attention_sdpa,
     repeat_kv,
 )
+from lmlab.nn.fused import fused_linear, linear
 from lmlab.nn.hooks import HookPoint
 from lmlab.nn.kv_cache import LayerCache, LayerKVCache, LinearAttentionState, SlidingWindowKVCache
 from lmlab.nn.masks import MASKS, MaskFn
@@ -96,6 +97,11 @@ class CachedKeys:
     mask_fn: MaskFn | None
     key_mask: torch.Tensor | None
     positions: torch.Tensor | None = None
+
+
+def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)``, skipping the module call of an ``nn.Identity`` (no QK-norm)."""
+    return x if type(norm) is nn.Identity else norm(x)
 
 
 def bound_mask(cfg: ModelConfig) -> MaskFn:
@@ -169,9 +175,17 @@ class Attention(nn.Module):
         """x (B, T, D) -> q (B, H, T, hd), k and v (B, K, T, hd), q and k normalised (QK-norm)
         and rotated to ``positions`` (T,) or (B, T)."""
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_norm(self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)).transpose(1, 2)
+        h, kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = fused_linear(self, "qkv", ("q_proj", "k_proj", "v_proj"), x)
+        if qkv is not None:  # inference: one matmul (lmlab.nn.fused), then the three views
+            q, k, v = qkv.view(b, t, h + 2 * kv, hd).split([h, kv, kv], dim=2)
+        else:
+            q = self.q_proj(x).view(b, t, h, hd)
+            k = self.k_proj(x).view(b, t, kv, hd)
+            v = self.v_proj(x).view(b, t, kv, hd)
+        q = _norm(self.q_norm, q).transpose(1, 2)  # (B, H, T, hd)
+        k = _norm(self.k_norm, k).transpose(1, 2)  # (B, K, T, hd)
+        v = _norm(self.v_norm, v).transpose(1, 2)
         q, k = position.rotate(q, k, positions)  # q (B, H, T, hd), k (B, K, T, hd)
         return self.hook_q(q), self.hook_k(k), self.hook_v(v)
 
@@ -253,7 +267,7 @@ class Attention(nn.Module):
         ``hook_z`` and ``hook_out``)."""
         y = self.hook_z(y)
         b, _, t, _ = y.shape
-        out = self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        out = linear(self.o_proj, y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
         return self.hook_out(out)
 
     def saved_norm_elements(self) -> int:

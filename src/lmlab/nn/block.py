@@ -62,6 +62,11 @@ class Block(nn.Module):
         ``block.residual: false``, the ablation that removes the skip path."""
         return x + branch if self.residual else branch
 
+    def dropped(self, x: torch.Tensor) -> torch.Tensor:
+        """Residual dropout of a branch: ``self.drop(x)``; x itself (what Dropout returns) in eval
+        mode, without the module call."""
+        return self.drop(x) if self.drop.training else x
+
     def expand_stream(self, x: torch.Tensor) -> torch.Tensor:
         """The embedding x (B, T, D) -> the residual stream the first layer reads: x itself (a
         block kind with a wider stream, hyper-connections, overrides it and reduce_stream)."""
@@ -98,9 +103,9 @@ class PreNormBlock(Block):
     def forward(self, x, position, positions, key_mask=None, cache=None):
         a = self.attn(self.attn_norm(x), position, positions, key_mask, cache)
         if self.parallel:
-            return self.add(x, self.drop(a.out) + self.drop(self.ffn(self.ffn_norm(x))))
-        x = self.hook_resid_mid(self.add(x, self.drop(a.out)))
-        return self.add(x, self.drop(self.ffn(self.ffn_norm(x))))
+            return self.add(x, self.dropped(a.out) + self.dropped(self.ffn(self.ffn_norm(x))))
+        x = self.hook_resid_mid(self.add(x, self.dropped(a.out)))
+        return self.add(x, self.dropped(self.ffn(self.ffn_norm(x))))
 
 
 @BLOCK.register("post")

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmlab.nn.fused import fused_linear, linear
 from lmlab.nn.hooks import HookPoint
 from lmlab.registry import Registry
 
@@ -75,7 +76,8 @@ class MLP(nn.Module):
         self.hook_out = HookPoint()  # (B, T, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.hook_out(self.down_proj(self.hook_hidden(self.act(self.up_proj(x)))))
+        hidden = self.hook_hidden(self.act(linear(self.up_proj, x)))  # (B, T, F)
+        return self.hook_out(linear(self.down_proj, hidden))
 
     def saved_activation_bytes(self, act_bytes: int) -> int:
         """Bytes per token autograd keeps of the hidden activations for backward: up(x) and
@@ -103,8 +105,13 @@ class GatedMLP(nn.Module):
         self.hook_out = HookPoint()  # (B, T, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.hook_hidden(self.act(self.gate_proj(x)) * self.up_proj(x))
-        return self.hook_out(self.down_proj(hidden))
+        both = fused_linear(self, "gate_up", ("gate_proj", "up_proj"), x)
+        if both is not None:  # inference: one matmul (lmlab.nn.fused)
+            gate, up = both.chunk(2, dim=-1)  # (B, T, F) each
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        hidden = self.hook_hidden(self.act(gate) * up)
+        return self.hook_out(linear(self.down_proj, hidden))
 
     def saved_activation_bytes(self, act_bytes: int) -> int:
         """Bytes per token autograd keeps for backward: gate(x), up(x), act(gate(x)) and the

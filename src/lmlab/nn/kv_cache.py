@@ -34,20 +34,83 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
 
 
 class LayerKVCache:
-    """The keys and values one attention layer has seen so far, each (B, K, S, hd)."""
+    """The keys and values one attention layer has seen so far, ``k`` and ``v`` each
+    (B, K, S, hd).
+
+    With gradients off (decoding) they are views of the first S slots of pre-allocated buffers
+    (B, K, capacity, hd): a new token is written in place into the next free slot, and the
+    buffers double when full, so a step copies one token, not the whole cache (``torch.cat``
+    per token, which the grad-enabled path still uses, copies all S). What is attended to is the
+    same either way; ``nbytes`` counts the S filled slots, ``reserved_bytes`` the buffers. Two
+    caches must not share buffers: to fork a decode, start the copy from ``k.clone()``.
+    """
 
     def __init__(self) -> None:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self._kbuf: torch.Tensor | None = None  # (B, K, capacity, hd), self.k its [:, :, :S]
+        self._vbuf: torch.Tensor | None = None
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append new keys/values (B, K, T, hd); return all of them, (B, K, S + T, hd)."""
         if self.k is None or self.v is None:
             self.k, self.v = k, v
-        else:
+        elif torch.is_grad_enabled() or torch.compiler.is_compiling() or not self._fits(k, v):
             self.k = torch.cat([self.k, k], dim=2)
             self.v = torch.cat([self.v, v], dim=2)
+            self._kbuf = self._vbuf = None
+        else:
+            s, t = self.k.shape[2], k.shape[2]
+            kbuf, vbuf = self._buffers(s + t)
+            kbuf[:, :, s : s + t] = k
+            vbuf[:, :, s : s + t] = v
+            self.k, self.v = kbuf[:, :, : s + t], vbuf[:, :, : s + t]
         return self.k, self.v
+
+    def _fits(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether the new k, v (B, K, T, hd) match the cached ones in every dim but T, dtype
+        and device (so writing them into a buffer is exactly what ``torch.cat`` would give)."""
+        ck, cv = self.k, self.v
+        assert ck is not None and cv is not None
+        return all(
+            a.dtype == b.dtype and a.device == b.device and a.dim() == 4 == b.dim()
+            and a.shape[:2] == b.shape[:2] and a.shape[3] == b.shape[3]
+            for a, b in ((ck, k), (cv, v))
+        )  # fmt: skip
+
+    def _buffers(self, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value buffers, holding the S cached tokens in their first slots, with
+        room for ``needed`` tokens: the current ones if ``k``/``v`` are still their views and
+        they are big enough, else new ones of twice ``needed`` slots with the tokens copied."""
+        ck, cv = self.k, self.v
+        kb, vb = self._kbuf, self._vbuf
+        assert ck is not None and cv is not None
+        if (
+            kb is not None
+            and vb is not None
+            and kb.shape[2] >= needed
+            and ck.shape[:2] == kb.shape[:2]
+            and ck.data_ptr() == kb.data_ptr()  # k, v not replaced from outside
+            and cv.data_ptr() == vb.data_ptr()
+            and ck.stride() == kb.stride()
+            and cv.stride() == vb.stride()
+        ):
+            return kb, vb
+        s = ck.shape[2]
+        cap = 2 * needed
+        kb = ck.new_empty(ck.shape[0], ck.shape[1], cap, ck.shape[3])
+        vb = cv.new_empty(cv.shape[0], cv.shape[1], cap, cv.shape[3])
+        kb[:, :, :s] = ck
+        vb[:, :, :s] = cv
+        self._kbuf, self._vbuf = kb, vb
+        return kb, vb
+
+    def reserved_bytes(self) -> int:
+        """Memory allocated for keys and values, in bytes: the buffers (filled or not), or the
+        cached tensors when there are none."""
+        if self._kbuf is not None and self._vbuf is not None:
+            return _nbytes(self._kbuf, self._vbuf)
+        return self.nbytes()
 
     @property
     def seq_len(self) -> int:

@@ -38,6 +38,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = torch.promote_types(x.dtype, torch.float32)  # float64 stays float64
+        if x.dtype == dtype and self.weight.dtype == dtype:  # no casts to make (a decode step
+            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # runs 61 norms)
+            return y * self.weight
         xf = x.to(dtype)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.to(dtype)).to(x.dtype)
