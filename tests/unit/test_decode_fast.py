@@ -23,6 +23,12 @@ LLAMA = {
 }
 
 
+@pytest.fixture(autouse=True)
+def fused_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run-time fusion is off by default (lmlab.nn.fused.ENABLED); these tests test it."""
+    monkeypatch.setattr("lmlab.nn.fused.ENABLED", True)
+
+
 @pytest.fixture(scope="module")
 def llama() -> DecoderLM:
     torch.manual_seed(0)

@@ -54,7 +54,10 @@ def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return m(x)
 
 
-ENABLED = True  # False: fused_linear always declines (an A/B switch for benchmarks)
+# Off by default: with it on, three resume tests (seq2seq, MLM, compare) gave a val loss off by
+# ~1e-3 after training resumed, i.e. a fused weight went stale somewhere (not found yet).
+# True only for A/B runs (benchmarks) until that is understood.
+ENABLED = False
 
 
 class _Fused:
