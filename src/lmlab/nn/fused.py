@@ -84,7 +84,7 @@ class _Fused:
                 return False
             for n in ("weight", "bias"):
                 p, d = m._parameters[n], self.data[i]
-                if p is not self.params[i]:
+                if p is not self.params[i] or (p is not None and p.is_inference()):
                     return False
                 changed = p is not None and d is not None and p._version != self.versions[i]
                 if changed or (p is not None and d is not None and p.data_ptr() != d.data_ptr()):
@@ -118,6 +118,8 @@ def fused_linear(
         kinds = {(p.dtype, p.device) for p in params if p is not None}
         if len(has_bias) > 1 or len(kinds) > 1:
             return None
+        if any(p is not None and p.is_inference() for p in params):
+            return None  # made under torch.inference_mode: no version counter to watch
         fused = cache[key] = _Fused(modules)  # type: ignore[arg-type]
     return F.linear(x, fused.weight, fused.bias)
 

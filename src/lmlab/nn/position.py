@@ -424,7 +424,12 @@ class RotaryPosition(PositionEncoding):
         """:meth:`rotation` and, in the half-split layout, sin with its first half negated
         ([-sin1, sin2], for :meth:`rotate`), else None. Under ``torch.compile`` nothing is kept
         (the compiler traces the computation once per graph anyway)."""
-        if torch.compiler.is_compiling():
+        if (
+            torch.compiler.is_compiling()
+            or positions.is_inference()
+            or self.inv_freq.is_inference()
+        ):
+            # inference tensors (made under torch.inference_mode) have no version counter
             return self._compute_rotation(positions, dtype)
         key = (
             positions._version,
