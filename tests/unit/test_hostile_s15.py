@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import lmlab.nn.fused as fused
@@ -15,17 +16,21 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _unfused(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    on = fused.ENABLED
     fused.ENABLED = False
     try:
         return _logits(model, ids)
     finally:
-        fused.ENABLED = True
+        fused.ENABLED = on
 
 
-def test_inference_mode_forward_and_in_place_edit_match_unfused() -> None:
+def test_inference_mode_forward_and_in_place_edit_match_unfused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Under torch.inference_mode the positions (and a model built there, its parameters) are
     inference tensors without a version counter: the forward ran into RuntimeError in the RoPE
     memo; the fused cache must not watch them either (an in-place edit stays visible)."""
+    monkeypatch.setattr(fused, "ENABLED", True)  # the fusion is off by default; test it on
     torch.manual_seed(0)
     cfg = tiny_model_config()
     ids = torch.randint(0, 50, (1, 7))
