@@ -19,6 +19,7 @@ from torch import nn
 
 from lmlab.data.tokenizer import Tokenizer
 from lmlab.errors import LmlabError
+from lmlab.generation import lean_step
 from lmlab.generation.sampling import check_sampling, next_token
 from lmlab.generation.stream import StopStrings, dropped_warning, token_text
 from lmlab.nn.masks import position_ids_from_attention_mask
@@ -89,10 +90,12 @@ def _decode(
     keep = max(1, (max_seq_len * 3) // 4)
     cache = model.new_cache()  # type: ignore[operator]
     mask: torch.Tensor | None = None  # (B, S) 1 = real token, over every slot in the cache
+    lean: lean_step.LeanStep | None = None  # the lean one-token step for this cache
+    lean_tried: object = None  # the cache lean_refusal was last asked about
 
     def feed(chunks: list[list[int]]) -> torch.Tensor:
         """Append ``chunks`` (row i's tokens, left-padded to one width W) -> logits (B, 1, V)."""
-        nonlocal mask
+        nonlocal mask, lean, lean_tried
         w = max(len(c) for c in chunks)
         x = torch.tensor([[pad_id] * (w - len(c)) + c for c in chunks], device=device)  # (B, W)
         new = torch.tensor([[0] * (w - len(c)) + [1] * len(c) for c in chunks], device=device)
@@ -100,6 +103,15 @@ def _decode(
         for i, c in enumerate(chunks):
             fed[i] += len(c)
         if bool(mask.all()):  # no padding anywhere: the plain causal forward, positions 0..
+            if w == 1 and lean_step.ENABLED and cache.seq_len > 0:
+                if lean_tried is not cache:  # once per cache: whether the lean step applies
+                    lean_tried = cache
+                    lean = None
+                    if lean_step.lean_refusal(model, cache) is None:
+                        room = min(max_seq_len, cache.seq_len + params.max_new_tokens)
+                        lean = lean_step.LeanStep(model, cache, room)
+                if lean is not None and not lean.hooked():
+                    return lean(x)  # the same logits as the forward below, bit for bit
             return model(x, cache=cache, last_only=True).logits
         positions = position_ids_from_attention_mask(mask)[:, -w:]  # (B, W)
         out = model(x, cache=cache, last_only=True, attention_mask=mask, position_ids=positions)

@@ -78,10 +78,24 @@ class LayerKVCache:
             for a, b in ((ck, k), (cv, v))
         )  # fmt: skip
 
-    def _buffers(self, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def reserve(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Make the key and value buffers hold at least ``capacity`` tokens, allocated once to
+        that size when they are smaller (instead of doubling as they fill), and return them,
+        (B, K, >= capacity, hd) each, the S cached tokens in their first slots: the lean decode
+        step (:mod:`lmlab.generation.lean_step`) writes each new token in place into them.
+        Needs a non-empty cache (ValueError otherwise)."""
+        if self.k is None or self.v is None:
+            raise ValueError("reserve needs the cache to hold at least one token")
+        kb, vb = self._buffers(capacity, exact=True)
+        s = self.k.shape[2]
+        self.k, self.v = kb[:, :, :s], vb[:, :, :s]
+        return kb, vb
+
+    def _buffers(self, needed: int, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value buffers, holding the S cached tokens in their first slots, with
         room for ``needed`` tokens: the current ones if ``k``/``v`` are still their views and
-        they are big enough, else new ones of twice ``needed`` slots with the tokens copied."""
+        they are big enough, else new ones of twice ``needed`` slots (``exact``: ``needed``
+        slots) with the tokens copied."""
         ck, cv = self.k, self.v
         kb, vb = self._kbuf, self._vbuf
         assert ck is not None and cv is not None
@@ -97,7 +111,7 @@ class LayerKVCache:
         ):
             return kb, vb
         s = ck.shape[2]
-        cap = 2 * needed
+        cap = max(needed, s) if exact else 2 * needed
         kb = ck.new_empty(ck.shape[0], ck.shape[1], cap, ck.shape[3])
         vb = cv.new_empty(cv.shape[0], cv.shape[1], cap, cv.shape[3])
         kb[:, :, :s] = ck

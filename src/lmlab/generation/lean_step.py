@@ -1,0 +1,331 @@
+"""The lean decode step: one new token per row through a decoder-only model, with the same
+operations as the model's forward but none of its generality.
+
+Legend: B rows, S cached tokens (before this step), D d_model, H heads, K kv heads, hd
+head_dim, V vocab. A decode step of a model's ``forward`` walks every module's call machinery,
+its hook points, mask and cache bookkeeping and its options; at batch 1 those cost more than the
+matrix-vector products on a CPU. :class:`LeanStep` runs what that forward computes for the one
+model shape most decoders have (pre-norm blocks, softmax attention with the plain causal mask
+and the ``sdpa`` backend, any position encoding without a score bias, a (gated) MLP, plain or
+quantized linear layers, no hooks) as one flat loop of tensor operations, calling the very
+functions the modules call (the norms' formula, :func:`~lmlab.nn.fused.fused_linear`, the
+position's ``rotate``, ``scaled_dot_product_attention``), so its logits equal the forward's
+bit for bit (tests/unit/test_lean_step.py).
+
+:func:`lean_refusal` says why a model does not qualify (the decode loop then keeps using the
+model's forward, which is always correct). Only one-token steps of unpadded rows take it
+(prefill, a rebuilt cache and a left-padded batch run the forward).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules import module as _module
+
+from lmlab.nn import quant_kernel
+from lmlab.nn.attention import SoftmaxAttention
+from lmlab.nn.attention_core import SDPA_GQA, repeat_kv
+from lmlab.nn.block import PreNormBlock
+from lmlab.nn.ffn import MLP, GatedMLP
+from lmlab.nn.fused import fused_linear, plain_linear
+from lmlab.nn.hooks import HookPoint
+from lmlab.nn.kv_cache import KVCache, LayerKVCache
+from lmlab.nn.masks import causal_mask
+from lmlab.nn.norm import RMSNorm
+from lmlab.nn.position import PositionEncoding, RotaryPosition
+from lmlab.nn.quant import QuantLinear
+
+# The decode loop (lmlab.generation.generate) takes the lean step wherever it applies; False
+# makes every step run the model's forward (A/B benchmarks, tests).
+ENABLED = True
+
+
+def _linear_ok(m: nn.Module) -> bool:
+    return plain_linear(m) or (type(m) is QuantLinear and not _torch_hooks(m))
+
+
+def _torch_hooks(m: nn.Module) -> bool:
+    return bool(
+        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+    )
+
+
+def lean_refusal(model: nn.Module, cache: object) -> str | None:
+    """None when :class:`LeanStep` computes exactly what ``model(ids, cache=cache,
+    last_only=True)`` computes for one new token per row; else why not (one short phrase)."""
+    from lmlab.models.decoder import DecoderLM  # no import cycle at module load
+
+    if type(model) is not DecoderLM:
+        return f"{type(model).__name__} is not a plain DecoderLM"
+    if model.training:
+        return "the model is in training mode (dropout)"
+    if model.has_moe:
+        return "a mixture-of-experts layer"
+    if type(model.embed) is not nn.Embedding or model.embed.max_norm is not None:
+        return "the token embedding is not a plain nn.Embedding"
+    if any(t.is_inference() for t in [*model.parameters(), *model.buffers()]):
+        return "a parameter or buffer made under torch.inference_mode (no version counter)"
+    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+        return "a global module hook is registered"
+    if not isinstance(cache, KVCache) or not all(type(c) is LayerKVCache for c in cache.layers):
+        return "a cache other than the dynamic KV cache (sliding window, streaming, linear)"
+    if type(model.position).score_bias is not PositionEncoding.score_bias:
+        return "the position encoding adds a score bias (ALiBi, T5)"
+    for m in model.modules():
+        if isinstance(m, HookPoint) and m.fns:
+            return f"hook point {m.name!r} has a function registered"
+        if _torch_hooks(m):
+            return f"a torch hook on {type(m).__name__}"
+    if not _linear_ok(model.lm_head):
+        return "the LM head is not a plain or quantized linear layer"
+    for i, layer in enumerate(model.layers):
+        if type(layer) is not PreNormBlock or layer.parallel or not layer.residual:
+            return f"layer {i} is not a sequential pre-norm block with a residual"
+        a = layer.attn
+        if type(a) is not SoftmaxAttention:
+            return f"layer {i}'s attention is not softmax attention"
+        if a.mask_fn is not causal_mask or not getattr(a.backend_fn, "causal_fast_path", False):
+            return f"layer {i}'s attention is not the plain causal mask on the sdpa backend"
+        ffn = layer.ffn
+        if not isinstance(ffn, (GatedMLP, MLP)) or type(ffn).forward not in (
+            GatedMLP.forward,
+            MLP.forward,
+        ):
+            return f"layer {i}'s FFN is not an MLP or a gated MLP"
+        names = ("q_proj", "k_proj", "v_proj", "o_proj")
+        linears = [getattr(a, n) for n in names] + [ffn.up_proj, ffn.down_proj]
+        if isinstance(ffn, GatedMLP):
+            linears.append(ffn.gate_proj)
+        if not all(_linear_ok(m) for m in linears):
+            return f"layer {i} has a linear layer that is neither plain nor quantized"
+    return None
+
+
+def _norm_op(norm: nn.Module) -> tuple[torch.Tensor | None, float, nn.Module]:
+    """(weight, eps, norm): weight set for an RMSNorm whose float32 cast-free branch the step
+    runs inline (x * rsqrt(mean(x^2) + eps) * weight, the same operations); else None and the
+    step calls ``norm.forward`` (nn.Identity included)."""
+    if type(norm) is RMSNorm:
+        w = norm._parameters["weight"]
+        if w is not None and w.dtype == torch.float32:
+            return w, norm.eps, norm
+    return None, 0.0, norm
+
+
+def _norm(op: tuple[torch.Tensor | None, float, nn.Module], x: torch.Tensor) -> torch.Tensor:
+    w, eps, norm = op
+    if w is not None and x.dtype == torch.float32:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    return norm.forward(x)
+
+
+# A linear layer's operands, taken once per snapshot: (weight, bias, None) for a float one (a
+# fused q/k/v or gate/up weight from lmlab.nn.fused included), (None, None, module) for a
+# quantized one (:func:`_quant`).
+Op = tuple
+
+
+def _op(m: nn.Module) -> Op:
+    if type(m) is nn.Linear:
+        return (m._parameters["weight"], m._parameters["bias"], None)
+    return (None, None, m)
+
+
+def _quant(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """x (B, K) -> (B, N): QuantLinear.forward's C++ kernel branch without its reshapes and
+    checks where it applies, else the forward itself."""
+    kp = m.scales.shape[1] * m.group_size
+    if (
+        kp == m.in_features
+        and m._cpp_ok
+        and x.shape[0] <= quant_kernel.MAX_ROWS
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and quant_kernel.available()
+    ):
+        y = quant_kernel.run(x.contiguous(), m.qweight, m.scales, m.zeros, m.group_size, m.bits)
+        return y if m.bias is None else y + m.bias.to(y.dtype)
+    return m.forward(x)
+
+
+def _fused_op(owner: nn.Module, key: str, names: tuple[str, ...], x: torch.Tensor) -> Op | None:
+    """The fused weight lmlab.nn.fused keeps for ``owner``'s ``names`` (built if needed, with
+    its own staleness checks) as an op, or None when the fusion is off or does not apply."""
+    if fused_linear(owner, key, names, x.new_empty(0, x.shape[-1])) is None:  # builds, 0 rows
+        return None
+    f = owner.__dict__["_fused_linears"][key]
+    return (f.weight, f.bias, None)
+
+
+class LeanStep:
+    """One-token decode steps of a model that :func:`lean_refusal` accepts into ``cache`` (its
+    :class:`~lmlab.nn.kv_cache.LayerKVCache` s, filled by the model's own prefill), with key and
+    value buffers reserved up front for ``capacity`` tokens (static: no doubling; a step past
+    it grows them as the cache does).
+
+    The layers' operands (weights, a fused q/k/v or gate/up weight when
+    :data:`lmlab.nn.fused.ENABLED`) are taken once and used while no parameter or buffer of the
+    model is replaced or changed in place (their version counters are compared on every step;
+    a change takes a new snapshot). Changes through ``param.data`` are not seen, as in
+    :mod:`lmlab.nn.fused` (call :func:`~lmlab.nn.fused.drop_fused` and start a new generation).
+    """
+
+    def __init__(self, model: nn.Module, cache: KVCache, capacity: int) -> None:
+        self.model: Any = model  # a DecoderLM (lean_refusal checked it)
+        self.cache = cache
+        for c in cache.layers:
+            c.reserve(capacity)
+        self._snapshot()
+
+    @torch.no_grad()
+    def _snapshot(self) -> None:
+        model = self.model
+        probe = model.embed.weight.new_empty(0, model.cfg.d_model)
+        pos = model.position
+        self.rope_fast = (
+            type(pos) is RotaryPosition and not pos.interleaved and pos.rotary_dim == pos.head_dim
+        )
+        self.layers = []
+        for layer in model.layers:
+            a, ffn = layer.attn, layer.ffn
+            plain_heads = all(type(n) is nn.Identity for n in (a.q_norm, a.k_norm, a.v_norm))
+            qkv = _fused_op(a, "qkv", ("q_proj", "k_proj", "v_proj"), probe)
+            qkv_ops = (_op(a.q_proj), _op(a.k_proj), _op(a.v_proj)) if qkv is None else ()
+            gated = isinstance(ffn, GatedMLP)
+            gu = _fused_op(ffn, "gate_up", ("gate_proj", "up_proj"), probe) if gated else None
+            gu_ops = (_op(ffn.gate_proj), _op(ffn.up_proj)) if gated and gu is None else ()
+            self.layers.append((
+                _norm_op(layer.attn_norm), a, a.n_heads, a.n_kv_heads, a.head_dim, a.scale,
+                plain_heads, qkv, qkv_ops, _op(a.o_proj), _norm_op(layer.ffn_norm), ffn.act,
+                gated, gu, gu_ops, _op(ffn.up_proj), _op(ffn.down_proj),
+            ))  # fmt: skip
+        self.head = _op(model.lm_head)
+        self.final_norm = _norm_op(model.final_norm)
+        mods = list(model.modules())
+        self.hook_lists = [m.fns for m in mods if isinstance(m, HookPoint)]
+        self.hook_dicts = [
+            d for m in mods for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
+                                      m._backward_pre_hooks)
+        ]  # fmt: skip
+        self.sources = [
+            (d, name, t, t._version)
+            for m in model.modules()
+            for d in (m._parameters, m._buffers)
+            for name, t in d.items()
+            if t is not None
+        ]
+
+    def hooked(self) -> bool:
+        """Whether a hook was registered since the snapshot (a hook point's function, a torch
+        module hook, a global one): the step then runs the model's forward instead."""
+        return (
+            any(self.hook_lists)
+            or any(self.hook_dicts)
+            or bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
+        )
+
+    def stale(self) -> bool:
+        """Whether a parameter or buffer was replaced or changed in place since the snapshot."""
+        return any(d.get(n) is not t or t._version != v for d, n, t, v in self.sources)
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (B, 1) int64, the next token of every row (no padding anywhere) -> logits
+        (B, 1, V) of ``model(ids, cache=cache, last_only=True)``; the cache is extended."""
+        if self.stale():
+            self._snapshot()
+        model, cache = self.model, self.cache
+        b = ids.shape[0]
+        past = cache.seq_len
+        positions = torch.arange(past, past + 1, device=ids.device)  # (1,)
+        x = F.embedding(ids, model.embed.weight)  # (B, 1, D)
+        if model.embed_scale != 1.0:
+            x = x * model.embed_scale
+        position = model.position
+        x = position.embed(x, positions).view(b, -1)  # (B, D): one token per row from here
+        rot = position.rotation(positions, x.dtype) if self.rope_fast else None
+        if rot is not None:  # rotate_half(x) * sin == roll(x, hd/2) * [-sin1, sin2] exactly
+            cos, sin = rot  # (1, hd)
+            half = sin.shape[-1] // 2
+            signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        linear = F.linear
+        for (
+            n1, a, hh, kv, hd, scale, plain_heads, qkv, qkv_ops, o_op, n2, act, gated, gu, gu_ops,
+            up_op, down_op,
+        ), c in zip(self.layers, cache.layers, strict=True):  # fmt: skip
+            # attention: (B, D) -> q (B, H, 1, hd), k and v (B, K, 1, hd)
+            w, eps, norm = n1
+            h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w if w is not None \
+                else norm.forward(x)  # fmt: skip
+            if qkv is not None:
+                heads = linear(h, qkv[0], qkv[1]) if qkv[2] is None else _quant(qkv[2], h)
+            else:
+                heads = torch.cat(
+                    [linear(h, o[0], o[1]) if o[2] is None else _quant(o[2], h) for o in qkv_ops],
+                    dim=-1,
+                )
+            heads = heads.view(b, hh + 2 * kv, hd)
+            if rot is not None and plain_heads:  # q and k rotated as one tensor
+                qk = heads[:, : hh + kv]
+                qk = (qk * cos + qk.roll(hd // 2, -1) * signed).unsqueeze(2)  # (B, H+K, 1, hd)
+                q, k = qk[:, :hh], qk[:, hh:]
+                v = heads[:, hh + kv :].unsqueeze(2)
+            else:
+                q, k, v = heads.unsqueeze(1).split([hh, kv, kv], dim=2)  # (B, 1, *, hd)
+                q = a.q_norm(q).transpose(1, 2)  # (B, H, 1, hd)
+                k = a.k_norm(k).transpose(1, 2)  # (B, K, 1, hd)
+                v = a.v_norm(v).transpose(1, 2)
+                q, k = position.rotate(q, k, positions)
+            k, v = _append(c, k, v)  # (B, K, S + 1, hd)
+            if hh != kv and SDPA_GQA:
+                y = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+            else:
+                rep = hh // kv
+                y = F.scaled_dot_product_attention(
+                    q, repeat_kv(k, rep), repeat_kv(v, rep), scale=scale
+                )
+            y = y.view(b, hh * hd)  # (B, H, 1, hd) -> (B, H hd)
+            x = x + (linear(y, o_op[0], o_op[1]) if o_op[2] is None else _quant(o_op[2], y))
+            # FFN
+            w, eps, norm = n2
+            h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w if w is not None \
+                else norm.forward(x)  # fmt: skip
+            if gated:
+                if gu is not None:
+                    both = linear(h, gu[0], gu[1]) if gu[2] is None else _quant(gu[2], h)
+                    gate, up = both.chunk(2, dim=-1)
+                else:
+                    gate, up = (
+                        linear(h, o[0], o[1]) if o[2] is None else _quant(o[2], h) for o in gu_ops
+                    )
+                hidden = act(gate) * up
+            else:
+                hidden = act(linear(h, up_op[0], up_op[1]) if up_op[2] is None
+                             else _quant(up_op[2], h))  # fmt: skip
+            x = x + (linear(hidden, down_op[0], down_op[1]) if down_op[2] is None
+                     else _quant(down_op[2], hidden))  # fmt: skip
+        x = _norm(self.final_norm, x)
+        w, bias, m = self.head
+        logits = linear(x, w, bias) if m is None else _quant(m, x)
+        return logits.view(b, 1, -1)
+
+
+def _append(c: LayerKVCache, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write k, v (B, K, 1, hd) into the next free slot of ``c``'s reserved buffers and return
+    every cached key and value (B, K, S + 1, hd); :meth:`LayerKVCache.update` (same result)
+    when the buffers are full or were replaced."""
+    kb, vb, ck, cv = c._kbuf, c._vbuf, c.k, c.v
+    if kb is None or vb is None or ck is None or cv is None or ck._base is not kb \
+            or cv._base is not vb:  # fmt: skip
+        return c.update(k, v)
+    s = ck.shape[2]
+    if s >= kb.shape[2] or ck.shape[0] != k.shape[0]:
+        return c.update(k, v)
+    kb[:, :, s : s + 1] = k
+    vb[:, :, s : s + 1] = v
+    c.k, c.v = kb[:, :, : s + 1], vb[:, :, : s + 1]
+    return c.k, c.v
