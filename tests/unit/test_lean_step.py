@@ -8,9 +8,11 @@ import torch
 
 from lmlab.generation import lean_step
 from lmlab.generation.generate import SamplingParams, generate_batch, generate_ids
-from lmlab.generation.lean_step import LeanStep, lean_refusal
+from lmlab.generation.lean_step import LeanStep, _QuantCat, lean_refusal
 from lmlab.hooks import hooks
 from lmlab.models.decoder import DecoderLM
+from lmlab.nn import quant_kernel
+from lmlab.nn.kv_cache import KVCache
 from lmlab.nn.quant import apply_quantization
 from tests.helpers import tiny_model_config
 
@@ -94,12 +96,24 @@ def test_the_reserved_cache_is_written_in_place_and_equals_the_dynamic_one() -> 
         torch.testing.assert_close(mine.v, ref.v, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["llama_gqa", "mqa_bias"])
 @pytest.mark.parametrize("spec", ["int8", "int4:16"])
-def test_lean_step_of_a_quantized_model_equals_its_forward(spec: str) -> None:
-    model = apply_quantization(_model("llama_gqa", d_model=64), spec)
+def test_lean_step_of_a_quantized_model_equals_its_forward(spec: str, name: str) -> None:
+    model = apply_quantization(_model(name, d_model=64), spec)
     refs, leans = _lean_and_forward(model, torch.randint(0, 40, (1, 5)), steps=4, capacity=16)
     for ref, lean in zip(refs, leans, strict=True):
         torch.testing.assert_close(lean, ref, rtol=0, atol=1e-5)
+    if quant_kernel.available():  # q/k/v and gate/up ran as one kernel call each
+        step = LeanStep(model, _prefilled(model), 8)
+        assert isinstance(step.layers[0][7][2], _QuantCat)
+        assert isinstance(step.layers[0][13][2], _QuantCat)
+
+
+def _prefilled(model: DecoderLM) -> KVCache:
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(torch.tensor([[1, 2]]), cache=cache)
+    return cache
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:

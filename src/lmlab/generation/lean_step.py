@@ -135,9 +135,9 @@ def _op(m: nn.Module) -> Op:
     return (None, None, m)
 
 
-def _quant(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-    """x (B, K) -> (B, N): QuantLinear.forward's C++ kernel branch without its reshapes and
-    checks where it applies, else the forward itself."""
+def _quant(m: Any, x: torch.Tensor) -> torch.Tensor:
+    """x (B, K) -> (B, N) for ``m`` a QuantLinear or :class:`_QuantCat`: QuantLinear.forward's
+    C++ kernel branch without its reshapes and checks where it applies, else the forward."""
     kp = m.scales.shape[1] * m.group_size
     if (
         kp == m.in_features
@@ -152,9 +152,44 @@ def _quant(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     return m.forward(x)
 
 
+class _QuantCat:
+    """Quantized linears reading the same input, as one: their codes, scales, zeros (and
+    biases) concatenated along the output rows, which the C++ kernel computes row by row, so
+    y equals the concatenation of their outputs exactly; ``forward`` (the fallback) is that
+    concatenation. Made per snapshot (a copy of those layers' codes, while a generation runs)."""
+
+    def __init__(self, parts: list[QuantLinear]) -> None:
+        self.parts = parts
+        p0 = parts[0]
+        self.bits, self.group_size, self.in_features = p0.bits, p0.group_size, p0.in_features
+        self.qweight = torch.cat([m.qweight for m in parts])
+        self.scales = torch.cat([m.scales for m in parts])
+        self.zeros = torch.cat([m.zeros for m in parts])
+        biases = [m.bias for m in parts]
+        self.bias = None if biases[0] is None else torch.cat(biases)  # type: ignore[arg-type]
+        self.out_features = int(self.qweight.shape[0])
+        self._cpp_ok = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([m.forward(x) for m in self.parts], dim=-1)
+
+
 def _fused_op(owner: nn.Module, key: str, names: tuple[str, ...], x: torch.Tensor) -> Op | None:
-    """The fused weight lmlab.nn.fused keeps for ``owner``'s ``names`` (built if needed, with
-    its own staleness checks) as an op, or None when the fusion is off or does not apply."""
+    """One op for ``owner``'s linears ``names``: the fused weight lmlab.nn.fused keeps (built
+    if needed, with its own staleness checks) for plain linears, a :class:`_QuantCat` for
+    quantized ones the C++ kernel serves alike; None when neither applies."""
+    mods = [owner._modules[n] for n in names]
+    if all(type(m) is QuantLinear for m in mods):
+        q: list[QuantLinear] = mods  # type: ignore[assignment]
+        p0 = q[0]
+        alike = all(
+            m.bits == p0.bits and m.group_size == p0.group_size and m.in_features == p0.in_features
+            and m.scales.shape[1] * m.group_size == m.in_features and m._cpp_ok
+            and (m.bias is None) == (p0.bias is None)
+            for m in q
+        )  # fmt: skip
+        ok = alike and quant_kernel.available()
+        return (None, None, _QuantCat(q)) if ok else None
     if fused_linear(owner, key, names, x.new_empty(0, x.shape[-1])) is None:  # builds, 0 rows
         return None
     f = owner.__dict__["_fused_linears"][key]
