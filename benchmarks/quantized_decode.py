@@ -8,7 +8,9 @@ timing as in benchmarks/smollm2_decode.py: decode = the tokens after the first n
 medians are compared and printed as ratios to float32.
 
 Quantized layers run lmlab's C++ kernels (lmlab.nn.quant_kernel; the first line printed says
-whether they loaded or why not); a setting ending in ``+torch`` (``int4+torch``) runs the same
+whether they loaded or why not) and the decode steps take the lean step
+(lmlab.generation.lean_step: q/k/v and gate/up one kernel call each; ``--no-lean``: the model's
+forward); a setting ending in ``+torch`` (``int4+torch``) runs the same
 quantized model with them off (PyTorch's int8/int4 CPU kernels, the path before them).
 
 Bytes read per token: the linear layers' weights (codes + scales + zeros for quantized layers;
@@ -31,6 +33,7 @@ import time
 import torch
 from smollm2_decode import CORPUS, run_lmlab  # the same timing (benchmarks/ is on sys.path)
 
+from lmlab.generation import lean_step
 from lmlab.interop.load import load
 from lmlab.nn import quant_kernel
 from lmlab.nn.quant import apply_quantization, quantized_weight_bytes
@@ -58,8 +61,14 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--settings", nargs="*", default=["float32", "int8", "int4"])
+    ap.add_argument(
+        "--no-lean",
+        action="store_true",
+        help="decode every token through the model's forward (lmlab.generation.lean_step off)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    lean_step.ENABLED = not args.no_lean
     t0 = time.perf_counter()
     quant_kernel.available()
     took = time.perf_counter() - t0
@@ -110,7 +119,8 @@ def main() -> None:
             f"{med[name]['prefill_tok_s']:.0f} tok/s; greedy equal {same}/{args.new_tokens}; "
             f"{1e3 / tps:.1f} ms/token)"
         )
-    print(json.dumps({"threads": args.threads, "rounds": args.rounds, "bandwidth_gb_s":
+    print(json.dumps({"threads": args.threads, "rounds": args.rounds, "lean_step":
+                      lean_step.ENABLED, "bandwidth_gb_s":
                       bandwidth / 1e9, "cpp_kernels": quant_kernel.status(),
                       "settings": summary}))  # fmt: skip
 

@@ -232,3 +232,13 @@ def test_weights_changed_between_steps_are_seen_by_the_next_step() -> None:
 def test_a_model_in_training_mode_is_refused() -> None:
     model = _model("llama_gqa").train()
     assert "training" in (lean_refusal(model, model.new_cache()) or "")
+
+
+def test_under_autocast_every_step_runs_the_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model("llama_gqa")
+    calls = _spy(monkeypatch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = _greedy(model, [1, 2, 3], 5)
+        assert calls == []
+        monkeypatch.setattr(lean_step, "ENABLED", False)
+        assert _greedy(model, [1, 2, 3], 5) == out

@@ -110,7 +110,7 @@ def _decode(
                     if lean_step.lean_refusal(model, cache) is None:
                         room = min(max_seq_len, cache.seq_len + params.max_new_tokens)
                         lean = lean_step.LeanStep(model, cache, room)
-                if lean is not None and not lean.hooked():
+                if lean is not None and not lean.declines():
                     return lean(x)  # the same logits as the forward below, bit for bit
             return model(x, cache=cache, last_only=True).logits
         positions = position_ids_from_attention_mask(mask)[:, -w:]  # (B, W)

@@ -212,6 +212,7 @@ class LeanStep:
     def __init__(self, model: nn.Module, cache: KVCache, capacity: int) -> None:
         self.model: Any = model  # a DecoderLM (lean_refusal checked it)
         self.cache = cache
+        self.device_type = str(next(model.parameters()).device.type)
         for c in cache.layers:
             c.reserve(capacity)
         self._snapshot()
@@ -254,11 +255,13 @@ class LeanStep:
             if t is not None
         ]
 
-    def hooked(self) -> bool:
-        """Whether a hook was registered since the snapshot (a hook point's function, a torch
-        module hook, a global one): the step then runs the model's forward instead."""
+    def declines(self) -> bool:
+        """Whether this step must run the model's forward instead: a hook was registered since
+        the snapshot (a hook point's function, a torch module hook, a global one), or autocast
+        is on (it casts inside the layers in ways this loop does not follow)."""
         return (
-            any(self.hook_lists)
+            torch.is_autocast_enabled(self.device_type)
+            or any(self.hook_lists)
             or any(self.hook_dicts)
             or bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
         )
