@@ -5,7 +5,8 @@ size. ``int8_mm(x, q, s, G)`` and ``int4_mm(x, p, s, z, G)`` return y (M, N) flo
 x @ w_hat.T for the formats of :mod:`lmlab.nn.quant` (int8: w_hat = q s; int4, p the
 :func:`~lmlab.nn.quant.pack_int4` bytes: w_hat = (code - 8) s + z), reading the stored buffers as
 they are (no second copy of the weight). The loop is in ``quant_kernels.cpp`` next to this file:
-each output row's codes are dequantized 8 at a time to float32 (AVX2 + FMA where the CPU has them)
+each output row's codes are dequantized 8 at a time to float32 (AVX2 + FMA where the CPU has them;
+int4 16 at a time with AVX-512F where it has that)
 and multiply-added into M float32 accumulators, output rows split over threads by
 ``at::parallel_for`` (``torch.set_num_threads``).
 
@@ -48,14 +49,27 @@ def _cpu_has_avx2_fma() -> bool:
     return " fma" in flags and " avx2" in flags
 
 
+def _cpu_has_avx512f() -> bool:
+    """True when torch reports AVX512 and /proc/cpuinfo lists avx512f."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return False
+    try:
+        return " avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def _build() -> ctypes.CDLL:
     """Compile (or load from torch's cache) quant_kernels.cpp; raises on any failure."""
     from torch.utils.cpp_extension import load
 
     avx2 = _cpu_has_avx2_fma()
+    avx512 = avx2 and _cpu_has_avx512f()
     flags = ["-O3", "-fopenmp", *(["-mavx2", "-mfma"] if avx2 else [])]
+    flags += ["-mavx512f"] if avx512 else []
+    kind = "avx512" if avx512 else "avx2" if avx2 else "generic"
     path = load(
-        name=f"lmlab_quant_kernels_{'avx2' if avx2 else 'generic'}",
+        name=f"lmlab_quant_kernels_{kind}",
         sources=[str(SOURCE)],
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
@@ -80,7 +94,13 @@ def _load() -> ctypes.CDLL | None:
         else:
             try:
                 _lib = _build()
-                _status = "avx2+fma" if _lib.lmlab_kernels_avx2() else "generic C++ (no AVX2)"
+                _status = (
+                    "avx512f+avx2+fma"
+                    if _lib.lmlab_kernels_avx512()
+                    else "avx2+fma"
+                    if _lib.lmlab_kernels_avx2()
+                    else "generic C++ (no AVX2)"
+                )
             except Exception as e:  # no compiler, a failed build, an unloadable library
                 _lib = None
                 _status = f"unavailable: {type(e).__name__}: {str(e).strip().splitlines()[-1:]}"
@@ -112,8 +132,8 @@ def disabled() -> Iterator[None]:
 
 
 def status() -> str:
-    """``avx2+fma``, ``generic C++ (no AVX2)``, or why the kernels are not used (after
-    :func:`available` has been asked; ``not loaded yet`` before)."""
+    """``avx512f+avx2+fma``, ``avx2+fma``, ``generic C++ (no AVX2)``, or why the kernels are
+    not used (after :func:`available` has been asked; ``not loaded yet`` before)."""
     return _status or "not loaded yet"
 
 
