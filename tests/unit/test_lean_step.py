@@ -31,6 +31,7 @@ CONFIGS = {
         "attention": {"n_heads": 4, "qk_norm": True},
         "position": {"kind": "rope", "partial_rotary_factor": 0.5},
     },
+    "qk_norm_full_rotary": {**LLAMA, "attention": {"n_heads": 4, "qk_norm": True}},
     "interleaved": {**LLAMA, "position": {"kind": "rope", "interleaved": True}},
     "geglu_layernorm": {"ffn": {"kind": "geglu"}, "position": {"kind": "rope"}},
     "sinusoidal": {"position": {"kind": "sinusoidal"}},
@@ -75,6 +76,15 @@ def test_lean_logits_equal_the_forward_step_by_step(
     for ref, lean in zip(refs, leans, strict=True):
         assert lean.shape == ref.shape == (2, 1, 40)
         torch.testing.assert_close(lean, ref, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "default"])
+def test_a_bfloat16_model_steps_as_its_forward(name: str) -> None:
+    model = _model(name).to(torch.bfloat16)
+    refs, leans = _lean_and_forward(model, torch.randint(0, 40, (1, 5)), steps=4, capacity=16)
+    for ref, lean in zip(refs, leans, strict=True):
+        assert lean.dtype == ref.dtype == torch.bfloat16
+        torch.testing.assert_close(lean, ref, rtol=0, atol=0)
 
 
 def test_the_reserved_cache_is_written_in_place_and_equals_the_dynamic_one() -> None:
