@@ -252,3 +252,17 @@ def test_under_autocast_every_step_runs_the_forward(monkeypatch: pytest.MonkeyPa
         assert calls == []
         monkeypatch.setattr(lean_step, "ENABLED", False)
         assert _greedy(model, [1, 2, 3], 5) == out
+
+
+@pytest.mark.parametrize(("fused", "linears"), [(True, 2 * 4 + 1), (False, 2 * 7 + 1)])
+def test_with_the_fusion_on_q_k_v_and_gate_up_are_one_matmul_each(
+    fused: bool, linears: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setattr("lmlab.nn.fused.ENABLED", fused)
+    model = _model("llama_gqa")  # 2 layers: q/k/v, o, gate/up, down each, and the head
+    step = LeanStep(model, _prefilled(model), 8)
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        step(torch.tensor([[3]]))
+    assert sum(e.name == "aten::linear" for e in p.events()) == linears

@@ -192,8 +192,11 @@ def _fused_op(owner: nn.Module, key: str, names: tuple[str, ...], x: torch.Tenso
         return (None, None, _QuantCat(q)) if ok else None
     if fused_linear(owner, key, names, x.new_empty(0, x.shape[-1])) is None:  # builds, 0 rows
         return None
-    f = owner.__dict__["_fused_linears"][key]
-    return (f.weight, f.bias, None)
+    f = owner.__dict__.get("_fused_linears", {}).get(key)  # what fused_linear just used
+    weight, bias = getattr(f, "weight", None), getattr(f, "bias", None)
+    if not isinstance(weight, torch.Tensor):  # its cache is not laid out as expected
+        return None
+    return (weight, bias, None)
 
 
 class LeanStep:
