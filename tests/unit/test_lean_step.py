@@ -266,3 +266,26 @@ def test_with_the_fusion_on_q_k_v_and_gate_up_are_one_matmul_each(
     with profile(activities=[ProfilerActivity.CPU]) as p:
         step(torch.tensor([[3]]))
     assert sum(e.name == "aten::linear" for e in p.events()) == linears
+
+
+def test_a_fused_optimizer_step_between_tokens_is_seen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AdamW(fused=True) writes the parameters without bumping their version counters: the
+    fused q/k/v and gate/up copies must still be rebuilt (lmlab.nn.fused's step hook)."""
+    monkeypatch.setattr("lmlab.nn.fused.ENABLED", True)
+    model = _model("llama_gqa")
+    prompt = torch.randint(0, 40, (1, 4))
+    with torch.no_grad():
+        cache, ref_cache = model.new_cache(), model.new_cache()
+        model(prompt, cache=cache)
+        model(prompt, cache=ref_cache)
+        lean = LeanStep(model, cache, 16)
+        lean(torch.tensor([[1]]))
+        model(torch.tensor([[1]]), cache=ref_cache)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    with torch.no_grad():
+        got = lean(torch.tensor([[2]]))
+        want = model(torch.tensor([[2]]), cache=ref_cache, last_only=True).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
+from lmlab.nn import fused as _fused
 from lmlab.nn import quant_kernel
 from lmlab.nn.attention import SoftmaxAttention
 from lmlab.nn.attention_core import SDPA_GQA, repeat_kv
@@ -207,9 +208,11 @@ class LeanStep:
 
     The layers' operands (weights, a fused q/k/v or gate/up weight when
     :data:`lmlab.nn.fused.ENABLED`) are taken once and used while no parameter or buffer of the
-    model is replaced or changed in place (their version counters are compared on every step;
-    a change takes a new snapshot). Changes through ``param.data`` are not seen, as in
-    :mod:`lmlab.nn.fused` (call :func:`~lmlab.nn.fused.drop_fused` and start a new generation).
+    model is replaced or changed in place (their version counters are compared on every step)
+    and lmlab.nn.fused's copies are current (no optimizer step or training forward since); else
+    a new snapshot is taken. Plain weights are the parameters themselves, so any in-place write
+    to them is seen; writes through ``param.data`` that :mod:`lmlab.nn.fused` does not see are
+    not seen in its copies either (call :func:`~lmlab.nn.fused.drop_fused`).
     """
 
     def __init__(self, model: nn.Module, cache: KVCache, capacity: int) -> None:
@@ -222,6 +225,7 @@ class LeanStep:
 
     @torch.no_grad()
     def _snapshot(self) -> None:
+        self.generation = _fused._generation  # read before the fused copies are (re)built
         model = self.model
         probe = model.embed.weight.new_empty(0, model.cfg.d_model)
         pos = model.position
@@ -270,8 +274,12 @@ class LeanStep:
         )
 
     def stale(self) -> bool:
-        """Whether a parameter or buffer was replaced or changed in place since the snapshot."""
-        return any(d.get(n) is not t or t._version != v for d, n, t, v in self.sources)
+        """Whether a parameter or buffer was replaced or changed in place since the snapshot,
+        or lmlab.nn.fused's copies went stale (any optimizer step, a training forward: fused
+        optimizer kernels bump no version counter), which the fused ops here are."""
+        return self.generation != _fused._generation or any(
+            d.get(n) is not t or t._version != v for d, n, t, v in self.sources
+        )
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
