@@ -188,6 +188,9 @@ class ModelConfig(VariantSection):
     final_norm: bool = True
     init: str = "gpt2"  # weight initialisation scheme (lmlab list init)
     init_std: float = 0.02  # the schemes' base standard deviation
+    # zero the residual projections (attention o_proj, FFN down_proj) after the init scheme:
+    # every block starts as the identity (modded-nanogpt); needs block.residual
+    init_zero_residual: bool = False
     # token embeddings * sqrt(d_model) before positions are added (Vaswani et al. 2017), decoder
     # and encoder; None: true for position.kind=sinusoidal (whose amplitude-1 table otherwise
     # drowns std-0.02 embeddings), false otherwise. encoder_decoder: seq2seq.scale_embedding.

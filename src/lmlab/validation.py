@@ -163,6 +163,11 @@ def _model_rules(m: ModelConfig) -> None:
             f"model.block.parallel needs model.block.kind=pre (got {m.block.kind!r}): a parallel "
             "block normalises each branch's input"
         )
+    if m.init_zero_residual and not m.block.residual:
+        raise ConfigError(
+            "model.init_zero_residual needs model.block.residual: true: without the skip "
+            "connections a zeroed output projection makes every layer output zero"
+        )
     choice(m.ffn.activation, sorted(lnn.ACTIVATIONS), "model.ffn.activation")
     choice(m.attention.backend, list(lnn.ATTENTION_BACKENDS), "model.attention.backend")
     for name in ("d_model", "n_layers", "max_seq_len", "vocab_size"):

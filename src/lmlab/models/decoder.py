@@ -13,7 +13,7 @@ from torch import nn
 from lmlab.config import ModelConfig
 from lmlab.errors import LmlabError
 from lmlab.models.counting import matmul_params, num_params, score_flops
-from lmlab.models.init import INIT
+from lmlab.models.init import init_weights
 from lmlab.models.output import ModelOutput
 from lmlab.models.stack import LayerStack, padding_mask
 from lmlab.models.tying import TiedEmbeddingsModule
@@ -54,8 +54,9 @@ class DecoderLM(TiedEmbeddingsModule):
         fast_hook_lookup(self)  # hook points named, one dict lookup each
 
     def reset_parameters(self) -> None:
-        """Initialise every weight with the scheme named by ``model.init`` (see models/init.py)."""
-        INIT.get(self.cfg.init, "model.init")(self, self.cfg)
+        """Initialise every weight with the scheme named by ``model.init``, residual projections
+        zeroed under ``model.init_zero_residual`` (:func:`lmlab.models.init.init_weights`)."""
+        init_weights(self, self.cfg)
 
     def forward(
         self,

@@ -18,7 +18,7 @@ from lmlab.checks import positive
 from lmlab.config import ModelConfig
 from lmlab.errors import ConfigError, LmlabError
 from lmlab.models.counting import matmul_params, num_params, score_flops
-from lmlab.models.init import INIT
+from lmlab.models.init import init_weights
 from lmlab.models.output import ModelOutput
 from lmlab.models.stack import LayerStack
 from lmlab.models.tying import TiedEmbeddingsModule
@@ -78,8 +78,9 @@ class EncoderLM(TiedEmbeddingsModule):
         fast_hook_lookup(self)  # hook points named, one dict lookup each
 
     def reset_parameters(self) -> None:
-        """Initialise every weight with the scheme named by ``model.init`` (see models/init.py)."""
-        INIT.get(self.cfg.init, "model.init")(self, self.cfg)
+        """Initialise every weight with the scheme named by ``model.init``, residual projections
+        zeroed under ``model.init_zero_residual`` (:func:`lmlab.models.init.init_weights`)."""
+        init_weights(self, self.cfg)
 
     def forward(
         self,

@@ -28,7 +28,7 @@ from lmlab.checks import choice, positive
 from lmlab.config import ModelConfig
 from lmlab.errors import ConfigError, LmlabError
 from lmlab.models.counting import matmul_params, num_params, score_flops
-from lmlab.models.init import INIT
+from lmlab.models.init import init_weights
 from lmlab.models.output import ModelOutput
 from lmlab.models.stack import LayerStack, StackOutput, padding_mask
 from lmlab.models.tying import TiedEmbeddingsModule
@@ -172,8 +172,9 @@ class EncoderDecoderLM(TiedEmbeddingsModule):
         fast_hook_lookup(self)  # hook points named, one dict lookup each
 
     def reset_parameters(self) -> None:
-        """Initialise every weight with the scheme named by ``model.init`` (see models/init.py)."""
-        INIT.get(self.cfg.init, "model.init")(self, self.cfg)
+        """Initialise every weight with the scheme named by ``model.init``, residual projections
+        zeroed under ``model.init_zero_residual`` (:func:`lmlab.models.init.init_weights`)."""
+        init_weights(self, self.cfg)
 
     # ------------------------------------------------------------------------------ helpers
 

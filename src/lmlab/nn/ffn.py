@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 FFN: Registry[type[nn.Module]] = Registry("ffn", "model.ffn.kind")
 FFN.notes = """
 When to use: `mlp` for GPT-2, NeoX and BERT, with `model.ffn.activation` gelu (Hendrycks &
-Gimpel 2016), gelu_tanh, relu or silu; `swiglu` for Llama and Mistral, better loss per parameter
-(`model.ffn.two_thirds: true` keeps the MLP's parameter count); `geglu` for Gemma and T5 v1.1;
+Gimpel 2016), gelu_tanh, relu or silu; relu2 (squared ReLU, So et al. 2021) for speedruns;
+`swiglu` for Llama and Mistral, better loss per parameter (`model.ffn.two_thirds: true` keeps
+the MLP's parameter count); `geglu` for Gemma and T5 v1.1;
 `moe` for more parameters at the same FLOPs per token.
 
 MoE conventions: each expert is a `model.ffn.expert` FFN (default swiglu), optionally with a
@@ -58,6 +59,17 @@ def relu(x: torch.Tensor) -> torch.Tensor:
 relu.saves_input = False  # type: ignore[attr-defined]
 
 ACTIVATIONS.register("relu", "max(x, 0) (Nair & Hinton 2010).")(relu)
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """Squared ReLU, max(x, 0)^2 (So et al. 2021, "Primer: Searching for Efficient Transformers
+    for Language Modeling"; modded-nanogpt's MLP). Any shape and floating dtype, elementwise;
+    its gradient 2 max(x, 0) is continuous at 0. Autograd keeps max(x, 0), one F-wide tensor
+    like the input a GELU keeps, so the memory declarations count it as saving its input."""
+    return torch.square(F.relu(x))
+
+
+ACTIVATIONS.register("relu2", "max(x, 0)^2, squared ReLU (So et al. 2021, Primer).")(relu2)
 ACTIVATIONS.register("silu", "x * sigmoid(x), a.k.a. swish (Elfwing et al. 2018).")(F.silu)
 
 
