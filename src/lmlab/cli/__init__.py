@@ -109,7 +109,20 @@ def _version() -> str:
 
 
 # flags whose value is text to encode
-TEXT_ARGS = ("prompt", "chat", "system", "text", "stop", "clean", "corrupted", "target", "versus")
+TEXT_ARGS = (
+    "prompt",
+    "chat",
+    "system",
+    "text",
+    "stop",
+    "clean",
+    "corrupted",
+    "target",
+    "versus",
+    "source",  # generate, attention, lens: an encoder-decoder's source text
+    "clean_source",  # patch
+    "corrupted_source",
+)
 
 
 def _check_text_args(args: argparse.Namespace) -> None:
@@ -123,8 +136,9 @@ def _check_text_args(args: argparse.Namespace) -> None:
                     item.encode("utf-8")
                 except UnicodeEncodeError as e:
                     bad = item[e.start].encode("utf-8", "surrogateescape")
+                    flag = "--" + name.replace("_", "-")
                     raise LmlabError(
-                        f"--{name} is not UTF-8 text (byte 0x{bad.hex()} at character {e.start}); "
+                        f"{flag} is not UTF-8 text (byte 0x{bad.hex()} at character {e.start}); "
                         "give UTF-8 text"
                     ) from None
 
@@ -159,10 +173,33 @@ def _check_numeric_args(args: argparse.Namespace) -> None:
             raise LmlabError(f"{flag} must be <= {high:,.0f}, got {value}")
 
 
+# flags whose value may start with '-' (argparse would take "-1:3" for an option and say only
+# "expected one argument"); their value is joined to them ("--window=-1:3") before parsing
+DASH_VALUE_FLAGS = ("--window",)
+
+
+def _join_dash_values(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    it = iter(argv)
+    for arg in it:
+        if arg == "--":  # everything after it is positional
+            out += [arg, *it]
+            break
+        if arg in DASH_VALUE_FLAGS:
+            value = next(it, None)
+            if value is not None and value.startswith("-") and not value.startswith("--"):
+                out.append(f"{arg}={value}")
+                continue
+            out += [arg] if value is None else [arg, value]
+            continue
+        out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_join_dash_values(argv))
     args.argv = argv
     if args.command is None:
         parser.print_help()
