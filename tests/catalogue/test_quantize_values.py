@@ -1,5 +1,6 @@
-"""Bad ``--quantize`` values (eval, generate, chat) and ``LMLAB_NO_CPP_KERNELS``: one ``error:``
-line, exit 2, before the model is loaded; no traceback."""
+"""Bad ``--quantize`` values (eval, generate, chat): one ``error:`` line, exit 2, before the model
+is loaded; no traceback. And environment variables read as numbers or switches
+(``LMLAB_NO_CPP_KERNELS``, ``OMP_NUM_THREADS``)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,14 @@ class _no_warning:
 
     def __exit__(self, *exc):
         return self._c.__exit__(*exc)
+
+
+@pytest.mark.parametrize(
+    ("value", "threads"), [("3", 3), ("\u00b2", None), ("0", None), ("x", None)]
+)
+def test_omp_num_threads_that_is_no_plain_number_falls_back(monkeypatch, value, threads):
+    """A rank's thread count: OMP_NUM_THREADS="²" raised ValueError from int() under torchrun."""
+    from lmlab.training.distributed import available_cores, threads_per_rank
+
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    assert threads_per_rank(1) == (threads or max(1, available_cores()))
