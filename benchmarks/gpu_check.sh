@@ -4,23 +4,26 @@
 #   bash benchmarks/gpu_check.sh                     # on the GPU machine, from the repo root
 #   GPU_CHECK_DRY_RUN=1 bash benchmarks/gpu_check.sh # here: the same parts on the CPU, tiny sizes
 #
-# Parts, each under its own time limit (seconds; override with GPU_CHECK_<PART>_S):
+# Parts, in this order, each under its own time limit (seconds; GPU_CHECK_<PART>_S overrides):
 #   env         nvidia-smi, Python, torch, CUDA, cuDNN, the GPU's name and bf16/flash support  20
 #   setup       installs .whl/*.whl (carried wheels) into /tmp/lmlab-site if there; checks every
-#               import lmlab and its tests need                                               60
+#               import lmlab and its tests need                                               40
 #   gpu_tests   tests/gpu on CUDA (bf16 autocast vs fp32, KV cache vs full pass, SDPA flash and
 #               memory-efficient kernels vs math, 20 training steps with precision auto = bf16);
-#               a skipped test counts as a failure on the GPU                                120
-#   suite       the whole test suite with LMLAB_TEST_DEVICE=cuda (the tiny shared runs train on
-#               the GPU; CLI runs pick cuda through device auto), 14 xdist workers            200
-#   train       benchmarks/train_speed.py on cuda (Mini-GPT, batch 16 and 128, fp32/bf16, eager;
-#               then bf16 compiled at batch 128), and the default `lmlab train` run on cuda   150
+#               a skipped test counts as a failure on the GPU                                 90
+#   train       benchmarks/train_speed.py on cuda (Mini-GPT, batch 16 and 128, fp32 and bf16,
+#               eager) and the default `lmlab train --config configs/minigpt.yaml` on cuda    100
 #   decode      benchmarks/smollm2_decode.py on cuda, SmolLM2-135M shapes, random weights,
-#               lmlab vs transformers, fp32 and bf16                                         100
-# About 9.5 minutes at most, usually far less; GPU_CHECK_PARTS="gpu_tests train" runs only those.
+#               lmlab vs transformers, fp32 and bf16                                          60
+#   compile     train_speed.py: bf16 eager vs torch.compile at batch 128                      70
+#   suite       the whole test suite with LMLAB_TEST_DEVICE=cuda (the tiny shared runs train on
+#               the GPU; CLI runs pick cuda through device auto), 14 xdist workers; last, as
+#               its time is the least known                                                  150
+# 530 s at most (the device tool stops a command at 600 s; the script refuses limits summing
+# past 570); GPU_CHECK_PARTS="gpu_tests train" runs only those parts.
 #
 # Output: one log per part and summary.txt under $OUT (the device tool's folder; default
-# runs/gpu_check, or runs/gpu_check_dry), at most 8 files (what the device tool brings back).
+# runs/gpu_check, or runs/gpu_check_dry): 8 files, what the device tool brings back at most.
 # Every part runs even when an earlier one fails; the script then exits 1 and prints which
 # parts failed. Exit 0 only when every part passed.
 set -euo pipefail
@@ -28,7 +31,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DRY=${GPU_CHECK_DRY_RUN:-0}
 PY=${PYTHON:-python3}
-PARTS=${GPU_CHECK_PARTS:-env setup gpu_tests suite train decode}
+PARTS=${GPU_CHECK_PARTS:-env setup gpu_tests train decode compile suite}
+# (part, default limit in seconds), in the order they run
+LIMITS=(env 20 setup 40 gpu_tests 90 train 100 decode 60 compile 70 suite 150)
 if [[ $DRY == 1 ]]; then
     OUT=${OUT:-runs/gpu_check_dry}
     DEV=cpu
@@ -60,13 +65,11 @@ part() {
     if [[ " $PARTS " != *" $name "* ]]; then
         return 0
     fi
-    local var="GPU_CHECK_${name^^}_S"
-    limit=${!var:-$limit}
     local log="$OUT/$name.log" start rc=0
     start=$(date +%s)
     echo "=== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
     # a fresh bash, so that `timeout` can run the part's function (exported below)
-    timeout --kill-after=15 "$limit" bash -c 'set -euo pipefail; "$@"' "$name" "$@" \
+    timeout --kill-after=5 "$limit" bash -c 'set -euo pipefail; "$@"' "$name" "$@" \
         >"$log" 2>&1 || rc=$?
     local took=$(($(date +%s) - start))
     tail -n 30 "$log"
@@ -82,7 +85,7 @@ part() {
 
 env_info() {
     echo "date: $(date -u)  host: $(hostname)  nproc: $(nproc)  load: $(cat /proc/loadavg)"
-    echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(git status --short 2>/dev/null | wc -l) changed files"
+    echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo '?') ($(git status --short 2>/dev/null | wc -l || true) changed files)"
     if command -v nvidia-smi >/dev/null; then
         nvidia-smi
         nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
@@ -163,8 +166,13 @@ train() {
     # the default run (`make run`'s recipe) on the device: tokens/s, MFU and val loss in its log
     "$PY" -m lmlab train --config configs/minigpt.yaml --device "$DEV" --out "$WORK/minigpt" \
         --no-progress "${default_run[@]}"
-    if [[ $DRY != 1 ]]; then  # last: torch.compile's first step can take a minute
-        "$PY" benchmarks/train_speed.py --device cuda --steps $steps --batch-size 128 \
+}
+
+compile() {  # torch.compile's first steps can take a minute
+    if [[ $DRY == 1 ]]; then
+        "$PY" benchmarks/train_speed.py --device cpu --steps 1 --batch-size 2 --only bf16-eager
+    else
+        "$PY" benchmarks/train_speed.py --device cuda --steps 20 --batch-size 128 \
             --only bf16-eager,bf16-compiled
     fi
 }
@@ -180,18 +188,44 @@ decode() {
     "$PY" benchmarks/smollm2_decode.py "${args[@]}" --dtype bf16
 }
 
-export -f env_info setup gpu_tests suite train decode
-echo "gpu_check: device $DEV, dry run $DRY, parts: $PARTS, logs: $OUT"
-part env 20 env_info
+# limit NAME: the part's limit, GPU_CHECK_<NAME>_S or its default
+limit() {
+    local i var
+    for ((i = 0; i < ${#LIMITS[@]}; i += 2)); do
+        if [[ ${LIMITS[i]} == "$1" ]]; then
+            var="GPU_CHECK_${1^^}_S"
+            # the dry run on a shared CPU gets three times as long (no device-tool limit there)
+            echo "${!var:-$((LIMITS[i + 1] * (DRY == 1 ? 3 : 1)))}"
+            return
+        fi
+    done
+    echo "error: no part named $1" >&2
+    return 1
+}
+TOTAL=0
+for p in $PARTS; do
+    lim=$(limit "$p") || exit 2
+    TOTAL=$((TOTAL + lim))
+done
+if [[ $DRY != 1 ]] && ((TOTAL > 570)); then
+    echo "error: the parts' limits sum to ${TOTAL}s: past 570 s, the device tool's 600 s command" \
+        "limit would cut the run before its summary; lower some GPU_CHECK_<PART>_S" >&2
+    exit 2
+fi
+
+export -f env_info setup gpu_tests suite train decode compile
+echo "gpu_check: device $DEV, dry run $DRY, parts: $PARTS (at most ${TOTAL}s), logs: $OUT"
+part env "$(limit env)" env_info
 if [[ $DRY != 1 && " ${FAILED[*]} " == *" env "* ]]; then
     echo "GPU CHECK FAILED: no usable CUDA GPU here (env.log); nothing else was run" | tee -a "$SUMMARY" >&2
     exit 1
 fi
-part setup 60 setup
-part gpu_tests 120 gpu_tests
-part suite 200 suite
-part train 150 train
-part decode 100 decode
+part setup "$(limit setup)" setup
+part gpu_tests "$(limit gpu_tests)" gpu_tests
+part train "$(limit train)" train
+part decode "$(limit decode)" decode
+part compile "$(limit compile)" compile
+part suite "$(limit suite)" suite
 
 echo "=== summary ($(date -u +%H:%M:%S))"
 cat "$SUMMARY"
