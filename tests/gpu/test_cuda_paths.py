@@ -118,13 +118,29 @@ def _attention_output(model, x, backend) -> tuple[torch.Tensor, torch.Tensor]:
     return logits.detach().float(), grad
 
 
-def test_default_attention_runs_on_the_flash_kernel_and_matches_the_math_backend(model) -> None:
+def test_default_attention_runs_on_the_flash_kernel_and_matches_the_math_backend(
+    model, monkeypatch
+) -> None:
     """With only FLASH_ATTENTION allowed, SDPA raises when the call is not flash-eligible (an
     explicit mask, fp32, an odd head size): the default model's training forward must be."""
+    import torch.nn.functional as F
     from torch.nn.attention import SDPBackend
 
     assert model.cfg.attention.backend == "sdpa"
     x = _batch(b=2, t=128, seed=4)
+    calls: list[tuple] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        calls.append((q.dtype, k.dtype, v.dtype, kw.get("attn_mask") is None, kw.get("is_causal")))
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    with torch.no_grad(), torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        model(x)
+    monkeypatch.undo()
+    # what flash needs, checkable on any device: bf16 q/k/v (RoPE keeps the dtype), no mask
+    assert calls == [(torch.bfloat16,) * 3 + (True, True)] * model.cfg.n_layers
     flash, g_flash = _attention_output(model, x, SDPBackend.FLASH_ATTENTION)
     math, g_math = _attention_output(model, x, SDPBackend.MATH)
     torch.testing.assert_close(flash, math, rtol=0.02, atol=0.05)
