@@ -13,7 +13,8 @@ from lmlab.models.decoder import DecoderLM
 from lmlab.nn.fused import drop_fused, fused_linear
 from lmlab.nn.kv_cache import LayerKVCache
 from lmlab.nn.position import apply_rope
-from tests.helpers import tiny_model_config
+from lmlab.training.optim import build_optimizer
+from tests.helpers import tiny_config, tiny_model_config
 
 LLAMA = {
     "norm": {"kind": "rmsnorm"},
@@ -25,7 +26,8 @@ LLAMA = {
 
 @pytest.fixture(autouse=True)
 def fused_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The run-time fusion is off by default (lmlab.nn.fused.ENABLED); these tests test it."""
+    """These tests test the run-time fusion (lmlab.nn.fused.ENABLED, on by default) even if a
+    caller switched it off."""
     monkeypatch.setattr("lmlab.nn.fused.ENABLED", True)
 
 
@@ -184,3 +186,85 @@ def test_rope_memo_and_roll_form_equal_apply_rope(interleaved: bool) -> None:
     positions += 1  # modified in place: recomputed
     cos2, _ = pos.rotation(positions, q.dtype)
     assert torch.equal(cos2, pos.cos_sin(torch.arange(4, 9))[0])
+
+
+OPTIMIZERS = {  # name -> (model -> optimizer); the fused kernels bump no version counter
+    "lmlab adamw (fused kernel)": lambda m: build_optimizer(m, tiny_config().train),
+    "lmlab muon + adamw": lambda m: build_optimizer(
+        m, tiny_config(train={"optimizer": "muon"}).train
+    ),
+    "AdamW fused": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True),
+    "AdamW foreach": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True),
+    "Adam fused": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2, fused=True),
+    "SGD fused": lambda m: torch.optim.SGD(m.parameters(), lr=0.5, fused=True),
+    "Muon": lambda m: torch.optim.Muon(
+        [p for p in m.parameters() if p.dim() == 2 and p.shape[0] != 50], lr=0.05
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_fused_weight_is_rebuilt_after_any_optimizer_step(name: str) -> None:
+    """The trainer's evaluation: the gradients exist before the fused copy is built (no_grad
+    eval between backward and step), then the step. ``AdamW(fused=True)`` (lmlab's default)
+    writes the weights without a version bump: this copy went stale (issue 14, val loss off by
+    up to 3e-3 in the resume tests)."""
+    torch.manual_seed(4)
+    model = DecoderLM(tiny_model_config(**LLAMA))
+    opt = OPTIMIZERS[name](model)
+    x = torch.randint(0, 50, (2, 7))
+    model(x, targets=x).loss.backward()
+    with torch.no_grad():
+        before = model(x).logits  # builds the fused copies
+    opt.step()
+    with torch.no_grad():
+        after = model(x).logits
+    assert not torch.allclose(after, before)  # the step did change the weights
+    torch.testing.assert_close(after, _grad_logits(model, x), rtol=0, atol=1e-5)
+
+
+def test_fused_weight_is_rebuilt_after_a_hand_written_data_update() -> None:
+    """A tutorial loop ``p.data -= lr * p.grad`` bumps no counter; its training forward (with
+    gradients on) is what makes the copy stale."""
+    torch.manual_seed(5)
+    model = DecoderLM(tiny_model_config(**LLAMA))
+    x = torch.randint(0, 50, (1, 6))
+    for _ in range(2):
+        with torch.no_grad():
+            model(x)  # an evaluation: builds (then reuses) the fused copies
+        model.zero_grad()
+        model(x, targets=x).loss.backward()
+        for p in model.parameters():
+            p.data -= 0.5 * p.grad  # type: ignore[operator]
+        with torch.no_grad():
+            fast = model(x).logits
+        torch.testing.assert_close(fast, _grad_logits(model, x), rtol=0, atol=1e-5)
+
+
+def test_decode_reuses_the_fused_copy(llama: DecoderLM) -> None:
+    """A decode loop (no_grad, no step) builds each fused weight once."""
+    with torch.no_grad():
+        llama(torch.randint(0, 50, (1, 4)))
+    built = llama.layers[0].attn.__dict__["_fused_linears"]["qkv"].weight
+    generate_ids(llama, [3, 4, 5], SamplingParams(max_new_tokens=8, temperature=0.0), 32)
+    assert llama.layers[0].attn.__dict__["_fused_linears"]["qkv"].weight is built
+
+
+def test_trainer_val_loss_equals_the_unfused_one(tmp_path, monkeypatch) -> None:
+    """lmlab's trainer evaluates twice with AdamW(fused=True) steps between: each val loss equals
+    the one of the same run with the fusion off (stale copies gave 2e-4..3e-3 off)."""
+    import json
+
+    import lmlab.nn.fused as fused
+    from lmlab.training.trainer import train
+
+    cfg = {"max_steps": 4, "eval_every": 2, "warmup_steps": 1}
+    vals = []
+    for on in (True, False):
+        monkeypatch.setattr(fused, "ENABLED", on)
+        out = tmp_path / str(on)
+        train(tiny_config(train=cfg), out=out, progress=False)
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        vals.append([r["val_loss"] for r in map(json.loads, lines) if "val_loss" in r])
+    assert len(vals[0]) >= 2
+    assert vals[0] == pytest.approx(vals[1], abs=1e-5, rel=0)

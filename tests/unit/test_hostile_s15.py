@@ -30,7 +30,7 @@ def test_inference_mode_forward_and_in_place_edit_match_unfused(
     """Under torch.inference_mode the positions (and a model built there, its parameters) are
     inference tensors without a version counter: the forward ran into RuntimeError in the RoPE
     memo; the fused cache must not watch them either (an in-place edit stays visible)."""
-    monkeypatch.setattr(fused, "ENABLED", True)  # the fusion is off by default; test it on
+    monkeypatch.setattr(fused, "ENABLED", True)  # on by default; on here whatever a caller set
     torch.manual_seed(0)
     cfg = tiny_model_config()
     ids = torch.randint(0, 50, (1, 7))

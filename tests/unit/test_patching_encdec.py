@@ -6,7 +6,11 @@ unchanged source position in layer 0 scores exactly 0 and at the changed one exa
 cross-attention heads of a layer together equal that layer's cross_attn.hook_out (and one head
 equals a float64 computation through o_proj); batched rows equal one-at-a-time rows (each row
 runs its own encoder); the maps have the encoder's and the decoder's shapes; refusals name
-their cause."""
+their cause.
+
+The model runs in float64: these are bit-for-bit claims about rows of a batch, and float32 GEMM
+on some CPUs (Intel AMX/oneDNN) rounds a row differently with the batch size (seen with K=128),
+which float64 does not."""
 
 from __future__ import annotations
 
@@ -49,7 +53,7 @@ def make(style: dict) -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = tiny_model_config(vocab_size=V, kind="encoder_decoder", **copy.deepcopy(style))
     cfg.seq2seq.pad_token_id, cfg.seq2seq.decoder_start_token_id, cfg.seq2seq.eos_token_id = 0, 1, 2
-    return build_model(cfg).eval()
+    return build_model(cfg).double().eval()
 
 
 @pytest.fixture(scope="module")

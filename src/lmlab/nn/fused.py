@@ -3,11 +3,27 @@ several linears reading the same input fused into one matmul (q/k/v, gate/up).
 
 Legend: B batch, T tokens, D in features, N out features. The parameters and their names stay
 as they are (``q_proj.weight`` ...): what is fused is a cached concatenation of their weights,
-built only with gradients off (``torch.no_grad`` / ``inference_mode``, the decode loop) and
-rebuilt whenever a source parameter changes: a new tensor (``load_state_dict`` of another
-model's tensors, ``.to()``), or an in-place update, which bumps its version counter (an
-optimizer step, ``load_state_dict``'s copy). An in-place edit through ``param.data`` bypasses
-the version counter: call :func:`drop_fused` on the model after one.
+built only with gradients off (``torch.no_grad`` / ``inference_mode``, the decode loop and
+evaluation) and rebuilt on its next use after any of these:
+
+- a source parameter is a new tensor (``load_state_dict(..., assign=True)``, ``.to()``, a new
+  tensor assigned to ``.data``): its identity or address differs;
+- a source parameter was updated in place by an op that bumps its version counter
+  (``load_state_dict``'s copy, ``torch.nn.init``, ``p.mul_()`` under ``no_grad``);
+- any ``torch.optim`` optimizer stepped, anywhere in the process (a global step hook). This is
+  needed because the fused optimizer kernels (``AdamW(fused=True)``, which lmlab's trainer
+  uses, ``Adam``/``SGD(fused=True)``) write the parameters without bumping their version
+  counter: the copy built by one evaluation went stale by the next one (issue 14);
+- a forward of a fusable module ran with gradients on (a training forward), which covers a
+  hand-written update loop (``p.data -= lr * p.grad``) that no counter sees.
+
+Caveat: an in-place write that bumps no version counter (through ``param.data``, a fused kernel
+called directly, a collective) made outside an optimizer step, with no gradient-enabled forward
+since the last no_grad one, is not seen; nor is a training forward under ``torch.compile``
+(the compiled graph skips this module's Python; its optimizer step still counts). Call
+:func:`drop_fused` on the model after such a write. The price of the global rules is a rebuild
+(one copy of the fused weights) on the first no_grad forward after any optimizer step or
+training forward in the process; a decode loop does neither.
 
 Only exact ``nn.Linear`` modules with no torch hooks take these paths (a quantized layer,
 a parametrized one or one with a forward hook is called as a module), so nothing a user hooked
@@ -20,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
 def _global_hooks() -> bool:
@@ -54,18 +71,37 @@ def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return m(x)
 
 
-# Off by default: with it on, three resume tests (seq2seq, MLM, compare) gave a val loss off by
-# ~1e-3 after training resumed, i.e. a fused weight went stale somewhere (not found yet).
-# True only for A/B runs (benchmarks) until that is understood.
-ENABLED = False
+# On by default; False turns the fused path off (A/B runs, or to save the memory of the copies).
+ENABLED = True
+
+# Bumped by every torch.optim step (a global hook, registered with the first fused copy) and by
+# every gradient-enabled forward of a fusable module; a fused copy built at another value of it
+# is stale (see the module docstring).
+_generation = 0
+_step_hook: object | None = None
+
+
+def _bump(*_: object) -> None:
+    """Make every fused copy stale (its next use rebuilds it)."""
+    global _generation
+    _generation += 1
+
+
+def _watch_optimizers() -> None:
+    """Register :func:`_bump` as a global ``torch.optim`` step post-hook, once."""
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_post_hook(_bump)
 
 
 class _Fused:
     """One fused weight (sum N, D) and bias (sum N,) or None, with what it was built from: the
     modules, their parameters, an alias of each one's data (which keeps its memory alive, so a
-    new tensor cannot take its address) and its version."""
+    new tensor cannot take its address), its version and the generation (:data:`_generation`)."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
+        _watch_optimizers()
+        self.generation = _generation  # read before the copy: a step during it makes it stale
         self.modules = modules
         self.params = [m._parameters[n] for m in modules for n in ("weight", "bias")]
         self.data = [p.data if p is not None else None for p in self.params]
@@ -77,7 +113,10 @@ class _Fused:
 
     def fresh(self, modules: list[nn.Module]) -> bool:
         """Whether ``modules`` are the very plain linears this was built from, holding the very
-        parameter tensors, unchanged since (same version, same memory)."""
+        parameter tensors, unchanged since (same version, same memory, no optimizer step or
+        training forward since)."""
+        if self.generation != _generation:
+            return False
         i = 0
         for m, was in zip(modules, self.modules, strict=True):
             if m is not was or not plain_linear(m):
@@ -101,10 +140,14 @@ def fused_linear(
     (cached on ``owner`` under ``key``); None when the fast path does not apply: gradients on,
     a module that is not a plain linear (:func:`plain_linear`), a global module hook, biases on
     some but not all, mixed dtypes/devices, or under ``torch.compile``. The caller then calls
-    the modules one by one."""
-    if not ENABLED or torch.is_grad_enabled() or _global_hooks():
-        return None
+    the modules one by one. A call with gradients on (a training forward) makes every fused
+    copy stale, as the weights may be updated next."""
     if torch.compiler.is_compiling():  # the compiler fuses what it can itself
+        return None
+    if torch.is_grad_enabled():  # even when off: copies made while on must not outlive this
+        _bump()
+        return None
+    if not ENABLED or _global_hooks():
         return None
     modules = [owner._modules[n] for n in names]  # the dict: no nn.Module.__getattr__
     cache: dict[str, _Fused] = owner.__dict__.setdefault("_fused_linears", {})

@@ -63,17 +63,42 @@ inline __m256 int8x8(const int8_t* src) {
 }
 #endif
 
+// The partial sums of one output row for M rows of x: with AVX2, kChains<M> vector accumulator
+// chains per row (acc); always, 8 scalar partial sums per row for the columns the vector loops
+// leave (tail, indexed by column % 8: rounding like AVX2). finish() writes each row's total.
+template <int M>
+struct RowSums {
+  float tail[M][8] = {};
+#if LMLAB_AVX2
+  __m256 acc[M][kChains<M>];
+
+  RowSums() {
+    for (int m = 0; m < M; ++m)
+      for (int u = 0; u < kChains<M>; ++u) acc[m][u] = _mm256_setzero_ps();
+  }
+#endif
+
+  void finish(float* out) const {
+    for (int m = 0; m < M; ++m) {
+#if LMLAB_AVX2
+      __m256 a = acc[m][0];
+      for (int u = 1; u < kChains<M>; ++u) a = _mm256_add_ps(a, acc[m][u]);
+      out[m] = hsum(a) + sum8(tail[m]);
+#else
+      out[m] = sum8(tail[m]);
+#endif
+    }
+  }
+};
+
 // One output row n of the int4 product for M (compile-time) rows of x.
 template <int M>
 void int4_row(const float* x, int64_t K, const uint8_t* p, const float* s, const float* z,
               int64_t G, float* out) {
-  float tail[M][8] = {};  // the scalar columns, 8 partial sums per row (rounding like AVX2)
+  RowSums<M> r;
 #if LMLAB_AVX2
   const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
   const __m256i mask = _mm256_set1_epi32(15);
-  __m256 acc[M][kChains<M>];
-  for (int m = 0; m < M; ++m)
-    for (int u = 0; u < kChains<M>; ++u) acc[m][u] = _mm256_setzero_ps();
 #endif
   for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, ++g) {
     const float sg = s[g], zg = z[g] - 8.0f * sg;  // w_hat = code * s + (z - 8 s)
@@ -85,42 +110,29 @@ void int4_row(const float* x, int64_t K, const uint8_t* p, const float* s, const
       for (int u = 0; u < U; ++u) {
         const __m256 w = _mm256_fmadd_ps(nibbles8(p + (k + 8 * u) / 2, shifts, mask), vs, vz);
         for (int m = 0; m < M; ++m)
-          acc[m][u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + k + 8 * u), acc[m][u]);
+          r.acc[m][u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + k + 8 * u), r.acc[m][u]);
       }
     }
     for (; k + 8 <= k0 + G; k += 8) {
       const __m256 w = _mm256_fmadd_ps(nibbles8(p + k / 2, shifts, mask), vs, vz);
       for (int m = 0; m < M; ++m)
-        acc[m][0] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + k), acc[m][0]);
+        r.acc[m][0] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + k), r.acc[m][0]);
     }
 #endif
     for (; k < k0 + G; ++k) {  // G % 8 columns (or all of them without AVX2)
       const uint8_t b = p[k / 2];
       const float w = static_cast<float>((k & 1) ? (b >> 4) : (b & 15)) * sg + zg;
-      for (int m = 0; m < M; ++m) tail[m][k & 7] += w * x[m * K + k];
+      for (int m = 0; m < M; ++m) r.tail[m][k & 7] += w * x[m * K + k];
     }
   }
-  for (int m = 0; m < M; ++m) {
-#if LMLAB_AVX2
-    __m256 a = acc[m][0];
-    for (int u = 1; u < kChains<M>; ++u) a = _mm256_add_ps(a, acc[m][u]);
-    out[m] = hsum(a) + sum8(tail[m]);
-#else
-    out[m] = sum8(tail[m]);
-#endif
-  }
+  r.finish(out);
 }
 
 // One output row n of the int8 product.
 template <int M>
 void int8_row(const float* x, int64_t K, const int8_t* q, const float* s, int64_t G,
               float* out) {
-  float tail[M][8] = {};  // the scalar columns, 8 partial sums per row (rounding like AVX2)
-#if LMLAB_AVX2
-  __m256 acc[M][kChains<M>];
-  for (int m = 0; m < M; ++m)
-    for (int u = 0; u < kChains<M>; ++u) acc[m][u] = _mm256_setzero_ps();
-#endif
+  RowSums<M> r;
   for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, ++g) {
     const float sg = s[g];
     int64_t k = k0;
@@ -131,29 +143,21 @@ void int8_row(const float* x, int64_t K, const int8_t* q, const float* s, int64_
       for (int u = 0; u < U; ++u) {
         const __m256 w = _mm256_mul_ps(int8x8(q + k + 8 * u), vs);
         for (int m = 0; m < M; ++m)
-          acc[m][u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + k + 8 * u), acc[m][u]);
+          r.acc[m][u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + k + 8 * u), r.acc[m][u]);
       }
     }
     for (; k + 8 <= k0 + G; k += 8) {
       const __m256 w = _mm256_mul_ps(int8x8(q + k), vs);
       for (int m = 0; m < M; ++m)
-        acc[m][0] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + k), acc[m][0]);
+        r.acc[m][0] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + k), r.acc[m][0]);
     }
 #endif
     for (; k < k0 + G; ++k) {
       const float w = static_cast<float>(q[k]) * sg;
-      for (int m = 0; m < M; ++m) tail[m][k & 7] += w * x[m * K + k];
+      for (int m = 0; m < M; ++m) r.tail[m][k & 7] += w * x[m * K + k];
     }
   }
-  for (int m = 0; m < M; ++m) {
-#if LMLAB_AVX2
-    __m256 a = acc[m][0];
-    for (int u = 1; u < kChains<M>; ++u) a = _mm256_add_ps(a, acc[m][u]);
-    out[m] = hsum(a) + sum8(tail[m]);
-#else
-    out[m] = sum8(tail[m]);
-#endif
-  }
+  r.finish(out);
 }
 
 template <int M, typename RowFn>
