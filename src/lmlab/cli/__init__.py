@@ -143,6 +143,31 @@ def _check_text_args(args: argparse.Namespace) -> None:
                     ) from None
 
 
+POSITIONAL_ARGS = ("run", "model", "path", "experiment", "family")  # argparse dests, no "--"
+
+
+def _check_path_args(args: argparse.Namespace) -> None:
+    """Refuse every other string argument (paths, names) holding bytes that are not UTF-8: the
+    file formats lmlab writes and reads through Rust libraries (safetensors, tokenizers) and
+    YAML take UTF-8 names only, so such a path failed later, after work was done, with
+    'unexpected UnicodeEncodeError' or a checkpoint called corrupt."""
+    for name, value in vars(args).items():
+        if name in TEXT_ARGS or name in ("argv", "command"):
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            if not isinstance(item, str):
+                continue
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                bad = item[e.start].encode("utf-8", "surrogateescape")
+                flag = name.upper() if name in POSITIONAL_ARGS else "--" + name.replace("_", "-")
+                raise LmlabError(
+                    f"{flag} {item!r} is not UTF-8 (byte 0x{bad.hex()} at character {e.start}): "
+                    "lmlab's files (safetensors, tokenizer.json, YAML) need UTF-8 names; rename it"
+                ) from None
+
+
 # Numeric flags (argparse dest) -> (lowest, highest) allowed, checked before a command runs. A
 # lowest of None is checked where the value is used (--stride against the context, --max-steps
 # as train.max_steps, --time-budget as positive seconds); --nproc against the cores in launch().
@@ -207,6 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = getattr(args, "debug", False) or bool(os.environ.get("LMLAB_DEBUG"))
     try:
         _check_text_args(args)
+        _check_path_args(args)
         _check_numeric_args(args)
         with plugins(getattr(args, "plugin", None)) as args.plugins:
             return COMMANDS[args.command].run(args)
