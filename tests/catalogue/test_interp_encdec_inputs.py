@@ -68,3 +68,13 @@ def test_a_window_takes_plain_ascii_digits_only(bad):
 def test_a_window_with_spaces_around_the_numbers_still_parses(tmp_path: Path):
     assert parse_window(" 1 : 3 ", 200) == (1, 3)
     assert parse_window(":", 200) == (0, None)
+
+
+@pytest.mark.parametrize("top", ["1001", "100000000000"])
+def test_lens_top_is_bounded(capsys, seq2seq_run, top):
+    """--top 100000000000 was accepted: (rows, positions, min(k, vocab)) labels kept and printed,
+    gigabytes for a real vocabulary and context."""
+    code, _, err = run_cli(
+        capsys, "lens", seq2seq_run, "--source", "abcd", "--text", "dc", "--top", top
+    )
+    assert_one_error(code, err, f"--top must be between 1 and 1000, got {top}")
