@@ -58,9 +58,12 @@ def test_a_window_value_that_looks_like_a_flag_is_still_a_flag(capsys, tiny_run)
     assert_one_error(code, err, "--window: expected one argument")
 
 
-@pytest.mark.parametrize("bad", ["1_0:12", "\u0663:5", "3:\uff15", "- 1:3", "0x1:3", "1:2:3"])
+@pytest.mark.parametrize(
+    "bad", ["1_0:12", "\u0663:5", "3:\uff15", "- 1:3", "0x1:3", "1:2:3", "9" * 5000 + ":"]
+)
 def test_a_window_takes_plain_ascii_digits_only(bad):
-    """int() reads '1_0' as 10 and Arabic-Indic or full-width digits as numbers."""
+    """int() reads '1_0' as 10 and Arabic-Indic or full-width digits as numbers, and raises
+    ValueError past 4,300 digits (was 'unexpected ValueError')."""
     with pytest.raises(LmlabError, match="give START:END token positions"):
         parse_window(bad, 200)
 

@@ -174,7 +174,8 @@ def parse_window(text: str, length: int) -> tuple[int, int | None]:
     """``--window START:END`` (token positions, END exclusive, either may be empty) checked
     against an axis of ``length`` tokens. Raises LmlabError for anything else, an empty window
     or an END past the last token (never clipped silently)."""
-    m = re.fullmatch(r"\s*(-?[0-9]*)\s*:\s*(-?[0-9]*)\s*", text, flags=re.ASCII)
+    # ASCII digits, at most 18 (int() refuses over 4,300 digits with a ValueError)
+    m = re.fullmatch(r"\s*(-?[0-9]{0,18})\s*:\s*(-?[0-9]{0,18})\s*", text, flags=re.ASCII)
     if m is None or m.group(1) == "-" or m.group(2) == "-":
         raise LmlabError(f"--window {text!r}: give START:END token positions, e.g. 0:64")
     start = int(m.group(1)) if m.group(1) else 0
