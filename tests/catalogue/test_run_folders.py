@@ -356,3 +356,26 @@ def test_a_run_entry_that_links_outside_the_run_is_refused_on_resume(run, capsys
         assert snapshot(target) == before == {}
     else:
         assert target.read_text() == "keep me"
+
+
+def test_optimizer_state_that_lost_a_whole_parameter_is_refused(run, capsys):
+    """A parameter with no state at all (every key of it gone) passed: AdamW may hold no state
+    for a parameter that never got a gradient, so the file's header now lists the parameters
+    that had state when it was written."""
+    from safetensors import safe_open
+
+    path = run / OPTIMIZER
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata()
+    assert metadata and "lmlab.params_with_state" in metadata
+    tensors = load_file(str(path))
+    for key in [k for k in tensors if k.startswith("final_norm.weight::")]:
+        del tensors[key]
+    save_file(tensors, str(path), metadata=metadata)
+    refused(capsys, run, "train", f"optimizer state {path}", "lacks the state of final_norm.weight")
+
+
+def test_optimizer_state_with_a_malformed_parameter_list_is_refused(run, capsys):
+    path = run / OPTIMIZER
+    save_file(load_file(str(path)), str(path), metadata={"lmlab.params_with_state": "{oops"})
+    refused(capsys, run, "train", f"optimizer state {path}", "malformed lmlab.params_with_state")

@@ -98,7 +98,7 @@ def test_an_existing_html_page_is_refused_before_the_model_runs(tiny_run, tmp_pa
         (("--target", "O", "--versus", "O"), ("--versus 'O' is the --target token",)),
         (("--target", "O", "--position", "10"), ("--position 10 is out of range", "10 tokens")),
         (("--position", "-11"), ("--position -11 is out of range",)),
-        (("--top", "0"), ("--top must be >= 1",)),
+        (("--top", "0"), ("--top must be between 1 and 1000",)),
         (("--target", "\udcff"), ("--target is not UTF-8 text",)),
     ],
 )

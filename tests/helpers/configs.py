@@ -8,6 +8,7 @@ one small model; keyword arguments override single sections or fields.
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 from lmlab.config import ModelConfig, RunConfig, config_from_dict
@@ -25,7 +26,8 @@ TINY = {
         "checkpoint_interval_s": 3600.0,
         "lr": 3e-3,
         "precision": "fp32",
-        "device": "cpu",
+        # benchmarks/gpu_check.sh sets LMLAB_TEST_DEVICE=cuda to train the shared runs on a GPU
+        "device": os.environ.get("LMLAB_TEST_DEVICE", "cpu"),
     },
 }
 

@@ -217,3 +217,64 @@ def test_deepseek_mtp_layer_tensors_are_skipped_as_transformers_does(tmp_path):
     edit_weights(folder, **{"model.extra.weight": torch.ones(d)})
     with pytest.raises(LmlabError, match="model.extra.weight"):
         load(folder)
+
+
+def _untied_gpt2(tmp_path: Path) -> tuple[torch.nn.Module, Path]:
+    torch.manual_seed(0)
+    model = redraw(transformers.GPT2LMHeadModel(hf_config("gpt2", tie_word_embeddings=False)))
+    return model, write_hf_folder(tmp_path / "g", model)
+
+
+def test_untied_gpt2_without_a_stored_head_is_refused_naming_it(tmp_path, capsys):
+    """It loaded with the embedding as its head, silently: a model the folder does not hold
+    (transformers initialises a random head and warns)."""
+    model, folder = _untied_gpt2(tmp_path)
+    sd = load_file(str(folder / "model.safetensors"))
+    del sd["lm_head.weight"]
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(LmlabError, match="lacks tensor lm_head.weight"):
+        load(folder)
+    code, _, err = run_cli(capsys, "generate", folder, "--prompt", "ab")
+    assert_one_error(code, err, str(folder), "lm_head.weight")
+
+
+def test_gpt2_with_tie_word_embeddings_null_is_gpt2s_default(tmp_path):
+    """null read as false made any GPT-2 untied; it is the default (tied), and a distinct stored
+    head unties it as under true."""
+    model, folder = _untied_gpt2(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["tie_word_embeddings"] = None
+    (folder / "config.json").write_text(json.dumps(config))
+    ours, _ = load(folder)
+    assert not ours.cfg.tie_embeddings  # the distinct head is kept
+    x = torch.randint(0, model.config.vocab_size, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x).logits, model(x).logits, atol=1e-5, rtol=0)
+    sd = load_file(str(folder / "model.safetensors"))
+    del sd["lm_head.weight"]
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tied, _ = load(folder)  # no head stored: tied, as GPT-2's default
+    assert tied.cfg.tie_embeddings
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "model.layers.\u00b2.eh_proj.weight",  # '²'.isdigit(): was "ValueError: invalid literal"
+        "model.layers.\u0662.eh_proj.weight",  # Arabic-Indic 2: was skipped as layer 2
+        "model.layers.02.eh_proj.weight",  # was skipped as layer 2
+        "model.layers.7.eh_proj.weight",  # not right after the last layer (2): was skipped
+        "model.layers.999999999999999999999.eh_proj.weight",  # was skipped
+        "model.layers.2.mlp.eh_proj.weight",  # inside a module: was skipped (any ".eh_proj.")
+        "model.layers.2.eh_proj.bias",  # a bias without the projection: was skipped
+    ],
+)
+def test_deepseek_tensors_that_only_look_like_an_mtp_layer_are_refused_by_name(
+    tmp_path, capsys, key
+):
+    model = deepseek_model()
+    d = model.config.hidden_size
+    folder = with_config(tmp_path, model, num_nextn_predict_layers=1)
+    edit_weights(folder, **{key: torch.randn(d, 2 * d) if "weight" in key else torch.randn(d)})
+    code, _, err = run_cli(capsys, "inspect", folder)
+    assert_one_error(code, err, str(folder), repr(key), "has no place")

@@ -106,7 +106,18 @@ def test_the_range_reaches_the_run_and_changes_the_corpus_fingerprint(ranged):
         ),
         # TINY's 32-token window: 32 - len("the key is ") = 21
         ({"passkey_max_distance": 22}, r"data.passkey_max_distance \(22\) is past .* \(21\)"),
-        ({"passkey_min_distance": 21}, r"data.passkey_max_distance \(224\) is past"),
+        # only the min set: the max the message blames is the default, and it says so (it read
+        # "data.passkey_max_distance (224) is past", a number the user never wrote)
+        (
+            {"passkey_min_distance": 21},
+            r"data.passkey_max_distance \(unset: the default 224\) is past .* \(21\); set "
+            r"data.passkey_max_distance <= 21",
+        ),
+        (
+            {"passkey_min_distance": 300},
+            r"data.passkey_max_distance \(unset: the default 224\) must be >= "
+            r"data.passkey_min_distance \(300\)",
+        ),
         ({"passkey_max_distance": "40"}, "data.passkey_max_distance: expected int or null"),
         ({"passkey_min_distance": 2.5}, "data.passkey_min_distance: expected int or null"),
     ],

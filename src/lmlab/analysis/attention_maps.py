@@ -174,15 +174,18 @@ def parse_window(text: str, length: int) -> tuple[int, int | None]:
     """``--window START:END`` (token positions, END exclusive, either may be empty) checked
     against an axis of ``length`` tokens. Raises LmlabError for anything else, an empty window
     or an END past the last token (never clipped silently)."""
-    parts = text.split(":")
-    try:
-        if len(parts) != 2:
-            raise ValueError
-        start = int(parts[0]) if parts[0].strip() else 0
-        end = int(parts[1]) if parts[1].strip() else None
-    except ValueError:
-        raise LmlabError(f"--window {text!r}: give START:END token positions, e.g. 0:64") from None
-    if start < 0 or (end is not None and end <= start) or start >= length:
+    # ASCII digits, at most 18 (int() refuses over 4,300 digits with a ValueError)
+    m = re.fullmatch(r"\s*(-?[0-9]{0,18})\s*:\s*(-?[0-9]{0,18})\s*", text, flags=re.ASCII)
+    if m is None or m.group(1) == "-" or m.group(2) == "-":
+        raise LmlabError(f"--window {text!r}: give START:END token positions, e.g. 0:64")
+    start = int(m.group(1)) if m.group(1) else 0
+    end = int(m.group(2)) if m.group(2) else None
+    if start < 0 or (end is not None and end < 0):
+        raise LmlabError(
+            f"--window {text!r}: positions count from 0 (the first token), not from the end; "
+            f"the text has {length} tokens (positions 0..{length - 1})"
+        )
+    if (end is not None and end <= start) or start >= length:
         raise LmlabError(
             f"--window {text!r} is empty: the text has {length} tokens (positions 0..{length - 1})"
             " and START must be below END"

@@ -18,6 +18,7 @@ from lmlab.analysis.lens import LogitLens, logit_lens
 from lmlab.analysis.lens_attribution import LogitAttribution, direct_logit_attribution
 from lmlab.errors import LmlabError
 
+MAX_TOP = 1000  # --top: top tokens kept per layer and position
 PNG_NAMES = ("lens.png", "dla.png")
 CHUNK = 8  # positions per block of the printed tables
 SPACE_HINT = " (a word-start token usually includes its leading space, e.g. ' the')"
@@ -160,8 +161,8 @@ def lens_report(
             check_html_beside_pngs(html, out, PNG_NAMES, ", ".join(PNG_NAMES))
     if versus is not None and target is None:
         raise LmlabError("--versus goes with --target (the logit difference target - versus)")
-    if top < 1:
-        raise LmlabError(f"--top must be >= 1, got {top}")
+    if not 1 <= top <= MAX_TOP:  # (R, T, k) labels are kept and printed: bound k
+        raise LmlabError(f"--top must be between 1 and {MAX_TOP}, got {top}")
     if versus is not None and versus == target:
         raise LmlabError(f"--versus {versus!r} is the --target token; give a different one")
     model, tokenizer = load(path, str(resolve_device(device)))

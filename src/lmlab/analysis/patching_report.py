@@ -163,7 +163,10 @@ def patch_report(
     else:
         for flag, text in (("--clean", clean), ("--corrupted", corrupted)):
             if text is None:
-                raise LmlabError(f"{flag} is required: give the prompt text")
+                raise LmlabError(
+                    f"{flag} is required: give the prompt text (an encoder-decoder takes its "
+                    "source with --clean-source instead)"
+                )
             if not text:
                 raise LmlabError(f"{flag} is empty: give the prompt text")
     model, tokenizer = load(path, str(resolve_device(device)))

@@ -109,7 +109,20 @@ def _version() -> str:
 
 
 # flags whose value is text to encode
-TEXT_ARGS = ("prompt", "chat", "system", "text", "stop", "clean", "corrupted", "target", "versus")
+TEXT_ARGS = (
+    "prompt",
+    "chat",
+    "system",
+    "text",
+    "stop",
+    "clean",
+    "corrupted",
+    "target",
+    "versus",
+    "source",  # generate, attention, lens: an encoder-decoder's source text
+    "clean_source",  # patch
+    "corrupted_source",
+)
 
 
 def _check_text_args(args: argparse.Namespace) -> None:
@@ -123,10 +136,36 @@ def _check_text_args(args: argparse.Namespace) -> None:
                     item.encode("utf-8")
                 except UnicodeEncodeError as e:
                     bad = item[e.start].encode("utf-8", "surrogateescape")
+                    flag = "--" + name.replace("_", "-")
                     raise LmlabError(
-                        f"--{name} is not UTF-8 text (byte 0x{bad.hex()} at character {e.start}); "
+                        f"{flag} is not UTF-8 text (byte 0x{bad.hex()} at character {e.start}); "
                         "give UTF-8 text"
                     ) from None
+
+
+POSITIONAL_ARGS = ("run", "model", "path", "experiment", "family")  # argparse dests, no "--"
+
+
+def _check_path_args(args: argparse.Namespace) -> None:
+    """Refuse every other string argument (paths, names) holding bytes that are not UTF-8: the
+    file formats lmlab writes and reads through Rust libraries (safetensors, tokenizers) and
+    YAML take UTF-8 names only, so such a path failed later, after work was done, with
+    'unexpected UnicodeEncodeError' or a checkpoint called corrupt."""
+    for name, value in vars(args).items():
+        if name in TEXT_ARGS or name in ("argv", "command"):
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            if not isinstance(item, str):
+                continue
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                bad = item[e.start].encode("utf-8", "surrogateescape")
+                flag = name.upper() if name in POSITIONAL_ARGS else "--" + name.replace("_", "-")
+                raise LmlabError(
+                    f"{flag} {item!r} is not UTF-8 (byte 0x{bad.hex()} at character {e.start}): "
+                    "lmlab's files (safetensors, tokenizer.json, YAML) need UTF-8 names; rename it"
+                ) from None
 
 
 # Numeric flags (argparse dest) -> (lowest, highest) allowed, checked before a command runs. A
@@ -159,10 +198,33 @@ def _check_numeric_args(args: argparse.Namespace) -> None:
             raise LmlabError(f"{flag} must be <= {high:,.0f}, got {value}")
 
 
+# flags whose value may start with '-' (argparse would take "-1:3" for an option and say only
+# "expected one argument"); their value is joined to them ("--window=-1:3") before parsing
+DASH_VALUE_FLAGS = ("--window",)
+
+
+def _join_dash_values(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    it = iter(argv)
+    for arg in it:
+        if arg == "--":  # everything after it is positional
+            out += [arg, *it]
+            break
+        if arg in DASH_VALUE_FLAGS:
+            value = next(it, None)
+            if value is not None and value.startswith("-") and not value.startswith("--"):
+                out.append(f"{arg}={value}")
+                continue
+            out += [arg] if value is None else [arg, value]
+            continue
+        out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_join_dash_values(argv))
     args.argv = argv
     if args.command is None:
         parser.print_help()
@@ -170,6 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = getattr(args, "debug", False) or bool(os.environ.get("LMLAB_DEBUG"))
     try:
         _check_text_args(args)
+        _check_path_args(args)
         _check_numeric_args(args)
         with plugins(getattr(args, "plugin", None)) as args.plugins:
             return COMMANDS[args.command].run(args)

@@ -23,7 +23,8 @@ def _lens_arguments(p: argparse.ArgumentParser) -> None:
         "encoder's input (framed as in training); the lens and attribution read the decoder"
     )  # fmt: skip
     p.add_argument("--top", type=int, default=5, metavar="K",
-                   help="top tokens kept per layer and position (default %(default)s)")  # fmt: skip
+                   help="top tokens kept per layer and position (default %(default)s, "
+                   "at most 1000)")  # fmt: skip
     p.add_argument(
         "--target", metavar="TOKEN", help="one token (its text, e.g. ' the'): its probability "
         "and rank per layer and position, and the direct logit attribution of its logit"

@@ -178,19 +178,25 @@ def check_distance_range(
             f"data.corpus {corpus!r}"
         )
     lo, hi = distance_range(min_distance, max_distance)
+    # an unset bound is named as the default it stands for (the user never wrote that number)
+    hi_name = "data.passkey_max_distance" + (
+        f" (unset: the default {hi})" if max_distance is None else f" ({hi})"
+    )
+    lo_name = "data.passkey_min_distance" + (
+        f" (unset: the default {lo})" if min_distance is None else f" ({lo})"
+    )
     if lo < MIN_DISTANCE:
         raise ConfigError(
             f"data.passkey_min_distance must be >= {MIN_DISTANCE} characters (the key, "
             f"{KEY_END!r} and the question), got {lo}"
         )
     if hi < lo:
-        raise ConfigError(
-            f"data.passkey_max_distance ({hi}) must be >= data.passkey_min_distance ({lo})"
-        )
+        raise ConfigError(f"{hi_name} must be >= {lo_name}")
     if hi > farthest_key(seq_len):
         raise ConfigError(
-            f"data.passkey_max_distance ({hi}) is past the farthest key a {seq_len}-token "
-            f"training window holds with its question and answer ({farthest_key(seq_len)})"
+            f"{hi_name} is past the farthest key a {seq_len}-token training window holds with "
+            f"its question and answer ({farthest_key(seq_len)}); set data.passkey_max_distance "
+            f"<= {farthest_key(seq_len)}"
         )
 
 

@@ -158,7 +158,8 @@ def gpt2_model_config(hf: Any) -> ModelConfig:
         d_model=hf.n_embd,
         n_layers=hf.n_layer,
         max_seq_len=hf.n_positions,
-        tie_embeddings=bool(getattr(hf, "tie_word_embeddings", True)),
+        # absent or null: GPT-2's default, tied (a distinct stored head still unties it: load.py)
+        tie_embeddings=getattr(hf, "tie_word_embeddings", None) is not False,
         attention=AttentionConfig(n_heads=hf.n_head, bias=True),
         position=PositionConfig(kind="learned"),
         norm=NormConfig(kind="layernorm", eps=hf.layer_norm_epsilon, bias=True),
@@ -209,9 +210,9 @@ def gpt2_state_dict(
         else:
             raise LmlabError(f"GPT-2 weight {key!r} has no place in an lmlab model")
     out = {k: v.contiguous() for k, v in out.items()}
-    if tied or head is None:  # an untied config without a head: the load names the missing one
+    if tied:
         out["lm_head.weight"] = out["embed.weight"]
-    else:
+    elif head is not None:  # untied without a stored head: the load names the missing tensor
         out["lm_head.weight"] = head.contiguous()
     return out
 

@@ -30,6 +30,7 @@ objects with ``DeepseekV3Config``'s attributes and plain state dicts; lmlab neve
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -234,24 +235,29 @@ def deepseek_v3_state_dict(
     as extra layers after the last one (``model.layers.{n_layers + j}.*``: enorm, hnorm,
     eh_proj, a block and a shared head; ``num_nextn_predict_layers`` of them) are skipped, as
     transformers skips them (the next-token model does not use them; DeepSeek-V3 sec. 2.2): a
-    layer past the last one is MTP when it holds an ``eh_proj`` (the MTP projection of
-    [norm(h); norm(embedding)]); any other tensor past the last layer is a stray one, refused.
-    Raises LmlabError naming a weight with no place: an MoE expert or router, any other key."""
-    mtp = {
-        i
-        for k in sd
-        if (i := _layer_index(k)) is not None and i >= cfg.n_layers and ".eh_proj." in k
-    }
+    layer past the last one is MTP when it holds ``model.layers.{i}.eh_proj.weight`` (the MTP
+    projection of [norm(h); norm(embedding)]) and the MTP layers follow the last one without a
+    gap (n_layers, n_layers + 1, ...); any other tensor past the last layer is a stray one,
+    refused. Raises LmlabError naming a weight with no place: an MoE expert or router, any other
+    key."""
+    mtp: set[int] = set()
+    i = cfg.n_layers
+    while f"model.layers.{i}.eh_proj.weight" in sd:
+        mtp.add(i)
+        i += 1
     kept = {k: v for k, v in sd.items() if _layer_index(k) not in mtp}
     return llama_state_dict(kept, cfg.tie_embeddings, LAYER_KEYS, "DeepSeek-V3")
 
 
+# ``model.layers.{i}.``: i in plain ASCII decimal without leading zeros ('²'.isdigit() is True but
+# int() refuses it; '٢' and '02' would be read as 2)
+_LAYER_KEY = re.compile(r"model\.layers\.(0|[1-9][0-9]{0,8})\.", re.ASCII)
+
+
 def _layer_index(key: str) -> int | None:
-    """i of ``model.layers.{i}.*`` (None for any other key or a non-numeric index)."""
-    parts = key.split(".")
-    if parts[:2] != ["model", "layers"] or len(parts) < 3 or not parts[2].isdigit():
-        return None
-    return int(parts[2])
+    """i of ``model.layers.{i}.*`` (None for any other key or index)."""
+    m = _LAYER_KEY.match(key)
+    return None if m is None else int(m.group(1))
 
 
 def deepseek_v3_hf_state_dict(

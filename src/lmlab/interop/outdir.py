@@ -30,12 +30,18 @@ def check_out(out: Path, force: bool) -> None:
 
 
 def check_not_source(out: str | Path, source: str | Path) -> None:
-    """Refuse an ``--out`` that is the model being read or a folder holding it: with --force it
-    would replace the model (a run's checkpoints, a .gguf beside it) with the written copy."""
+    """Refuse an ``--out`` that is the model being read, a folder holding it, or something that
+    exists inside it (a run's config.yaml or checkpoints/): with --force it would replace the
+    model, or part of it, with the written copy. A new name inside a source folder is allowed."""
     o, s = Path(out).resolve(), Path(source).resolve()
     if s == o or o in s.parents:
         raise LmlabError(
             f"--out {out} would replace the model it reads ({source}); choose another folder"
+        )
+    if s in o.parents and (o.exists() or o.is_symlink()):
+        raise LmlabError(
+            f"--out {out} is inside the model it reads ({source}): writing it would replace part "
+            "of that model; choose a name outside it"
         )
 
 

@@ -43,6 +43,7 @@ correction: plain round-to-nearest).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,9 +99,11 @@ class QuantSpec:
 def parse_spec(text: str) -> QuantSpec:
     """``int8``, ``int4``, ``int4:64`` or ``int8:128`` (bits, optional group size) -> QuantSpec
     with the default group of :data:`DEFAULT_GROUP`. Raises LmlabError for anything else."""
-    kind, _, group = text.partition(":")
+    kind, colon, group = text.partition(":")
     bits = {"int8": 8, "int4": 4}.get(kind)
-    if bits is None or (group and not group.isdigit()):
+    # ASCII digits only: str.isdigit() also takes '²' (which int() refuses) and other scripts'
+    # digits; "int4:" (a colon, no group) is a typo, not the default
+    if bits is None or (colon and re.fullmatch("[0-9]{1,9}", group, flags=re.ASCII) is None):
         raise LmlabError(
             f"--quantize must be int8 or int4, optionally :GROUP_SIZE (e.g. int4:64), got {text!r}"
         )
@@ -181,7 +184,8 @@ class QuantLinear(nn.Module):
         if k % g and not pad:
             raise LmlabError(
                 f"cannot quantize {name}: group_size {g} does not divide its in_features {k}; "
-                f"use a group size dividing {k} (e.g. {_divisor_hint(k, bits)}) or pad=True"
+                f"use a group size dividing {k} (e.g. {_divisor_hint(k, bits)}) or pad=True "
+                "(Python API)"
             )
         kp = math.ceil(k / g) * g
         if bits == 4 and kp % 2:
@@ -272,8 +276,10 @@ class QuantLinear(nn.Module):
 
 def _divisor_hint(k: int, bits: int) -> str:
     """Group sizes dividing k, the kernel's first."""
-    sizes = [g for g in (*INT4_KERNEL_GROUPS, 16, 8) if k % g == 0] if bits == 4 else []
-    return ", ".join(str(g) for g in sizes[:3]) or ("None (per row)" if bits == 8 else "2")
+    sizes = [str(g) for g in (*INT4_KERNEL_GROUPS, 16, 8) if k % g == 0][:3] or ["2"]
+    if bits == 8:  # int8's default: one scale per output row, no group (--quantize int8)
+        sizes.append("none: int8 without :GROUP, one scale per row")
+    return ", ".join(sizes)
 
 
 def quantize_model(

@@ -32,6 +32,7 @@ import torch
 SOURCE = Path(__file__).with_name("quant_kernels.cpp")
 MAX_ROWS = 8  # the C++ kernels' compile-time row counts are 1..8
 ENV_OFF = "LMLAB_NO_CPP_KERNELS"
+OFF_VALUES = ("", "0", "false", "no", "off")  # LMLAB_NO_CPP_KERNELS values that keep the kernels
 
 _lib: ctypes.CDLL | None = None
 _status: str | None = None  # None: not tried yet
@@ -89,7 +90,7 @@ def _build() -> ctypes.CDLL:
 def _load() -> ctypes.CDLL | None:
     global _lib, _status
     if _status is None:
-        if os.environ.get(ENV_OFF, "") not in ("", "0"):
+        if os.environ.get(ENV_OFF, "").strip().lower() not in OFF_VALUES:
             _status = f"disabled by {ENV_OFF}={os.environ[ENV_OFF]}"
         else:
             try:

@@ -41,6 +41,10 @@ from lmlab.training.weights_fit import check_finite, check_weights_fit, safetens
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
+# optimizer.safetensors header metadata: a JSON list of the parameters that have state, so a file
+# that lost some of them is told from a run whose parameters never got a gradient (which have no
+# state either: an encoder's pooler, an MoE expert no token reached)
+STATE_PARAMS_KEY = "lmlab.params_with_state"
 STATE_FILE = "trainer_state.json"
 LATEST = "latest"
 LEGACY_SHARDED_DIR = "sharded"  # earlier lmlab's torch.distributed.checkpoint shards: refused
@@ -292,7 +296,9 @@ def save_checkpoint(
             tmp.mkdir()
             save_model(model, str(tmp / MODEL_FILE))
             if tensors is not None:
-                save_file(tensors, str(tmp / OPTIMIZER_FILE))
+                save_file(
+                    tensors, str(tmp / OPTIMIZER_FILE), metadata=state_params_metadata(tensors)
+                )
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
             publish_checkpoint(tmp, final, keep)
         except SafetensorError as e:  # safetensors reports a failed write as its own error
@@ -527,10 +533,40 @@ def load_optimizer(
         raise CheckpointError(f"checkpoint {ckpt} is incomplete: {OPTIMIZER_FILE} is missing")
     safetensors_header(path)
     try:
+        with safe_open(str(path), "pt") as f:
+            listed = (f.metadata() or {}).get(STATE_PARAMS_KEY)
         tensors = load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"checkpoint file {path} is corrupt: {_short(e)}") from None
-    load_optimizer_tensors(optimizer, model, tensors, f"optimizer state {path}", max_step)
+    source = f"optimizer state {path}"
+    if listed is not None:  # written by this version: every listed parameter must have state
+        _check_state_params(listed, tensors, source)
+    load_optimizer_tensors(optimizer, model, tensors, source, max_step)
+
+
+def state_params_metadata(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """The header metadata of optimizer.safetensors: :data:`STATE_PARAMS_KEY` -> the JSON list
+    of the parameters (``<param name>`` of ``<param name>::<state key>``) that have state."""
+    return {STATE_PARAMS_KEY: json.dumps(sorted({k.partition("::")[0] for k in tensors}))}
+
+
+def _check_state_params(listed: str, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Raise CheckpointError when the file's header lists a parameter with state whose tensors
+    are gone, or the list itself is malformed."""
+    try:
+        names = json.loads(listed)
+    except ValueError:
+        names = None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise CheckpointError(f"{source} has a malformed {STATE_PARAMS_KEY} header entry")
+    present = {k.partition("::")[0] for k in tensors}
+    missing = [n for n in names if n not in present]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(
+            f"{source} lacks the state of {missing[0]}{more}, which its header lists: the file "
+            "lost tensors; resume from an earlier checkpoint"
+        )
 
 
 def _short(e: BaseException) -> str:

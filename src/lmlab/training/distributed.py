@@ -71,7 +71,7 @@ def threads_per_rank(local_world_size: int) -> int:
     """Intra-op threads for one rank: ``OMP_NUM_THREADS`` when set (torchrun sets 1 unless told
     otherwise; ``lmlab train --nproc N`` sets cores // N), else cores // local ranks (>= 1)."""
     env = os.environ.get("OMP_NUM_THREADS", "")
-    if env.isdigit() and int(env) > 0:
+    if env.isascii() and env.isdigit() and int(env) > 0:  # not "²" (isdigit, but int() fails)
         return int(env)
     return max(1, available_cores() // max(1, local_world_size))
 
