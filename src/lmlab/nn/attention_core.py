@@ -112,13 +112,73 @@ def attention_sdpa(
     """The same function through PyTorch's fused kernel; shapes as :func:`attention_math`, except
     that with ``enable_gqa`` k and v may have K heads dividing H (torch >= 2.5).
 
-    Returns (out, None): the fused kernel never materialises the weights.
+    Returns (out, None): the fused kernel never materialises the weights. A causal bf16 CPU
+    call that records gradients (training under bf16 autocast) runs as three batched matmuls
+    instead (:func:`causal_attention_bmm`, where :func:`bmm_causal_applies`): faster there, the
+    same function to bf16 rounding.
     """
+    if is_causal and mask is None and not enable_gqa and bmm_causal_applies(q, k, dropout_p):
+        return causal_attention_bmm(q, k, v, scale), None
     gqa = {"enable_gqa": True} if enable_gqa else {}
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **gqa
     )
     return out, None
+
+
+# The bf16 training path of the sdpa backend on a CPU (attention_sdpa): below this many tokens,
+# three bf16 batched matmuls and a softmax train faster than the fused CPU kernel, whose bf16
+# backward is slow (measured with benchmarks/train_step_ab.py and benchmarks/README.md's
+# "attention" table: 9x at T 64 hd 32, 1.1-1.9x at T 256 hd 64, slower from T 1024).
+BMM_CAUSAL_MAX_T = 512
+_CAUSAL_BIAS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def bmm_causal_applies(q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> bool:
+    """Whether :func:`attention_sdpa`'s causal call takes :func:`causal_attention_bmm`: a
+    bfloat16 CPU call that records gradients (training: the fused kernel's bf16 backward is the
+    slow part; its forward alone is faster), no dropout, 1 < T = S <= BMM_CAUSAL_MAX_T, not
+    under torch.compile (which fuses attention itself)."""
+    t = q.shape[-2]
+    return (
+        q.dtype == torch.bfloat16
+        and q.device.type == "cpu"
+        and dropout_p == 0.0
+        and 1 < t <= BMM_CAUSAL_MAX_T
+        and k.shape[-2] == t
+        and torch.is_grad_enabled()
+        and (q.requires_grad or k.requires_grad)
+        and not torch.compiler.is_compiling()
+    )
+
+
+def causal_bias(t: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(T, T) additive causal mask in ``dtype``: 0 on and below the diagonal, -inf above (a
+    constant, kept per size, dtype and device)."""
+    key = (t, dtype, device)
+    bias = _CAUSAL_BIAS.get(key)
+    if bias is None:
+        full = torch.full((t, t), float("-inf"), dtype=torch.float32, device=device)
+        bias = _CAUSAL_BIAS[key] = full.triu(1).to(dtype)
+    return bias
+
+
+def causal_attention_bmm(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal softmax(q k^T * scale) v for q, k, v (B, H, T, hd) of one dtype, as three batched
+    matmuls: scores = baddbmm(causal bias, q, k^T, alpha=scale) (B H, T, T) in q's dtype
+    (the matmul accumulates in float32), softmax over keys (computed in float32, stored in q's
+    dtype), then @ v. What eager bf16 attention computes (the scores rounded to bf16 before the
+    softmax); the fused kernel keeps them in float32, so the two agree to bf16 rounding
+    (tests/unit/test_attention_core.py). Keeps the (B H, T, T) probabilities for backward:
+    B H T^2 elements, hence the size bound :data:`BMM_CAUSAL_MAX_T`. Returns (B, H, T, hd)."""
+    b, h, t, hd = q.shape
+    bias = causal_bias(t, q.dtype, q.device).expand(b * h, t, t)
+    kt = k.reshape(b * h, t, hd).transpose(1, 2)
+    scores = torch.baddbmm(bias, q.reshape(b * h, t, hd), kt, alpha=scale)  # (B H, T, T)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.bmm(probs, v.reshape(b * h, t, v.shape[-1])).view(b, h, t, v.shape[-1])
 
 
 # torch >= 2.5: scaled_dot_product_attention shares kv heads itself (no repeat_kv copy)

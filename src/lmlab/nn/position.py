@@ -400,13 +400,19 @@ class RotaryPosition(PositionEncoding):
     def rotate(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin, signed = self._rotation(positions, q.dtype)
+        return self.rotate_heads(q, positions), self.rotate_heads(k, positions)
+
+    def rotate_heads(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x (B, N, T, hd), any number N of q or k heads, rotated to ``positions`` (T,) or
+        (B, T): what :meth:`rotate` does to q and to k (every head turns by the same angles,
+        so q and k concatenated on the head dim rotate as one tensor, the same bits)."""
+        cos, sin, signed = self._rotation(positions, x.dtype)
         r = cos.shape[-1]
-        if signed is not None and q.shape[-1] == r == k.shape[-1]:
+        if signed is not None and x.shape[-1] == r:
             # rotate_half(x) * sin == roll(x, r/2) * [-sin1, sin2] exactly (a sign flip is
             # exact): 4 ops per tensor instead of 6, the same bits
-            return q * cos + q.roll(r // 2, -1) * signed, k * cos + k.roll(r // 2, -1) * signed
-        return apply_rope(q, cos, sin, self.interleaved), apply_rope(k, cos, sin, self.interleaved)
+            return x * cos + x.roll(r // 2, -1) * signed
+        return apply_rope(x, cos, sin, self.interleaved)
 
     def rotation(
         self, positions: torch.Tensor, dtype: torch.dtype
