@@ -13,6 +13,7 @@ import lmlab.nn.attention as attention_mod
 from lmlab.models import build_model
 from lmlab.nn.attention import Attention
 from lmlab.nn.attention_core import attention_sdpa, bmm_causal_applies, causal_attention_bmm
+from lmlab.nn.position import RotaryPosition, _RotateHalf
 from tests.helpers import tiny_model_config
 
 V = 37
@@ -71,7 +72,7 @@ def test_fused_qkv_training_step_equals_three_projections(model, monkeypatch):
     attention = {"n_heads": 4, **model.pop("attention", {})}
     cfg = tiny_model_config(V, attention=attention, **model)
     torch.manual_seed(0)
-    m = build_model(cfg)
+    m = build_model(cfg).double()  # float64: autocast leaves it as is, so the two compare
     names = [n for n, _ in m.named_parameters()]
     x = torch.randint(0, V, (2, 10))
 
@@ -89,18 +90,19 @@ def test_fused_qkv_training_step_equals_three_projections(model, monkeypatch):
         monkeypatch.setattr(attention_mod, "TRAIN_FUSED_QKV", fused)
         took.clear()
         m.zero_grad(set_to_none=True)
-        loss = m(x, targets=x).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the fused matmul's condition
+            loss = m(x, targets=x).loss
         loss.backward()
         assert took == [fused] * cfg.n_layers  # every layer took (or left) the fused matmul
         return loss.detach(), {n: p.grad for n, p in m.named_parameters()}
 
     loss_f, g_f = grads(True)
     loss_u, g_u = grads(False)
-    torch.testing.assert_close(loss_f, loss_u, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(loss_f, loss_u, atol=1e-12, rtol=1e-12)
     assert list(g_f) == names  # the parameters and their names are unchanged
     for n in names:
         assert g_f[n] is not None and g_u[n] is not None, n
-        torch.testing.assert_close(g_f[n], g_u[n], atol=1e-6, rtol=1e-5, msg=n)
+        torch.testing.assert_close(g_f[n], g_u[n], atol=1e-12, rtol=1e-10, msg=n)
 
 
 def test_fused_qkv_is_off_without_gradients_and_for_hooked_projections():
@@ -108,12 +110,70 @@ def test_fused_qkv_is_off_without_gradients_and_for_hooked_projections():
     m = build_model(tiny_model_config(V, attention={"n_heads": 4}))
     attn = m.layers[0].attn
     h = torch.randn(2, 5, m.cfg.d_model)
-    assert attn.train_fused_qkv(h) is not None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert attn.train_fused_qkv(h) is not None
+        with torch.no_grad():
+            assert attn.train_fused_qkv(h) is None
+        seen = []
+        handle = attn.k_proj.register_forward_hook(lambda mod, i, o: seen.append(o.shape))
+        assert attn.train_fused_qkv(h) is None  # a hooked projection runs as a module
+        m(torch.randint(0, V, (2, 5)))
+        assert seen  # ...and its hook ran
+        handle.remove()
+    assert attn.train_fused_qkv(h) is None  # float32 training: the three projections
+
+
+def test_a_float32_forward_has_the_same_bits_with_and_without_gradients():
+    torch.manual_seed(0)
+    m = build_model(tiny_model_config(V, attention={"n_heads": 4})).eval()
+    x = torch.randint(0, V, (2, 9))
     with torch.no_grad():
-        assert attn.train_fused_qkv(h) is None
-    seen = []
-    handle = attn.k_proj.register_forward_hook(lambda mod, i, o: seen.append(o.shape))
-    assert attn.train_fused_qkv(h) is None  # a hooked projection runs as a module
-    m(torch.randint(0, V, (2, 5)))
-    assert seen  # ...and its hook ran
-    handle.remove()
+        ref = m(x).logits
+    assert torch.equal(m(x).logits, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_training_rope_equals_the_rolled_formula(dtype):
+    cfg = tiny_model_config(V, attention={"n_heads": 2})
+    torch.manual_seed(0)
+    pos = RotaryPosition(cfg).to(dtype)
+    hd = cfg.head_dim
+    base = torch.randn(2, 7, 3, hd, dtype=dtype).transpose(1, 2)  # (B, N, T, hd), strided
+    positions = torch.arange(3, 10)
+    x = base.detach().requires_grad_()
+    if dtype == torch.float64:  # rotate_heads takes it in bf16 / fp16 only: call it directly
+        cos, _, signed = pos._rotation(positions, dtype)
+        y = _RotateHalf.apply(x, cos, signed)
+    else:
+        y = pos.rotate_heads(x, positions)  # training in bf16: _RotateHalf
+        assert "_RotateHalf" in type(y.grad_fn).__name__
+    g = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, g)
+    with torch.no_grad():  # the reference path: roll and sign-folded sin
+        ref = pos.rotate_heads(base, positions)
+    cos, sin = pos.rotation(positions, dtype)
+    ref2 = base * cos + torch.cat((-base[..., hd // 2 :], base[..., : hd // 2]), -1) * sin
+    tol = {"atol": 1e-12, "rtol": 1e-12} if dtype == torch.float64 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(y.detach(), ref, **tol)
+    torch.testing.assert_close(y.detach(), ref2, **tol)
+    xr = base.detach().requires_grad_()
+    yr = xr * cos + torch.cat((-xr[..., hd // 2 :], xr[..., : hd // 2]), -1) * sin
+    (dref,) = torch.autograd.grad(yr, xr, g)
+    torch.testing.assert_close(dx, dref, **tol)
+
+
+def test_clip_gradients_equals_torch_clip_grad_norm_bit_for_bit():
+    from lmlab.training.guard import clip_gradients
+
+    torch.manual_seed(0)
+    a = build_model(tiny_model_config(V, attention={"n_heads": 2}))
+    b = build_model(tiny_model_config(V, attention={"n_heads": 2}))
+    b.load_state_dict(a.state_dict())
+    x = torch.randint(0, V, (2, 6))
+    for m in (a, b):
+        (m(x, targets=x).loss * 50).backward()
+    norm, bad = clip_gradients(a, 0.5)
+    ref = torch.nn.utils.clip_grad_norm_(list(b.parameters()), 0.5, foreach=False)
+    assert bad is None and norm == float(ref) and norm > 0.5  # it did clip
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa.grad, pb.grad)

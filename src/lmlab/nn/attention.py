@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 # Training (gradients on): q, k and v as one matmul over their weights concatenated in the graph
 # (Attention.train_fused_qkv); False runs the three projections (for A/B benchmarks).
 TRAIN_FUSED_QKV = True
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 ATTENTION: Registry[type[nn.Module]] = Registry("attention", "model.attention.kind")
 ATTENTION.notes = """
@@ -209,13 +210,16 @@ class Attention(nn.Module):
         """x (B, T, D) -> q, k and v projections concatenated (B, T, (H + 2 K) hd) in one matmul
         over the three weights concatenated inside the autograd graph (their gradients flow back
         to ``q_proj`` / ``k_proj`` / ``v_proj``, whose parameters and names stay): while
-        gradients are recorded (training), when :data:`TRAIN_FUSED_QKV` is on and the three are
+        gradients are recorded (training) in bf16/fp16 or under autocast, when
+        :data:`TRAIN_FUSED_QKV` is on and the three are
         plain linears (:func:`~lmlab.nn.fused.plain_linear`, no global module hooks) with biases
         on all or none, not under torch.compile. None otherwise (the caller runs the three).
         Under bf16 autocast the input and the weights are cast once instead of three times, and
         the input's gradient is one matmul instead of three summed."""
         if not TRAIN_FUSED_QKV or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return None
+        if not (x.dtype in _LOW_PRECISION or torch.is_autocast_enabled(x.device.type)):
+            return None  # float32 training: no casts to save, and its bits stay the unfused ones
         mods = [self._modules["q_proj"], self._modules["k_proj"], self._modules["v_proj"]]
         if not all(plain_linear(m) for m in mods) or _global_hooks():  # type: ignore[arg-type]
             return None

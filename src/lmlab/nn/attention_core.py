@@ -131,7 +131,7 @@ def attention_sdpa(
 # backward is slow (measured with benchmarks/train_step_ab.py and benchmarks/README.md's
 # "attention" table: 9x at T 64 hd 32, 1.1-1.9x at T 256 hd 64, slower from T 1024).
 BMM_CAUSAL_MAX_T = 512
-_CAUSAL_BIAS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+_CAUSAL_ABOVE: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def bmm_causal_applies(q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> bool:
@@ -152,33 +152,63 @@ def bmm_causal_applies(q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> bo
     )
 
 
-def causal_bias(t: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """(T, T) additive causal mask in ``dtype``: 0 on and below the diagonal, -inf above (a
-    constant, kept per size, dtype and device)."""
-    key = (t, dtype, device)
-    bias = _CAUSAL_BIAS.get(key)
-    if bias is None:
-        full = torch.full((t, t), float("-inf"), dtype=torch.float32, device=device)
-        bias = _CAUSAL_BIAS[key] = full.triu(1).to(dtype)
-    return bias
+def causal_above(t: int, device: torch.device) -> torch.Tensor:
+    """(T, T) bool, True above the diagonal: the keys a causal query may not see (a constant,
+    kept per size and device)."""
+    key = (t, device)
+    above = _CAUSAL_ABOVE.get(key)
+    if above is None:
+        above = _CAUSAL_ABOVE[key] = torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
+    return above
+
+
+class _CausalAttentionBmm(torch.autograd.Function):
+    """The forward and backward of :func:`causal_attention_bmm` written out (no autograd graph
+    of its six ops, no pass that autograd would add over the (B H, T, T) scores): forward
+    S = (q scale) k^T with -inf above the diagonal, P = softmax(S), out = P v; backward
+    dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(P dP)) (softmax's backward), dQ = dS K scale,
+    dK = dS^T (q scale). Saves q scale, k, v and P."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        b, h, t, hd = q.shape
+        qs = torch.empty((b, h, t, hd), dtype=q.dtype, device=q.device)
+        torch.mul(q, scale, out=qs)  # scaled, contiguous: one pass
+        qs = qs.view(b * h, t, hd)
+        k3 = k.reshape(b * h, t, hd)
+        v3 = v.reshape(b * h, t, v.shape[-1])
+        scores = torch.bmm(qs, k3.transpose(1, 2))  # (B H, T, T)
+        scores.masked_fill_(causal_above(t, q.device), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        ctx.save_for_backward(qs, k3, v3, probs)
+        ctx.scale, ctx.shape = scale, (b, h, t, hd, v.shape[-1])
+        return torch.bmm(probs, v3).view(b, h, t, v.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qs, k3, v3, probs = ctx.saved_tensors
+        b, h, t, hd, hdv = ctx.shape
+        g = grad_out.reshape(b * h, t, hdv)
+        dv = torch.bmm(probs.transpose(1, 2), g)
+        dp = torch.bmm(g, v3.transpose(1, 2))
+        ds = torch._softmax_backward_data(dp, probs, -1, probs.dtype)
+        dq = torch.bmm(ds, k3).mul_(ctx.scale)
+        dk = torch.bmm(ds.transpose(1, 2), qs)
+        return dq.view(b, h, t, hd), dk.view(b, h, t, hd), dv.view(b, h, t, hdv), None
 
 
 def causal_attention_bmm(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Causal softmax(q k^T * scale) v for q, k, v (B, H, T, hd) of one dtype, as three batched
-    matmuls: scores = baddbmm(causal bias, q, k^T, alpha=scale) (B H, T, T) in q's dtype
-    (the matmul accumulates in float32), softmax over keys (computed in float32, stored in q's
-    dtype), then @ v. What eager bf16 attention computes (the scores rounded to bf16 before the
-    softmax); the fused kernel keeps them in float32, so the two agree to bf16 rounding
-    (tests/unit/test_attention_core.py). Keeps the (B H, T, T) probabilities for backward:
-    B H T^2 elements, hence the size bound :data:`BMM_CAUSAL_MAX_T`. Returns (B, H, T, hd)."""
-    b, h, t, hd = q.shape
-    bias = causal_bias(t, q.dtype, q.device).expand(b * h, t, t)
-    kt = k.reshape(b * h, t, hd).transpose(1, 2)
-    scores = torch.baddbmm(bias, q.reshape(b * h, t, hd), kt, alpha=scale)  # (B H, T, T)
-    probs = torch.softmax(scores, dim=-1)
-    return torch.bmm(probs, v.reshape(b * h, t, v.shape[-1])).view(b, h, t, v.shape[-1])
+    matmuls: scores (q * scale) k^T (B H, T, T) in q's dtype (the matmul accumulates in
+    float32), -inf above the diagonal, softmax over keys (computed in float32, stored in q's
+    dtype), then @ v; the backward written out (:class:`_CausalAttentionBmm`). What eager bf16
+    attention computes (the scores rounded to bf16 before the softmax); the fused kernel keeps
+    them in float32, so the two agree to bf16 rounding (tests/unit/test_train_fast_paths.py).
+    Keeps the (B H, T, T) probabilities for backward: B H T^2 elements, hence the size bound
+    :data:`BMM_CAUSAL_MAX_T`. Returns (B, H, T, hd)."""
+    return _CausalAttentionBmm.apply(q, k, v, scale)
 
 
 # torch >= 2.5: scaled_dot_product_attention shares kv heads itself (no repeat_kv copy)
