@@ -16,6 +16,9 @@ For each shape and precision it builds, in this one process:
   :meth:`lmlab.training.loop.Trainer.train_step` (batch sampling, autocast at
   ``train.precision``, clipping, the optimizer, the schedule), built by
   ``time_to_loss.lmlab_session`` as ``lmlab train`` builds a run.
+- **lmlab-ref** (``--reference``): lmlab's default again with its training fast paths off (the
+  q/k/v fusion, the bf16 batched-matmul attention, the bf16 RoPE function; module flags), so
+  ``lmlab fast paths on/off`` is what they gain, measured in the same loop.
 - **plain**: lmlab with nanoGPT's architecture (learned positions, no biases in linears or
   norms), the same Trainer step: ``lmlab default / plain`` is what lmlab's default architecture
   costs.
@@ -48,6 +51,7 @@ machines this project runs on; 2 on a quiet 2-core machine for the full-machine 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -125,8 +129,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--config", default=None, help="lmlab config (default: the defaults)")
     ap.add_argument("--no-plain", action="store_true", help="skip lmlab's plain architecture")
+    ap.add_argument(
+        "--reference",
+        action="store_true",
+        help="also lmlab with its training fast paths off (lmlab-ref): what they gain",
+    )
+    ap.add_argument(
+        "--attention", action="store_true", help="only the bf16 attention paths (see attention_ab)"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.attention:
+        attention_ab(args.rounds)
+        return
     from time_to_loss import _text
 
     text = _text()
@@ -149,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
             tok_s = tokens / v
             mfu = flops * tok_s / peaks[p]
             print(
-                f"  {name:<8}{p:<5}{shape + ' shape':<14} {1e3 * v:8.1f} ms/step "
+                f"  {name:<10}{p:<5}{shape + ' shape':<14} {1e3 * v:8.1f} ms/step "
                 f"(best {1e3 * best[name, p]:.1f})  {tok_s:9,.0f} tokens/s  "
                 f"MFU {100 * mfu:5.1f}% of the {p} peak"
             )
@@ -168,6 +183,10 @@ def main(argv: list[str] | None = None) -> None:
         )
         pairs += [
             (f"lmlab default/plain ({shape} shape, {p})", "lmlab", p, "plain", p)
+            for p in precisions
+        ]
+        pairs += [
+            (f"lmlab fast paths on/off ({shape} shape, {p})", "lmlab", p, "lmlab-ref", p)
             for p in precisions
         ]
         for what, a, pa, b, pb in pairs:
@@ -194,6 +213,9 @@ def run_shape(args: argparse.Namespace, shape: str, precisions: list[str], ids: 
             if not args.no_plain:
                 plain = stack.enter_context(lmlab_session(args.config, over + PLAIN))
                 steps["plain", p] = trainer_step(plain.trainer)
+            if args.reference:
+                ref = stack.enter_context(lmlab_session(args.config, over))
+                steps["lmlab-ref", p] = trainer_step(ref.trainer, fast_paths=False)
             tokens = SHAPES[shape][4] * lm.seq_len
             flops = flops_per_token(lm.model, lm.cfg.model, lm.seq_len, True)
         for fn in steps.values():
@@ -214,12 +236,67 @@ def run_shape(args: argparse.Namespace, shape: str, precisions: list[str], ids: 
     return shape, times, tokens, flops
 
 
-def trainer_step(trainer) -> Callable[[], None]:
-    """One ``Trainer.train_step`` per call, at the next step number."""
+ATTENTION_SHAPES = [(12, 4, 64, 32), (16, 4, 256, 64), (4, 4, 512, 64), (2, 4, 1024, 64)]
+
+
+def attention_ab(rounds: int) -> None:
+    """Causal attention forward + backward in bf16, (B, H, T, hd) as in ATTENTION_SHAPES (the
+    nanoGPT and Mini-GPT shapes, then longer contexts): torch's fused CPU kernel
+    (F.scaled_dot_product_attention, is_causal) vs lmlab's batched-matmul path
+    (lmlab.nn.attention_core.causal_attention_bmm, what the sdpa backend runs for bf16 training
+    up to BMM_CAUSAL_MAX_T tokens), q/k/v strided views of one projection output as in a model;
+    interleaved, ratio of medians."""
+    import torch.nn.functional as F
+
+    from lmlab.nn.attention_core import BMM_CAUSAL_MAX_T, causal_attention_bmm
+
+    for b, h, t, hd in ATTENTION_SHAPES:
+        torch.manual_seed(0)
+        qkv = torch.randn(b, t, 3 * h, hd, dtype=torch.bfloat16)
+        q, k, v = (
+            qkv[:, :, i * h : (i + 1) * h].transpose(1, 2).requires_grad_() for i in range(3)
+        )
+        g = torch.randn(b, h, t, hd, dtype=torch.bfloat16)
+        fns = {
+            "sdpa": functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=True),
+            "bmm": functools.partial(causal_attention_bmm, q, k, v, hd**-0.5),
+        }
+        times: dict[str, list[float]] = {n: [] for n in fns}
+        for r in range(rounds + 1):
+            for n, fn in list(fns.items()) if r % 2 else list(fns.items())[::-1]:
+                start = time.perf_counter()
+                fn().backward(g)
+                if r:  # the first round warms up
+                    times[n].append(time.perf_counter() - start)
+        med = {n: statistics.median(v) for n, v in times.items()}
+        used = "bmm" if t <= BMM_CAUSAL_MAX_T else "sdpa"
+        print(
+            f"attention fwd+bwd bmm/sdpa (B {b}, H {h}, T {t}, hd {hd}, bf16) = "
+            f"{med['sdpa'] / med['bmm']:.2f}x   (sdpa {1e3 * med['sdpa']:.1f} ms, bmm "
+            f"{1e3 * med['bmm']:.1f} ms; training takes {used})"
+        )
+
+
+def trainer_step(trainer, fast_paths: bool = True) -> Callable[[], None]:
+    """One ``Trainer.train_step`` per call, at the next step number; ``fast_paths`` False runs
+    it with the training fast paths switched off (the q/k/v fusion, the bf16 batched-matmul
+    attention, the bf16 RoPE function): the reference path they replace."""
+    import lmlab.nn.attention as attention
+    import lmlab.nn.attention_core as core
+    import lmlab.nn.position as position
+
     count = [0]
 
     def step() -> None:
-        trainer.train_step(count[0])
+        saved = attention.TRAIN_FUSED_QKV, core.BMM_CAUSAL_MAX_T, position.TRAIN_ROTATE_HALF
+        if not fast_paths:
+            attention.TRAIN_FUSED_QKV, core.BMM_CAUSAL_MAX_T = False, 0
+            position.TRAIN_ROTATE_HALF = False
+        try:
+            trainer.train_step(count[0])
+        finally:
+            attention.TRAIN_FUSED_QKV, core.BMM_CAUSAL_MAX_T = saved[:2]
+            position.TRAIN_ROTATE_HALF = saved[2]
         count[0] += 1
 
     return step

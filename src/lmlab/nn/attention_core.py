@@ -126,11 +126,11 @@ def attention_sdpa(
     return out, None
 
 
-# The bf16 training path of the sdpa backend on a CPU (attention_sdpa): below this many tokens,
+# The bf16 training path of the sdpa backend on a CPU (attention_sdpa): up to this many tokens,
 # three bf16 batched matmuls and a softmax train faster than the fused CPU kernel, whose bf16
-# backward is slow (measured with benchmarks/train_step_ab.py and benchmarks/README.md's
-# "attention" table: 9x at T 64 hd 32, 1.1-1.9x at T 256 hd 64, slower from T 1024).
-BMM_CAUSAL_MAX_T = 512
+# backward is slow (`benchmarks/train_step_ab.py --attention`, benchmarks/README.md: 3-14x at
+# T 64 hd 32, 1.0-1.9x at T 256 hd 64, 0.8-1.1x at T 512, 0.5-0.7x at T 1024, 1 thread).
+BMM_CAUSAL_MAX_T = 256
 _CAUSAL_ABOVE: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 

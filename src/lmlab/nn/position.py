@@ -322,12 +322,17 @@ def apply_rope(
     return torch.cat((x_rot * cos + rotate(x_rot) * sin, x_pass), dim=-1)
 
 
+# Training in bf16/fp16: RoPE through _RotateHalf; False keeps the rolled formula (A/B benchmarks).
+TRAIN_ROTATE_HALF = True
+
+
 def _rope_train_applies(x: torch.Tensor) -> bool:
     """Whether :meth:`RotaryPosition.rotate_heads` takes :class:`_RotateHalf`: training (x
     records gradients) in bf16 or fp16 (autocast's q and k), not under torch.compile. A float32
     forward keeps the reference bits whether or not it records gradients."""
     return (
-        x.dtype in (torch.bfloat16, torch.float16)
+        TRAIN_ROTATE_HALF
+        and x.dtype in (torch.bfloat16, torch.float16)
         and torch.is_grad_enabled()
         and x.requires_grad
         and not torch.compiler.is_compiling()
