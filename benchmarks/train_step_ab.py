@@ -137,8 +137,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--attention", action="store_true", help="only the bf16 attention paths (see attention_ab)"
     )
+    ap.add_argument(
+        "--profile",
+        metavar="SHAPE,PRECISION",
+        help="only profile 3 lmlab steps (torch.profiler, ops by self CPU time), e.g. minigpt,bf16",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.profile:
+        profile_steps(args, *args.profile.split(","))
+        return
     if args.attention:
         attention_ab(args.rounds)
         return
@@ -234,6 +242,21 @@ def run_shape(args: argparse.Namespace, shape: str, precisions: list[str], ids: 
             flush=True,
         )
     return shape, times, tokens, flops
+
+
+def profile_steps(args: argparse.Namespace, shape: str, precision: str) -> None:
+    """torch.profiler over 3 of lmlab's Trainer steps (after 3 warm-up steps): every op's count
+    and share of the self CPU time (``--reference``: with the fast paths off)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with lmlab_session(args.config, shape_overrides(shape, precision)) as lm:
+        step = trainer_step(lm.trainer, fast_paths=not args.reference)
+        for _ in range(3):
+            step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
 
 
 ATTENTION_SHAPES = [(12, 4, 64, 32), (16, 4, 256, 64), (4, 4, 512, 64), (2, 4, 1024, 64)]
