@@ -134,7 +134,7 @@ def test_a_float32_forward_has_the_same_bits_with_and_without_gradients():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_training_rope_equals_the_rolled_formula(dtype):
-    cfg = tiny_model_config(V, attention={"n_heads": 2})
+    cfg = tiny_model_config(V, d_model=128, attention={"n_heads": 2})  # head_dim 64
     torch.manual_seed(0)
     pos = RotaryPosition(cfg).to(dtype)
     hd = cfg.head_dim
@@ -188,7 +188,8 @@ def test_bf16_training_with_and_without_the_fast_paths_follows_the_same_losses(m
         monkeypatch.setattr(core, "BMM_CAUSAL_MAX_T", 256 if fast else 0)
         monkeypatch.setattr(position, "TRAIN_ROTATE_HALF", fast)
         torch.manual_seed(0)
-        m = build_model(tiny_model_config(V, attention={"n_heads": 4}))
+        # head_dim 64: every fast path applies (the RoPE function from 64 up)
+        m = build_model(tiny_model_config(V, d_model=128, attention={"n_heads": 2}))
         opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
         g = torch.Generator().manual_seed(1)
         out = []
