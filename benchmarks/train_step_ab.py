@@ -142,8 +142,16 @@ def main(argv: list[str] | None = None) -> None:
         metavar="SHAPE,PRECISION",
         help="only profile 3 lmlab steps (torch.profiler, ops by self CPU time), e.g. minigpt,bf16",
     )
+    ap.add_argument(
+        "--arch",
+        metavar="SHAPE",
+        help="only lmlab's architecture variants at SHAPE (see arch_ab), e.g. minigpt",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.arch:
+        arch_ab(args, args.arch)
+        return
     if args.profile:
         profile_steps(args, *args.profile.split(","))
         return
@@ -242,6 +250,44 @@ def run_shape(args: argparse.Namespace, shape: str, precisions: list[str], ids: 
             flush=True,
         )
     return shape, times, tokens, flops
+
+
+ARCH_VARIANTS = {
+    "default": [],
+    "rope-nobias": PLAIN[1:],
+    "learned-bias": PLAIN[:1],
+    "plain": PLAIN,
+}
+
+
+def arch_ab(args: argparse.Namespace, shape: str) -> None:
+    """lmlab's default architecture vs the same without biases, with learned positions instead
+    of RoPE, and with both (plain): Trainer steps at ``shape`` in the first of ``--precisions``,
+    interleaved (rotating order), medians; ratio = variant step time / default's."""
+    precision = args.precisions.split(",")[0]
+    over = shape_overrides(shape, precision)
+    with ExitStack() as stack:
+        steps = {
+            k: trainer_step(stack.enter_context(lmlab_session(args.config, over + v)).trainer)
+            for k, v in ARCH_VARIANTS.items()
+        }
+        for fn in steps.values():
+            for _ in range(args.warmup):
+                fn()
+        names = list(steps)
+        times: dict[str, list[float]] = {k: [] for k in names}
+        for r in range(args.rounds):
+            for k in names[r % len(names) :] + names[: r % len(names)]:
+                start = time.perf_counter()
+                steps[k]()
+                times[k].append(time.perf_counter() - start)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for k in names[1:]:
+        print(
+            f"step lmlab default/{k} ({shape} shape, {precision}) = "
+            f"{med[k] / med['default']:.2f}x   "
+            f"({1e3 * med['default']:.1f} vs {1e3 * med[k]:.1f} ms)"
+        )
 
 
 def profile_steps(args: argparse.Namespace, shape: str, precision: str) -> None:
