@@ -36,16 +36,23 @@ from lmlab.nn.attention_core import (  # noqa: F401  (re-exported from their old
     attention_sdpa,
     repeat_kv,
 )
-from lmlab.nn.fused import fused_linear, linear
+from lmlab.nn.fused import _global_hooks, fused_linear, linear, plain_linear
 from lmlab.nn.hooks import HookPoint
 from lmlab.nn.kv_cache import LayerCache, LayerKVCache, LinearAttentionState, SlidingWindowKVCache
 from lmlab.nn.masks import MASKS, MaskFn
 from lmlab.nn.norm import RMSNorm
+from lmlab.nn.position import PositionEncoding as PositionEncodingBase
+from lmlab.nn.position import RotaryPosition
 from lmlab.registry import Registry
 
 if TYPE_CHECKING:
     from lmlab.config import ModelConfig
     from lmlab.nn.position import PositionEncoding
+
+# Training (gradients on): q, k and v as one matmul over their weights concatenated in the graph
+# (Attention.train_fused_qkv); False runs the three projections (for A/B benchmarks).
+TRAIN_FUSED_QKV = True
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 ATTENTION: Registry[type[nn.Module]] = Registry("attention", "model.attention.kind")
 ATTENTION.notes = """
@@ -177,7 +184,17 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         h, kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = fused_linear(self, "qkv", ("q_proj", "k_proj", "v_proj"), x)
-        if qkv is not None:  # inference: one matmul (lmlab.nn.fused), then the three views
+        if qkv is None:
+            qkv = self.train_fused_qkv(x)
+            if qkv is not None and self.joint_rotation(position):
+                # training, no head norms, RoPE or none: q and k rotate as one tensor
+                qk, v = qkv.view(b, t, h + 2 * kv, hd).split([h + kv, kv], dim=2)
+                qk = qk.transpose(1, 2)  # (B, H + K, T, hd)
+                if isinstance(position, RotaryPosition):
+                    qk = position.rotate_heads(qk, positions)
+                q, k = qk.split([h, kv], dim=1)
+                return self.hook_q(q), self.hook_k(k), self.hook_v(v.transpose(1, 2))
+        if qkv is not None:  # one matmul (inference: lmlab.nn.fused; training: above)
             q, k, v = qkv.view(b, t, h + 2 * kv, hd).split([h, kv, kv], dim=2)
         else:
             q = self.q_proj(x).view(b, t, h, hd)
@@ -188,6 +205,38 @@ class Attention(nn.Module):
         v = _norm(self.v_norm, v).transpose(1, 2)
         q, k = position.rotate(q, k, positions)  # q (B, H, T, hd), k (B, K, T, hd)
         return self.hook_q(q), self.hook_k(k), self.hook_v(v)
+
+    def train_fused_qkv(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x (B, T, D) -> q, k and v projections concatenated (B, T, (H + 2 K) hd) in one matmul
+        over the three weights concatenated inside the autograd graph (their gradients flow back
+        to ``q_proj`` / ``k_proj`` / ``v_proj``, whose parameters and names stay): while
+        gradients are recorded (training) in bf16/fp16 or under autocast, when
+        :data:`TRAIN_FUSED_QKV` is on and the three are
+        plain linears (:func:`~lmlab.nn.fused.plain_linear`, no global module hooks) with biases
+        on all or none, not under torch.compile. None otherwise (the caller runs the three).
+        Under bf16 autocast the input and the weights are cast once instead of three times, and
+        the input's gradient is one matmul instead of three summed."""
+        if not TRAIN_FUSED_QKV or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return None
+        if not (x.dtype in _LOW_PRECISION or torch.is_autocast_enabled(x.device.type)):
+            return None  # float32 training: no casts to save, and its bits stay the unfused ones
+        mods = [self._modules["q_proj"], self._modules["k_proj"], self._modules["v_proj"]]
+        if not all(plain_linear(m) for m in mods) or _global_hooks():  # type: ignore[arg-type]
+            return None
+        weights = [m._parameters["weight"] for m in mods]  # type: ignore[union-attr]
+        biases = [m._parameters["bias"] for m in mods]  # type: ignore[union-attr]
+        if any(b is None for b in biases) and any(b is not None for b in biases):
+            return None
+        bias = None if biases[0] is None else torch.cat(biases)  # type: ignore[arg-type]
+        return F.linear(x, torch.cat(weights), bias)  # type: ignore[arg-type]
+
+    def joint_rotation(self, position: PositionEncoding) -> bool:
+        """Whether q and k may rotate as one tensor: no q/k/v norms, and a position kind whose
+        rotate is RoPE's (the same angles for every head) or none at all."""
+        norms = (self.q_norm, self.k_norm, self.v_norm)
+        kind = type(position).rotate
+        rotary = kind is RotaryPosition.rotate or kind is PositionEncodingBase.rotate
+        return rotary and all(type(n) is nn.Identity for n in norms)
 
     def attend(
         self,

@@ -112,13 +112,103 @@ def attention_sdpa(
     """The same function through PyTorch's fused kernel; shapes as :func:`attention_math`, except
     that with ``enable_gqa`` k and v may have K heads dividing H (torch >= 2.5).
 
-    Returns (out, None): the fused kernel never materialises the weights.
+    Returns (out, None): the fused kernel never materialises the weights. A causal bf16 CPU
+    call that records gradients (training under bf16 autocast) runs as three batched matmuls
+    instead (:func:`causal_attention_bmm`, where :func:`bmm_causal_applies`): faster there, the
+    same function to bf16 rounding.
     """
+    if is_causal and mask is None and not enable_gqa and bmm_causal_applies(q, k, dropout_p):
+        return causal_attention_bmm(q, k, v, scale), None
     gqa = {"enable_gqa": True} if enable_gqa else {}
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **gqa
     )
     return out, None
+
+
+# The bf16 training path of the sdpa backend on a CPU (attention_sdpa): up to this many tokens,
+# three bf16 batched matmuls and a softmax train faster than the fused CPU kernel, whose bf16
+# backward is slow (`benchmarks/train_step_ab.py --attention`, benchmarks/README.md: 3-14x at
+# T 64 hd 32, 1.0-1.9x at T 256 hd 64, 0.8-1.1x at T 512, 0.5-0.7x at T 1024, 1 thread).
+BMM_CAUSAL_MAX_T = 256
+_CAUSAL_ABOVE: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def bmm_causal_applies(q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> bool:
+    """Whether :func:`attention_sdpa`'s causal call takes :func:`causal_attention_bmm`: a
+    bfloat16 CPU call that records gradients (training: the fused kernel's bf16 backward is the
+    slow part; its forward alone is faster), no dropout, 1 < T = S <= BMM_CAUSAL_MAX_T, not
+    under torch.compile (which fuses attention itself)."""
+    t = q.shape[-2]
+    return (
+        q.dtype == torch.bfloat16
+        and q.device.type == "cpu"
+        and dropout_p == 0.0
+        and 1 < t <= BMM_CAUSAL_MAX_T
+        and k.shape[-2] == t
+        and torch.is_grad_enabled()
+        and (q.requires_grad or k.requires_grad)
+        and not torch.compiler.is_compiling()
+    )
+
+
+def causal_above(t: int, device: torch.device) -> torch.Tensor:
+    """(T, T) bool, True above the diagonal: the keys a causal query may not see (a constant,
+    kept per size and device)."""
+    key = (t, device)
+    above = _CAUSAL_ABOVE.get(key)
+    if above is None:
+        above = _CAUSAL_ABOVE[key] = torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
+    return above
+
+
+class _CausalAttentionBmm(torch.autograd.Function):
+    """The forward and backward of :func:`causal_attention_bmm` written out (no autograd graph
+    of its six ops, no pass that autograd would add over the (B H, T, T) scores): forward
+    S = (q scale) k^T with -inf above the diagonal, P = softmax(S), out = P v; backward
+    dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(P dP)) (softmax's backward), dQ = dS K scale,
+    dK = dS^T (q scale). Saves q scale, k, v and P."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        b, h, t, hd = q.shape
+        qs = torch.empty((b, h, t, hd), dtype=q.dtype, device=q.device)
+        torch.mul(q, scale, out=qs)  # scaled, contiguous: one pass
+        qs = qs.view(b * h, t, hd)
+        k3 = k.reshape(b * h, t, hd)
+        v3 = v.reshape(b * h, t, v.shape[-1])
+        scores = torch.bmm(qs, k3.transpose(1, 2))  # (B H, T, T)
+        scores.masked_fill_(causal_above(t, q.device), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        ctx.save_for_backward(qs, k3, v3, probs)
+        ctx.scale, ctx.shape = scale, (b, h, t, hd, v.shape[-1])
+        return torch.bmm(probs, v3).view(b, h, t, v.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qs, k3, v3, probs = ctx.saved_tensors
+        b, h, t, hd, hdv = ctx.shape
+        g = grad_out.reshape(b * h, t, hdv)
+        dv = torch.bmm(probs.transpose(1, 2), g)
+        dp = torch.bmm(g, v3.transpose(1, 2))
+        ds = torch._softmax_backward_data(dp, probs, -1, probs.dtype)
+        dq = torch.bmm(ds, k3).mul_(ctx.scale)
+        dk = torch.bmm(ds.transpose(1, 2), qs)
+        return dq.view(b, h, t, hd), dk.view(b, h, t, hd), dv.view(b, h, t, hdv), None
+
+
+def causal_attention_bmm(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal softmax(q k^T * scale) v for q, k, v (B, H, T, hd) of one dtype, as three batched
+    matmuls: scores (q * scale) k^T (B H, T, T) in q's dtype (the matmul accumulates in
+    float32), -inf above the diagonal, softmax over keys (computed in float32, stored in q's
+    dtype), then @ v; the backward written out (:class:`_CausalAttentionBmm`). What eager bf16
+    attention computes (the scores rounded to bf16 before the softmax); the fused kernel keeps
+    them in float32, so the two agree to bf16 rounding (tests/unit/test_train_fast_paths.py).
+    Keeps the (B H, T, T) probabilities for backward: B H T^2 elements, hence the size bound
+    :data:`BMM_CAUSAL_MAX_T`. Returns (B, H, T, hd)."""
+    return _CausalAttentionBmm.apply(q, k, v, scale)
 
 
 # torch >= 2.5: scaled_dot_product_attention shares kv heads itself (no repeat_kv copy)

@@ -322,6 +322,55 @@ def apply_rope(
     return torch.cat((x_rot * cos + rotate(x_rot) * sin, x_pass), dim=-1)
 
 
+# Training in bf16/fp16: RoPE through _RotateHalf; False keeps the rolled formula (A/B benchmarks).
+TRAIN_ROTATE_HALF = True
+
+
+def _rope_train_applies(x: torch.Tensor) -> bool:
+    """Whether :meth:`RotaryPosition.rotate_heads` takes :class:`_RotateHalf`: training (x
+    records gradients) in bf16 or fp16 (autocast's q and k), head_dim >= 64 (its in-place
+    products run over hd/2-element pieces: slower than the rolled formula below 32, 1.4-2x
+    faster at 64, bf16, 1 thread), not under torch.compile. A float32 forward keeps the
+    reference bits whether or not it records gradients."""
+    return (
+        TRAIN_ROTATE_HALF
+        and x.shape[-1] >= 64
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and torch.is_grad_enabled()
+        and x.requires_grad
+        and not torch.compiler.is_compiling()
+    )
+
+
+class _RotateHalf(torch.autograd.Function):
+    """x * cos + rotate_half(x) * sin in the half-split layout with sin given sign-folded
+    (``signed`` = [-sin1, sin2]), written out for training: y = x * cos, then each half of y
+    gets the other half of x times its half of ``signed`` added in place (addcmul_): no rolled
+    copy of x (a concatenation of hd/2-element pieces, slow), no autograd graph of five ops.
+    Backward: dx = g * cos, dx1 += g2 * signed2, dx2 += g1 * signed1. Each sum rounds once
+    (addcmul) where the reference rounds the product first: equal to rounding
+    (tests/unit/test_train_fast_paths.py). x (..., T, hd), cos and signed (T, hd) or
+    (B, 1, T, hd)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, signed):
+        h = x.shape[-1] // 2
+        y = x * cos
+        y[..., :h].addcmul_(x[..., h:], signed[..., :h])
+        y[..., h:].addcmul_(x[..., :h], signed[..., h:])
+        ctx.save_for_backward(cos, signed)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, signed = ctx.saved_tensors
+        h = g.shape[-1] // 2
+        dx = g * cos
+        dx[..., :h].addcmul_(g[..., h:], signed[..., h:])
+        dx[..., h:].addcmul_(g[..., :h], signed[..., :h])
+        return dx, None, None
+
+
 @POSITION.register("rope")
 class RotaryPosition(PositionEncoding):
     """Rotary position embedding: q_m . k_n depends on m - n only (Su et al. 2021, RoFormer).
@@ -400,13 +449,21 @@ class RotaryPosition(PositionEncoding):
     def rotate(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin, signed = self._rotation(positions, q.dtype)
+        return self.rotate_heads(q, positions), self.rotate_heads(k, positions)
+
+    def rotate_heads(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x (B, N, T, hd), any number N of q or k heads, rotated to ``positions`` (T,) or
+        (B, T): what :meth:`rotate` does to q and to k (every head turns by the same angles,
+        so q and k concatenated on the head dim rotate as one tensor, the same bits)."""
+        cos, sin, signed = self._rotation(positions, x.dtype)
         r = cos.shape[-1]
-        if signed is not None and q.shape[-1] == r == k.shape[-1]:
+        if signed is not None and x.shape[-1] == r and _rope_train_applies(x):
+            return _RotateHalf.apply(x, cos, signed)
+        if signed is not None and x.shape[-1] == r:
             # rotate_half(x) * sin == roll(x, r/2) * [-sin1, sin2] exactly (a sign flip is
             # exact): 4 ops per tensor instead of 6, the same bits
-            return q * cos + q.roll(r // 2, -1) * signed, k * cos + k.roll(r // 2, -1) * signed
-        return apply_rope(q, cos, sin, self.interleaved), apply_rope(k, cos, sin, self.interleaved)
+            return x * cos + x.roll(r // 2, -1) * signed
+        return apply_rope(x, cos, sin, self.interleaved)
 
     def rotation(
         self, positions: torch.Tensor, dtype: torch.dtype

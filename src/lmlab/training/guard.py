@@ -32,13 +32,19 @@ def clip_gradients(model: nn.Module, max_norm: float) -> tuple[float, str | None
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return 0.0, None
-    total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    grads = [p.grad for p in params if p.grad is not None]
+    # plain CPU tensors: torch's foreach kernels (one call, the same per-tensor norms and the
+    # same products, so the same bits) instead of its per-tensor default there; elsewhere
+    # (CUDA, DTensor shards) torch's own choice
+    cpu = all(type(g) is torch.Tensor and g.device.type == "cpu" for g in grads)
+    foreach = True if cpu else None
+    total = torch.nn.utils.get_total_norm(grads, foreach=foreach)
     full = getattr(total, "full_tensor", None)  # FSDP2: a DTensor reduced over the shards
     norm = float(full() if callable(full) else total)
     if not math.isfinite(norm):
         return norm, first_nonfinite_grad(model)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
     return norm, None
 
 

@@ -1,0 +1,375 @@
+"""One training step, lmlab vs nanoGPT, on the same model and batch, interleaved in one process.
+
+    python benchmarks/train_step_ab.py [--shapes nanogpt,minigpt] [--precisions fp32,bf16]
+        [--rounds 20] [--threads 1] [--config CONFIG]
+
+For each shape and precision it builds, in this one process:
+
+- **nanogpt**: nanoGPT's model and optimizer, imported from the faithful reimplementation in
+  ``benchmarks/time_to_loss.py`` (``NanoGPT``, ``nanogpt_optimizer``): bias-free Pre-LN blocks,
+  fused c_attn, learned positions, tied head; AdamW as nanoGPT builds it on a CPU (torch's default
+  implementation, not fused). Its step is train.py's: ``get_batch``, forward (inside
+  ``torch.autocast(cpu, bfloat16)`` for bf16, nanoGPT's ``ctx``; nothing for fp32, as its README
+  runs a CPU), backward, ``clip_grad_norm_(1.0)``, ``step``, ``zero_grad(set_to_none=True)``.
+- **lmlab**: lmlab's default model (the library's dataclass defaults, or ``--config``: RoPE,
+  biases, GELU MLP, tied head) at that shape, its optimizer and one optimizer step of its own
+  :meth:`lmlab.training.loop.Trainer.train_step` (batch sampling, autocast at
+  ``train.precision``, clipping, the optimizer, the schedule), built by
+  ``time_to_loss.lmlab_session`` as ``lmlab train`` builds a run.
+- **lmlab-ref** (``--reference``): lmlab's default again with its training fast paths off (the
+  q/k/v fusion, the bf16 batched-matmul attention, the bf16 RoPE function; module flags), so
+  ``lmlab fast paths on/off`` is what they gain, measured in the same loop.
+- **plain**: lmlab with nanoGPT's architecture (learned positions, no biases in linears or
+  norms), the same Trainer step: ``lmlab default / plain`` is what lmlab's default architecture
+  costs.
+
+Shapes: ``nanogpt`` = nanoGPT's README CPU shape (4 layers, d 128, 4 heads, ctx 64, batch 12);
+``minigpt`` = the Mini-GPT shape (6 layers, d 256, 4 heads, ctx 256, batch 16). Vocabulary: the
+65 characters of tinyshakespeare on both sides.
+
+Timing: after warm-up steps, ``--rounds`` rounds each take one step of every contender, the order
+rotating every round (A B C, B C A, ...); the figure is the ratio of medians (and of bests) of
+the per-step seconds. Printed per shape (all of a shape's contenders, both precisions, in one
+interleaved loop)::
+
+    step lmlab/nanogpt (minigpt shape, bf16) = N.NNx   (best-of-N: N.NNx)
+    step lmlab bf16/nanogpt fp32 (minigpt shape, default precision) = N.NNx
+    step lmlab default/plain (minigpt shape, bf16) = N.NNx
+
+the first per precision (nanoGPT under the same autocast as lmlab), the second lmlab's default
+precision here (``train.precision: auto`` = bf16 autocast on a CPU with bf16 units) against
+nanoGPT as its README runs on a CPU (float32); ratios of medians, best-of-N beside them.
+
+and each contender's tokens/s and model FLOP/s as a fraction of the matmul peak measured in
+this process at that precision (:func:`lmlab.training.hardware.measure_matmul_peak`, best of the
+measurements taken before and after the steps). The FLOPs are lmlab's count
+(``flops_per_token``: 3 x (2 N + 4 L T d) per token, N the matmul parameters with the head) for
+every contender: the three do the same matmuls. Threads: ``--threads`` (1 by default: the shared
+machines this project runs on; 2 on a quiet 2-core machine for the full-machine figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from contextlib import ExitStack, nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from time_to_loss import NanoConfig, NanoGPT, lmlab_session, nanogpt_optimizer  # noqa: E402
+
+from lmlab.training.hardware import measure_matmul_peak  # noqa: E402
+
+SHAPES = {  # n_layers, d_model, n_heads, ctx, batch
+    "nanogpt": (4, 128, 4, 64, 12),
+    "minigpt": (6, 256, 4, 256, 16),
+}
+PLAIN = [  # nanoGPT's architecture in lmlab's fields
+    "model.position.kind=learned",
+    "model.attention.bias=false",
+    "model.ffn.bias=false",
+    "model.norm.bias=false",
+]
+
+
+def shape_overrides(shape: str, precision: str) -> list[str]:
+    n_layers, d, heads, ctx, batch = SHAPES[shape]
+    return [
+        f"model.n_layers={n_layers}",
+        f"model.d_model={d}",
+        f"model.attention.n_heads={heads}",
+        f"model.max_seq_len={ctx}",
+        "train.seq_len=null",
+        f"train.batch_size={batch}",
+        "train.grad_accum_steps=1",
+        f"train.precision={precision}",
+        "train.compile=false",
+        "train.max_steps=100000",
+        "model.dropout=0.0",
+        "model.attention.dropout=0.0",
+    ]
+
+
+def nanogpt_step(shape: str, precision: str, ids: torch.Tensor) -> Callable[[], None]:
+    """One of nanoGPT's train.py iterations at ``shape`` (get_batch, forward, backward, clip,
+    AdamW step, zero_grad); bf16: the forward under torch.autocast(cpu, bfloat16)."""
+    n_layers, d, heads, ctx, batch = SHAPES[shape]
+    torch.manual_seed(1337)
+    model = NanoGPT(NanoConfig(65, ctx, n_layers, heads, d, False))
+    opt = nanogpt_optimizer(model, 1e-3, 0.1)
+    amp = precision == "bf16"
+
+    def step() -> None:
+        ix = torch.randint(len(ids) - ctx, (batch,))
+        x = torch.stack([ids[i : i + ctx] for i in ix])
+        y = torch.stack([ids[i + 1 : i + 1 + ctx] for i in ix])
+        with torch.autocast("cpu", dtype=torch.bfloat16) if amp else nullcontext():
+            loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="nanogpt,minigpt")
+    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--config", default=None, help="lmlab config (default: the defaults)")
+    ap.add_argument("--no-plain", action="store_true", help="skip lmlab's plain architecture")
+    ap.add_argument(
+        "--reference",
+        action="store_true",
+        help="also lmlab with its training fast paths off (lmlab-ref): what they gain",
+    )
+    ap.add_argument(
+        "--attention", action="store_true", help="only the bf16 attention paths (see attention_ab)"
+    )
+    ap.add_argument(
+        "--profile",
+        metavar="SHAPE,PRECISION",
+        help="only profile 3 lmlab steps (torch.profiler, ops by self CPU time), e.g. minigpt,bf16",
+    )
+    ap.add_argument(
+        "--arch",
+        metavar="SHAPE",
+        help="only lmlab's architecture variants at SHAPE (see arch_ab), e.g. minigpt",
+    )
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.arch:
+        arch_ab(args, args.arch)
+        return
+    if args.profile:
+        profile_steps(args, *args.profile.split(","))
+        return
+    if args.attention:
+        attention_ab(args.rounds)
+        return
+    from time_to_loss import _text
+
+    text = _text()
+    chars = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(chars)}
+    ids = torch.from_numpy(np.array([stoi[c] for c in text[: int(0.9 * len(text))]], np.int64))
+    precisions = args.precisions.split(",")
+    cpu = torch.device("cpu")
+    peaks = {p: measure_matmul_peak(cpu, p, seconds=1.0) for p in precisions}
+    print(f"threads {args.threads}; matmul peak " + ", ".join(
+        f"{p} {peaks[p] / 1e9:.0f} GFLOP/s" for p in precisions), flush=True)  # fmt: skip
+    results = [run_shape(args, shape, precisions, ids) for shape in args.shapes.split(",")]
+    for p in precisions:  # the peak again, after: the best of the two is the denominator
+        peaks[p] = max(peaks[p], measure_matmul_peak(cpu, p, seconds=1.0))
+    print()
+    for shape, times, tokens, flops in results:
+        med = {k: statistics.median(v) for k, v in times.items()}
+        best = {k: min(v) for k, v in times.items()}
+        for (name, p), v in med.items():
+            tok_s = tokens / v
+            mfu = flops * tok_s / peaks[p]
+            print(
+                f"  {name:<10}{p:<5}{shape + ' shape':<14} {1e3 * v:8.1f} ms/step "
+                f"(best {1e3 * best[name, p]:.1f})  {tok_s:9,.0f} tokens/s  "
+                f"MFU {100 * mfu:5.1f}% of the {p} peak"
+            )
+
+        pairs = [
+            (f"lmlab/nanogpt ({shape} shape, {p})", "lmlab", p, "nanogpt", p) for p in precisions
+        ]
+        pairs.append(
+            (
+                f"lmlab bf16/nanogpt fp32 ({shape} shape, default precision)",
+                "lmlab",
+                "bf16",
+                "nanogpt",
+                "fp32",
+            )
+        )
+        pairs += [
+            (f"lmlab default/plain ({shape} shape, {p})", "lmlab", p, "plain", p)
+            for p in precisions
+        ]
+        pairs += [
+            (f"lmlab fast paths on/off ({shape} shape, {p})", "lmlab", p, "lmlab-ref", p)
+            for p in precisions
+        ]
+        for what, a, pa, b, pb in pairs:
+            if (a, pa) in med and (b, pb) in med:
+                r = med[b, pb] / med[a, pa]
+                rb = best[b, pb] / best[a, pa]
+                print(f"step {what} = {r:.2f}x   (best-of-N: {rb:.2f}x)")
+    print(f"matmul peak (best of before/after), FLOP/s: {peaks}")
+
+
+def run_shape(args: argparse.Namespace, shape: str, precisions: list[str], ids: torch.Tensor):
+    """Build every contender at ``shape`` in every precision, time them interleaved; returns
+    (shape, {(name, precision): [seconds per step]}, tokens per step, FLOPs per token)."""
+    from lmlab.training.flops import flops_per_token
+
+    with ExitStack() as stack:
+        steps: dict[tuple[str, str], Callable[[], None]] = {}
+        flops = tokens = 0
+        for p in precisions:
+            over = shape_overrides(shape, p)
+            steps["nanogpt", p] = nanogpt_step(shape, p, ids)
+            lm = stack.enter_context(lmlab_session(args.config, over))
+            steps["lmlab", p] = trainer_step(lm.trainer)
+            if not args.no_plain:
+                plain = stack.enter_context(lmlab_session(args.config, over + PLAIN))
+                steps["plain", p] = trainer_step(plain.trainer)
+            if args.reference:
+                ref = stack.enter_context(lmlab_session(args.config, over))
+                steps["lmlab-ref", p] = trainer_step(ref.trainer, fast_paths=False)
+            tokens = SHAPES[shape][4] * lm.seq_len
+            flops = flops_per_token(lm.model, lm.cfg.model, lm.seq_len, True)
+        for fn in steps.values():
+            for _ in range(args.warmup):
+                fn()
+        names = list(steps)
+        times: dict[tuple[str, str], list[float]] = {k: [] for k in names}
+        for r in range(args.rounds):  # the order rotates each round
+            for k in names[r % len(names) :] + names[: r % len(names)]:
+                t = time.perf_counter()
+                steps[k]()
+                times[k].append(time.perf_counter() - t)
+        med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+        print(
+            f"{shape} shape: " + ", ".join(f"{a} {p} {v:.1f} ms" for (a, p), v in med.items()),
+            flush=True,
+        )
+    return shape, times, tokens, flops
+
+
+ARCH_VARIANTS = {
+    "default": [],
+    "rope-nobias": PLAIN[1:],
+    "learned-bias": PLAIN[:1],
+    "plain": PLAIN,
+}
+
+
+def arch_ab(args: argparse.Namespace, shape: str) -> None:
+    """lmlab's default architecture vs the same without biases, with learned positions instead
+    of RoPE, and with both (plain): Trainer steps at ``shape`` in the first of ``--precisions``,
+    interleaved (rotating order), medians; ratio = variant step time / default's."""
+    precision = args.precisions.split(",")[0]
+    over = shape_overrides(shape, precision)
+    with ExitStack() as stack:
+        steps = {
+            k: trainer_step(stack.enter_context(lmlab_session(args.config, over + v)).trainer)
+            for k, v in ARCH_VARIANTS.items()
+        }
+        for fn in steps.values():
+            for _ in range(args.warmup):
+                fn()
+        names = list(steps)
+        times: dict[str, list[float]] = {k: [] for k in names}
+        for r in range(args.rounds):
+            for k in names[r % len(names) :] + names[: r % len(names)]:
+                start = time.perf_counter()
+                steps[k]()
+                times[k].append(time.perf_counter() - start)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for k in names[1:]:
+        print(
+            f"step lmlab default/{k} ({shape} shape, {precision}) = "
+            f"{med[k] / med['default']:.2f}x   "
+            f"({1e3 * med['default']:.1f} vs {1e3 * med[k]:.1f} ms)"
+        )
+
+
+def profile_steps(args: argparse.Namespace, shape: str, precision: str) -> None:
+    """torch.profiler over 3 of lmlab's Trainer steps (after 3 warm-up steps): every op's count
+    and share of the self CPU time (``--reference``: with the fast paths off)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with lmlab_session(args.config, shape_overrides(shape, precision)) as lm:
+        step = trainer_step(lm.trainer, fast_paths=not args.reference)
+        for _ in range(3):
+            step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+
+
+ATTENTION_SHAPES = [(12, 4, 64, 32), (16, 4, 256, 64), (4, 4, 512, 64), (2, 4, 1024, 64)]
+
+
+def attention_ab(rounds: int) -> None:
+    """Causal attention forward + backward in bf16, (B, H, T, hd) as in ATTENTION_SHAPES (the
+    nanoGPT and Mini-GPT shapes, then longer contexts): torch's fused CPU kernel
+    (F.scaled_dot_product_attention, is_causal) vs lmlab's batched-matmul path
+    (lmlab.nn.attention_core.causal_attention_bmm, what the sdpa backend runs for bf16 training
+    up to BMM_CAUSAL_MAX_T tokens), q/k/v strided views of one projection output as in a model;
+    interleaved, ratio of medians."""
+    import torch.nn.functional as F
+
+    from lmlab.nn.attention_core import BMM_CAUSAL_MAX_T, causal_attention_bmm
+
+    for b, h, t, hd in ATTENTION_SHAPES:
+        torch.manual_seed(0)
+        qkv = torch.randn(b, t, 3 * h, hd, dtype=torch.bfloat16)
+        q, k, v = (
+            qkv[:, :, i * h : (i + 1) * h].transpose(1, 2).requires_grad_() for i in range(3)
+        )
+        g = torch.randn(b, h, t, hd, dtype=torch.bfloat16)
+        fns = {
+            "sdpa": functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=True),
+            "bmm": functools.partial(causal_attention_bmm, q, k, v, hd**-0.5),
+        }
+        times: dict[str, list[float]] = {n: [] for n in fns}
+        for r in range(rounds + 1):
+            for n, fn in list(fns.items()) if r % 2 else list(fns.items())[::-1]:
+                start = time.perf_counter()
+                fn().backward(g)
+                if r:  # the first round warms up
+                    times[n].append(time.perf_counter() - start)
+        med = {n: statistics.median(v) for n, v in times.items()}
+        used = "bmm" if t <= BMM_CAUSAL_MAX_T else "sdpa"
+        print(
+            f"attention fwd+bwd bmm/sdpa (B {b}, H {h}, T {t}, hd {hd}, bf16) = "
+            f"{med['sdpa'] / med['bmm']:.2f}x   (sdpa {1e3 * med['sdpa']:.1f} ms, bmm "
+            f"{1e3 * med['bmm']:.1f} ms; training takes {used})"
+        )
+
+
+def trainer_step(trainer, fast_paths: bool = True) -> Callable[[], None]:
+    """One ``Trainer.train_step`` per call, at the next step number; ``fast_paths`` False runs
+    it with the training fast paths switched off (the q/k/v fusion, the bf16 batched-matmul
+    attention, the bf16 RoPE function): the reference path they replace."""
+    import lmlab.nn.attention as attention
+    import lmlab.nn.attention_core as core
+    import lmlab.nn.position as position
+
+    count = [0]
+
+    def step() -> None:
+        saved = attention.TRAIN_FUSED_QKV, core.BMM_CAUSAL_MAX_T, position.TRAIN_ROTATE_HALF
+        if not fast_paths:
+            attention.TRAIN_FUSED_QKV, core.BMM_CAUSAL_MAX_T = False, 0
+            position.TRAIN_ROTATE_HALF = False
+        try:
+            trainer.train_step(count[0])
+        finally:
+            attention.TRAIN_FUSED_QKV, core.BMM_CAUSAL_MAX_T = saved[:2]
+            position.TRAIN_ROTATE_HALF = saved[2]
+        count[0] += 1
+
+    return step
+
+
+if __name__ == "__main__":
+    main()
