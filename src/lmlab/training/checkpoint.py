@@ -115,7 +115,8 @@ def _state_keys(optimizer: torch.optim.Optimizer) -> list[tuple[str, tuple[str, 
     out: list[tuple[str, tuple[str, ...] | None]] = []
     for part in getattr(optimizer, "optimizers", (optimizer,)):
         n = sum(len(g["params"]) for g in part.param_groups)
-        out += [(type(part).__name__, _known_state_keys(part))] * n
+        name = "Muon" if isinstance(part, torch.optim.Muon) else type(part).__name__
+        out += [(name, _known_state_keys(part))] * n
     return out
 
 

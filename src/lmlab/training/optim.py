@@ -69,8 +69,91 @@ def muon_param_names(model: nn.Module) -> list[str]:
     return names
 
 
+class GroupedMuon(torch.optim.Muon):
+    """``torch.optim.Muon``'s update with the matrices of one shape orthogonalised together.
+
+    torch steps Muon one matrix at a time (about 30 small kernels per matrix per step); this
+    stacks every matrix of a shape (R, C) into one (N, R, C) batch and runs the same bfloat16
+    Newton-Schulz iteration on it with batched matmuls (``baddbmm``), then applies the same
+    parameter update, so a step costs a few dozen kernels whatever the depth. Per matrix it
+    computes what torch's ``_single_tensor_muon`` does: the momentum buffer
+    B <- B + (1 - mu)(g - B) (float32, the parameter's dtype), the Nesterov input
+    u = g + mu (B - g), X = u / max(||u||_F, eps) in bfloat16 (transposed when tall, R > C),
+    ``ns_steps`` times X <- a X + (b A + c A^2) X with A = X X^T, then
+    p <- p (1 - lr weight_decay) - lr adj X with adj = sqrt(max(1, R / C)) ("original") or
+    0.2 sqrt(max(R, C)) ("match_rms_adamw"). The state (``momentum_buffer`` per parameter) and
+    the state dict are torch's. Outputs equal torch's within bfloat16 rounding (batched and
+    single matmuls may sum in another order: tests/unit/test_muon_wsd.py). Dense, real 2-D
+    parameters only (torch.optim.Muon's own rule); ``maximize`` and a tensor lr are not
+    supported."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            lr, wd, mu = float(group["lr"]), group["weight_decay"], group["momentum"]
+            grads = [p.grad for p in params]
+            if any(g.ndim != 2 or g.is_sparse or g.is_complex() for g in grads):
+                raise ValueError("Muon updates dense, real 2-D parameters only")
+            bufs = []
+            for p, g in zip(params, grads, strict=True):
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(
+                        g, memory_format=torch.preserve_format
+                    )
+                bufs.append(state["momentum_buffer"])
+            torch._foreach_lerp_(bufs, grads, 1 - mu)
+            updates = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
+            by_shape: dict[tuple[int, int], list[int]] = {}
+            for i, p in enumerate(params):
+                by_shape.setdefault((p.shape[0], p.shape[1]), []).append(i)
+            for (rows, cols), idx in by_shape.items():
+                ortho = _newton_schulz_batched(
+                    torch.stack([updates[i] for i in idx]),
+                    group["ns_coefficients"],
+                    group["ns_steps"],
+                    group["eps"],
+                )
+                adjust = group["adjust_lr_fn"]
+                if adjust == "match_rms_adamw":
+                    ratio = 0.2 * math.sqrt(max(rows, cols))
+                elif adjust is None or adjust == "original":
+                    ratio = math.sqrt(max(1.0, rows / cols))
+                else:
+                    ratio = 1.0
+                group_params = [params[i] for i in idx]
+                torch._foreach_mul_(group_params, 1 - lr * wd)
+                steps = ortho.to(group_params[0].dtype).unbind(0)
+                torch._foreach_add_(group_params, steps, alpha=-lr * ratio)
+        return loss
+
+
+def _newton_schulz_batched(
+    u: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+) -> torch.Tensor:
+    """(N, R, C) -> (N, R, C) bfloat16: each matrix through torch.optim.Muon's quintic
+    Newton-Schulz iteration (Jordan et al. 2024), batched."""
+    a, b, c = coefficients
+    x = u.bfloat16()
+    tall = x.shape[1] > x.shape[2]
+    if tall:
+        x = x.mT
+    x = x / x.norm(dim=(1, 2), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.mT  # (N, r, r), r = min(R, C)
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
+
+
 class MuonWithAdamW(torch.optim.Optimizer):
-    """Muon (``torch.optim.Muon``) over :func:`muon_param_names`, AdamW over the rest, stepped
+    """Muon (:class:`GroupedMuon`) over :func:`muon_param_names`, AdamW over the rest, stepped
     together as one optimizer.
 
     ``param_groups`` is Muon's group followed by AdamW's two (the same dicts the two hold, so
@@ -149,7 +232,8 @@ def _adamw(groups: list[dict[str, Any]], cfg: TrainConfig) -> torch.optim.AdamW:
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """``train.optimizer``: adamw = AdamW (Loshchilov & Hutter 2019) over :func:`param_groups`,
     the fused kernel when the parameters' device supports it; muon = :class:`MuonWithAdamW`
-    (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/): Muon at
+    (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/): Muon (torch.optim.Muon's
+    update, batched by shape: :class:`GroupedMuon`) at
     ``train.muon_lr`` with momentum ``train.muon_momentum`` (Nesterov), 5 Newton-Schulz steps,
     torch's "original" lr adjustment sqrt(max(1, rows / cols)) and decoupled weight decay
     ``train.muon_weight_decay`` (the parameter x (1 - lr x decay) each step), over
@@ -160,7 +244,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
         return _adamw(param_groups(model, cfg.weight_decay), cfg)
     params = dict(model.named_parameters())
     hidden = [params[n] for n in muon_param_names(model)]
-    muon = torch.optim.Muon(
+    muon = GroupedMuon(
         [{"params": hidden, "base_lr": cfg.muon_lr}],
         lr=cfg.muon_lr,
         weight_decay=cfg.muon_weight_decay,
