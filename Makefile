@@ -40,8 +40,10 @@ browser:
 	else echo "note: chromium or a CJK font is missing and apt-get cannot run (not root):" \
 	  "the tests needing them skip"; fi
 
+# The default run is the tuned recipe in configs/minigpt.yaml (a bare `lmlab train` trains the
+# library's defaults: the tutorial Mini-GPT with AdamW and tied embeddings).
 run: setup
-	$(BIN)/lmlab train --out $(RUN)
+	$(BIN)/lmlab train --config configs/minigpt.yaml --out $(RUN)
 	$(BIN)/lmlab generate $(RUN) --prompt "ROMEO:" --max-new-tokens 300 --seed 1
 
 lint: setup

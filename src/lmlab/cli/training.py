@@ -18,7 +18,8 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config",
         help="YAML config (sections model, data, train); default: the "
-        "built-in Mini-GPT (same as configs/minigpt.yaml)",
+        "built-in tutorial Mini-GPT (AdamW, tied embeddings); configs/minigpt.yaml is the same "
+        "model with the tuned recipe `make run` trains",
     )
     p.add_argument(
         "--data",
