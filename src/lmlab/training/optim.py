@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lmlab.config import TrainConfig
+from lmlab.training.hardware import has_fast_bf16
 
 OPTIMIZERS = ("adamw", "muon")  # train.optimizer
 SCHEDULES = ("cosine", "wsd")  # train.schedule
@@ -85,7 +86,19 @@ class GroupedMuon(torch.optim.Muon):
     the state dict are torch's. Outputs equal torch's within bfloat16 rounding (batched and
     single matmuls may sum in another order: tests/unit/test_muon_wsd.py). Dense, real 2-D
     parameters only (torch.optim.Muon's own rule); ``maximize`` and a tensor lr are not
-    supported."""
+    supported.
+
+    ``ns_dtype`` is the dtype of the Newton-Schulz iteration: bfloat16 (torch's choice, and
+    the default) where bf16 matmuls are fast; float32 on a CPU without bf16 units, where
+    bfloat16 matmuls are emulated and one Newton-Schulz step of a Mini-GPT cost seconds
+    (:func:`build_optimizer` chooses by :func:`lmlab.training.hardware.has_fast_bf16`). The
+    same iteration in either dtype; float32 only rounds less."""
+
+    def __init__(self, params: Any, *, ns_dtype: torch.dtype = torch.bfloat16, **kw: Any) -> None:
+        if ns_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"ns_dtype must be bfloat16 or float32, not {ns_dtype}")
+        super().__init__(params, **kw)
+        self.ns_dtype = ns_dtype
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -120,6 +133,7 @@ class GroupedMuon(torch.optim.Muon):
                     group["ns_coefficients"],
                     group["ns_steps"],
                     group["eps"],
+                    self.ns_dtype,
                 )
                 adjust = group["adjust_lr_fn"]
                 if adjust == "match_rms_adamw":
@@ -136,12 +150,16 @@ class GroupedMuon(torch.optim.Muon):
 
 
 def _newton_schulz_batched(
-    u: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+    u: torch.Tensor,
+    coefficients: tuple[float, float, float],
+    steps: int,
+    eps: float,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """(N, R, C) -> (N, R, C) bfloat16: each matrix through torch.optim.Muon's quintic
+    """(N, R, C) -> (N, R, C) in ``dtype``: each matrix through torch.optim.Muon's quintic
     Newton-Schulz iteration (Jordan et al. 2024), batched."""
     a, b, c = coefficients
-    x = u.bfloat16()
+    x = u.to(dtype)
     tall = x.shape[1] > x.shape[2]
     if tall:
         x = x.mT
@@ -235,6 +253,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/): Muon (torch.optim.Muon's
     update, batched by shape: :class:`GroupedMuon`) at
     ``train.muon_lr`` with momentum ``train.muon_momentum`` (Nesterov), 5 Newton-Schulz steps,
+    the Newton-Schulz iteration in bfloat16 where the device has fast bf16 (else float32),
     torch's "original" lr adjustment sqrt(max(1, rows / cols)) and decoupled weight decay
     ``train.muon_weight_decay`` (the parameter x (1 - lr x decay) each step), over
     :func:`muon_param_names`; AdamW as above over the rest. The defaults (lr 0.02, decay 0.01,
@@ -244,8 +263,10 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
         return _adamw(param_groups(model, cfg.weight_decay), cfg)
     params = dict(model.named_parameters())
     hidden = [params[n] for n in muon_param_names(model)]
+    fast_bf16 = not hidden or has_fast_bf16(hidden[0].device)
     muon = GroupedMuon(
         [{"params": hidden, "base_lr": cfg.muon_lr}],
+        ns_dtype=torch.bfloat16 if fast_bf16 else torch.float32,
         lr=cfg.muon_lr,
         weight_decay=cfg.muon_weight_decay,
         momentum=cfg.muon_momentum,
