@@ -20,7 +20,7 @@ PRESET = ROOT / "configs" / "minigpt.yaml"
 RECIPE = {
     "model.tie_embeddings": False,
     "train.optimizer": "muon",
-    "train.muon_lr": 0.03,
+    "train.muon_lr": 0.02,
     "train.lr": 3e-3,
     "train.schedule": "wsd",
     "train.decay_fraction": 0.3,
