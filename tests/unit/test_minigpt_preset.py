@@ -20,7 +20,6 @@ PRESET = ROOT / "configs" / "minigpt.yaml"
 RECIPE = {
     "model.tie_embeddings": False,
     "train.optimizer": "muon",
-    "train.muon_lr": 0.03,
     "train.lr": 3e-3,
     "train.schedule": "wsd",
     "train.decay_fraction": 0.3,
@@ -40,6 +39,7 @@ def test_preset_is_the_default_model_and_data_with_the_recipe_fields_only():
     preset, defaults = load_config(PRESET), load_config(None)
     assert diff_configs(defaults, preset) == sorted(RECIPE)
     assert {k: _get(preset, k) for k in RECIPE} == RECIPE
+    assert preset.train.muon_lr == 0.02  # measured best of 0.02 / 0.03 / 0.05 (the default)
     # the library defaults stay the tutorial Mini-GPT
     assert defaults.model.tie_embeddings is True
     assert (defaults.train.optimizer, defaults.train.schedule) == ("adamw", "cosine")
