@@ -25,10 +25,10 @@ product, 3 with relu), the attention scores and probabilities where they are mat
 per row, except H T, the bf16 probabilities, where bf16 training on a CPU takes its batched-matmul
 path, T <= 256: ``_bmm_causal_elements``; linear attention's parallel form keeps its
 similarities, their normalised weights and the feature maps phi(q), phi(k): 2 H T + (H + K) hd),
-and the float32 router logits of an MoE layer (4 E); then the final norm's input and output ((4 +
-a) D) and the logits with their float32 log-probabilities and gradient at the start of backward ((a
-+ 8) V). This is the count of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-Transformer Models", sec. 4.1) for lmlab's components;
+and the float32 router logits of an MoE layer (4 E); then the final norm's input and output
+((4 + a) D) and the logits with their float32 log-probabilities and gradient at the start of
+backward ((a + 8) V). This is the count of Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", sec. 4.1) for lmlab's components;
 tests/unit/test_memory.py checks it against the tensors autograd actually saves.
 
 Measured on CPU (the default Mini-GPT: batch 16 and 64, fp32 and bf16, sdpa and math), the
@@ -139,6 +139,7 @@ def _bmm_causal_elements(model: torch.nn.Module, t: Any, seq: int, a: int) -> in
     torch >= 2.5) and 1 < T <= ``BMM_CAUSAL_MAX_T``; an encoder's or cross-attention's modules
     never take it. 0 when the run would not take it."""
     from lmlab.nn import attention_core as core
+    from lmlab.nn.attention import Attention
     from lmlab.nn.masks import causal_mask
     from lmlab.nn.position import PositionEncoding
     from lmlab.training.hardware import resolve_device
@@ -160,7 +161,8 @@ def _bmm_causal_elements(model: torch.nn.Module, t: Any, seq: int, a: int) -> in
     total = 0
     for mod in model.modules():
         if (
-            getattr(mod, "backend_fn", None) is core.attention_sdpa
+            isinstance(mod, Attention)
+            and getattr(mod, "backend_fn", None) is core.attention_sdpa
             and getattr(mod, "mask_fn", None) is causal_mask
             and getattr(mod, "dropout", 1.0) == 0.0
             and not (core.SDPA_GQA and mod.n_heads != mod.n_kv_heads)
