@@ -98,6 +98,29 @@ def test_zero_init_blocks_start_as_the_identity_and_their_projections_still_lear
         assert layer.ffn.down_proj.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("kind", ["post", "hybrid"])
+def test_zero_init_norm_after_the_add_blocks_start_as_their_norms_not_the_identity(kind) -> None:
+    """A block that normalises after the residual add (post: norm(x + attn), norm(x + ffn);
+    hybrid: x + attn, then norm(x + ffn)) starts as its norms of the input, not the identity:
+    what the docs say (they said every block started as the identity)."""
+    torch.manual_seed(0)
+    cfg = tiny_model_config(vocab_size=37, init_zero_residual=True, block={"kind": kind})
+    model = build_model(cfg)
+    with torch.no_grad():  # norms away from (1, 0), so norm(x) differs from x for sure
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+    out = model(torch.randint(0, 37, (2, 7)), output_hidden_states=True)
+    x, h1 = out.hidden_states[0], out.hidden_states[1]
+    layer = model.layers[0]
+    want = layer.ffn_norm(layer.attn_norm(x)) if kind == "post" else layer.ffn_norm(x)
+    torch.testing.assert_close(h1, want, rtol=0, atol=0)
+    assert not torch.equal(h1, x)
+    from lmlab.models.init import INIT
+
+    assert "pre-norm block" in INIT.notes and "post-norm" in INIT.notes
+
+
 def test_zero_init_zeroes_an_encoders_projections_too() -> None:
     torch.manual_seed(0)
     model = build_model(encoder_config(vocab_size=40, init_zero_residual=True))
