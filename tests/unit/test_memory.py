@@ -116,6 +116,40 @@ def test_the_bf16_batched_matmul_attention_counts_its_probabilities():
     assert (est - 2 * 2 * 4 * 128 * 128 * 2) / saved < 0.85  # the old count fell short
 
 
+@pytest.mark.parametrize(
+    "model",
+    [{"attention": {"n_heads": 4, "kind": k}} for k in sorted(ATTENTION)]
+    + [{"kind": "encoder_decoder"}, {"position": {"kind": "alibi"}}],
+    ids=[*sorted(ATTENTION), "encoder_decoder", "alibi"],
+)
+def test_the_bmm_count_is_what_a_bf16_training_forward_calls(model, monkeypatch):
+    """Every attention kind: the elements _bmm_causal_elements counts are the H T of each call
+    of the bf16 batched-matmul attention in a real training forward (none for the kinds that
+    compute their attention otherwise: counting them would refuse runs that fit)."""
+    import lmlab.nn.attention_core as core
+
+    calls: list[int] = []
+    apply = core._CausalAttentionBmm.apply
+
+    def spy(q, k, v, scale):
+        calls.append(q.shape[1] * q.shape[2])  # H T per query token
+        return apply(q, k, v, scale)
+
+    monkeypatch.setattr(core._CausalAttentionBmm, "apply", spy)
+    cfg = tiny_config(
+        model={"max_seq_len": 32, **model},
+        train={"batch_size": 2, "precision": "bf16", "device": "cpu"},
+    )
+    cfg.model.vocab_size = 50
+    torch.manual_seed(0)
+    net = build_model(cfg.model).train()
+    ids = torch.randint(0, 50, (2, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        net(ids, decoder_input_ids=ids) if cfg.model.kind == "encoder_decoder" else net(ids)
+    counted = memory._bmm_causal_elements(build_model_meta(cfg), cfg.train, 32, 2)
+    assert counted == sum(calls)
+
+
 def build_model_meta(cfg):
     from lmlab.models.counting import meta_model
 

@@ -136,11 +136,14 @@ def _bmm_causal_elements(model: torch.nn.Module, t: Any, seq: int, a: int) -> in
     :func:`~lmlab.nn.attention_core.bmm_causal_applies`) under bf16 on a CPU without
     ``train.compile``, for the ``sdpa`` backend with no attention dropout, a plain causal mask,
     no score bias from the position encoding, no kv-head sharing by the kernel (GQA on
-    torch >= 2.5) and 1 < T <= ``BMM_CAUSAL_MAX_T``; an encoder's or cross-attention's modules
-    never take it. 0 when the run would not take it."""
+    torch >= 2.5) and 1 < T <= ``BMM_CAUSAL_MAX_T``, in the self-attention of the kinds softmax,
+    differential and mla (tests/unit/test_memory.py counts the calls of every kind). 0 when
+    the run would not take it."""
     from lmlab.nn import attention_core as core
-    from lmlab.nn.attention import Attention
+    from lmlab.nn.attention import SoftmaxAttention
+    from lmlab.nn.differential import DifferentialAttention
     from lmlab.nn.masks import causal_mask
+    from lmlab.nn.mla import MultiHeadLatentAttention
     from lmlab.nn.position import PositionEncoding
     from lmlab.training.hardware import resolve_device
 
@@ -161,7 +164,11 @@ def _bmm_causal_elements(model: torch.nn.Module, t: Any, seq: int, a: int) -> in
     total = 0
     for mod in model.modules():
         if (
-            isinstance(mod, Attention)
+            # the kinds whose training forward reaches attend's causal fast path (sink, sigmoid,
+            # MoBA, NSA, linear and cross-attention compute theirs otherwise): a test spies on
+            # the calls of every registered kind
+            isinstance(mod, (SoftmaxAttention, DifferentialAttention, MultiHeadLatentAttention))
+            and type(mod) in (SoftmaxAttention, DifferentialAttention, MultiHeadLatentAttention)
             and getattr(mod, "backend_fn", None) is core.attention_sdpa
             and getattr(mod, "mask_fn", None) is causal_mask
             and getattr(mod, "dropout", 1.0) == 0.0
