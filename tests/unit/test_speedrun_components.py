@@ -131,3 +131,27 @@ def test_zero_init_zeroes_an_encoders_projections_too() -> None:
 def test_zero_init_needs_the_skip_connections() -> None:
     with pytest.raises(ConfigError, match="model.init_zero_residual needs model.block.residual"):
         tiny_config(model={"init_zero_residual": True, "block": {"residual": False}})
+
+
+def test_verify_checks_a_zero_init_config_with_its_blocks_working() -> None:
+    """lmlab verify builds random models from the config: under init_zero_residual every block
+    was the identity, so causality and the KV cache passed whatever attention computed. Its
+    model now has random residual projections (the scheme's, as without the flag)."""
+    from lmlab.analysis import verify
+
+    cfg = tiny_model_config(vocab_size=37, init_zero_residual=True)
+    model = verify._model(cfg)
+    torch.manual_seed(0)
+    plain = build_model(tiny_model_config(vocab_size=37)).eval()
+    for layer, ref in zip(model.layers, plain.layers, strict=True):
+        assert layer.attn.o_proj.weight.abs().sum() > 0
+        assert torch.equal(layer.attn.o_proj.weight, ref.attn.o_proj.weight)
+    # a block that attends to the future is caught (with zeroed projections it was not)
+    bad = verify._model(cfg)
+    for layer in bad.layers:
+        layer.attn.mask_fn = None  # every query sees every key
+    ids = torch.randint(0, 37, (1, 8))
+    later = ids.clone()
+    later[0, 5:] = (later[0, 5:] + 1) % 37
+    with torch.no_grad():
+        assert not torch.equal(bad(ids).logits[0, :5], bad(later).logits[0, :5])
