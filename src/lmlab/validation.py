@@ -266,13 +266,21 @@ def _optimizer_rules(t: TrainConfig) -> None:
         (("decay_fraction", "decay_shape"), "schedule", "wsd"),
     ):
         chosen = getattr(t, selector)
-        for name in fields:
-            value = getattr(t, name)
-            if chosen != owner and value != default_of(t, name):
-                raise ConfigError(
-                    f"train.{name} applies to {selector}={owner} only, not {chosen} "
-                    f"({name}={_yaml(value)} has no effect with train.{selector}={chosen})"
-                )
+        if chosen == owner:
+            continue
+        off = [n for n in fields if getattr(t, n) != default_of(t, n)]
+        if off:
+            # every such field at once, and how to switch (a preset such as configs/minigpt.yaml
+            # sets them: overriding only train.optimizer would otherwise fail field by field)
+            name, value = off[0], getattr(t, off[0])
+            others = "".join(f", train.{n}={_yaml(getattr(t, n))}" for n in off[1:])
+            resets = " ".join(f"--set train.{n}={_yaml(default_of(t, n))}" for n in off)
+            raise ConfigError(
+                f"train.{name} applies to {selector}={owner} only, not {chosen} "
+                f"({name}={_yaml(value)}{others} has no effect with train.{selector}={chosen}); "
+                f"drop {'them' if others else 'it'} from the config or set "
+                f"{'them' if others else 'it'} back to the default: {resets}"
+            )
     if t.optimizer == "muon" and t.parallel == "fsdp":
         raise ConfigError(
             "train.optimizer=muon does not run with train.parallel=fsdp: Muon orthogonalises each "

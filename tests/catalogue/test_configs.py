@@ -247,3 +247,42 @@ def test_a_bad_set_value_is_named_as_the_set_not_the_file(capsys, tmp_path):
     )
     line = assert_one_error(code, err, "model.d_model (33)")
     assert str(config) not in line
+
+
+# presets that set an optimizer's or schedule's own fields, overridden by --set
+
+
+@pytest.mark.parametrize(
+    ("preset", "override", "fields"),
+    [
+        ("minigpt", "train.optimizer=adamw", ["muon_lr"]),
+        ("minigpt", "train.schedule=cosine", ["decay_fraction"]),
+    ],
+)
+def test_switching_the_default_runs_optimizer_or_schedule_names_every_field_and_the_reset(
+    preset, override, fields, tmp_path: Path, capsys
+):
+    """configs/minigpt.yaml (the default run) sets Muon's lr and WSD's decay fraction off
+    their defaults; a --set that switches the optimizer or schedule leaves them set: one error
+    naming them and the --set flags that reset them; with those flags the config passes."""
+    from lmlab.config import load_config
+    from lmlab.validation import validate_run_config
+
+    config = str(Path(__file__).parents[2] / "configs" / f"{preset}.yaml")
+    code, _, err = run_cli(
+        capsys,
+        "train",
+        "--config",
+        config,
+        "--set",
+        override,
+        "--max-steps",
+        "1",
+        "--out",
+        tmp_path / "r",
+    )
+    assert_one_error(code, err, *(f"train.{f}" for f in fields), "back to the default: --set")
+    assert not (tmp_path / "r").exists()
+    resets = err.split("back to the default: ")[1].split()
+    assert resets[0::2] == ["--set"] * len(resets[1::2])
+    validate_run_config(load_config(config, [override, *resets[1::2]]))  # now accepted

@@ -375,7 +375,14 @@ def test_optimizer_state_that_lost_a_whole_parameter_is_refused(run, capsys):
     refused(capsys, run, "train", f"optimizer state {path}", "lacks the state of final_norm.weight")
 
 
-def test_optimizer_state_with_a_malformed_parameter_list_is_refused(run, capsys):
+@pytest.mark.parametrize(
+    "listed",
+    ["{oops", '{"a": 1}', "[1, 2]", "[" * 5000 + "]" * 5000],
+    ids=["not-json", "object", "numbers", "nested-5000"],
+)
+def test_optimizer_state_with_a_malformed_parameter_list_is_refused(run, capsys, listed):
+    """The header's list of parameters with state: not JSON, not a list of names, or nested
+    5000 deep (json.loads raised RecursionError: 'error: unexpected RecursionError')."""
     path = run / OPTIMIZER
-    save_file(load_file(str(path)), str(path), metadata={"lmlab.params_with_state": "{oops"})
+    save_file(load_file(str(path)), str(path), metadata={"lmlab.params_with_state": listed})
     refused(capsys, run, "train", f"optimizer state {path}", "malformed lmlab.params_with_state")

@@ -70,8 +70,90 @@ def test_the_estimate_by_hand_for_the_tiny_config():
     cfg.train.precision = "bf16"  # 2-byte activations (norm inputs stay fp32), weight copies
     bf16 = estimate_training_memory(cfg)
     assert bf16.autocast == 2 * p
-    layer = 8 * 32 + 2 * (2 * 32 + 20 * 8 + 2 * 128)
+    # bf16 on a CPU, T 32: causal attention as batched matmuls keeps its probabilities, H T
+    layer = 8 * 32 + 2 * (2 * 32 + 20 * 8 + 2 * 128 + 4 * 32)
     assert bf16.activations == tokens * (2 * layer + 6 * 32 + 10 * 65)
+
+
+def test_the_bf16_batched_matmul_attention_counts_its_probabilities():
+    # causal_attention_bmm (bf16 on a CPU, sdpa, T <= 256) keeps the (B H, T, T) bf16
+    # probabilities for backward; saved_score_elements says 0 for sdpa, whose fused kernel
+    # keeps none. B 4, T 32, L 2, H 4: 4 * 4 * 32 * 32 elements per layer at 2 bytes.
+    cfg = cfg_with()
+    cfg.train.precision, cfg.train.device = "bf16", "cpu"
+    with_bmm = estimate_training_memory(cfg).activations
+    probs = 2 * (4 * 4 * 32 * 32) * 2
+    cfg.train.compile = True  # torch.compile fuses attention itself: the fused kernel's count
+    assert with_bmm - estimate_training_memory(cfg).activations == probs
+    cfg.train.compile = False
+    for field, value in (("dropout", 0.1), ("n_kv_heads", 2), ("backend", "math")):
+        other = cfg_with(attention={"n_heads": 4, field: value})
+        other.train.precision, other.train.device = "bf16", "cpu"
+        # dropout, GQA in the kernel, math (its own 2 H T): not this path
+        bmm = memory._bmm_causal_elements(build_model_meta(other), other.train, 32, 2)
+        from lmlab.nn.attention_core import SDPA_GQA
+
+        # GQA: the kernel shares kv heads on torch >= 2.5 (no bmm path); before, k and v are
+        # repeated to H heads and the path applies
+        shared = field == "n_kv_heads" and not SDPA_GQA
+        assert bmm == (2 * 4 * 32 if shared else 0), field
+    alibi = cfg_with(position={"kind": "alibi"})
+    alibi.train.precision = "bf16"
+    assert memory._bmm_causal_elements(build_model_meta(alibi), alibi.train, 32, 2) == 0
+    assert memory._bmm_causal_elements(build_model_meta(cfg), cfg.train, 32, 2) == 2 * 4 * 32
+    assert memory._bmm_causal_elements(build_model_meta(cfg), cfg.train, 257, 2) == 0
+    assert memory._bmm_causal_elements(build_model_meta(cfg), cfg.train, 32, 4) == 0  # fp32
+    # what autograd saves: at T 128 with d_model 32 the probabilities are most of a layer's
+    # activations; without counting them the estimate was about half the saved bytes
+    big = tiny_config(
+        model={"d_model": 32, "n_layers": 2, "max_seq_len": 128, "attention": {"n_heads": 4}},
+        train={"batch_size": 2, "precision": "bf16", "device": "cpu"},
+    )
+    big.model.vocab_size = 65
+    est = estimate_training_memory(big).activations
+    saved = saved_activation_bytes(big)
+    assert 0.85 < est / saved < 1.15, est / saved
+    assert (est - 2 * 2 * 4 * 128 * 128 * 2) / saved < 0.85  # the old count fell short
+
+
+@pytest.mark.parametrize(
+    "model",
+    [{"attention": {"n_heads": 4, "kind": k}} for k in sorted(ATTENTION)]
+    + [{"kind": "encoder_decoder"}, {"position": {"kind": "alibi"}}],
+    ids=[*sorted(ATTENTION), "encoder_decoder", "alibi"],
+)
+def test_the_bmm_count_is_what_a_bf16_training_forward_calls(model, monkeypatch):
+    """Every attention kind: the elements _bmm_causal_elements counts are the H T of each call
+    of the bf16 batched-matmul attention in a real training forward (none for the kinds that
+    compute their attention otherwise: counting them would refuse runs that fit)."""
+    import lmlab.nn.attention_core as core
+
+    calls: list[int] = []
+    apply = core._CausalAttentionBmm.apply
+
+    def spy(q, k, v, scale):
+        calls.append(q.shape[1] * q.shape[2])  # H T per query token
+        return apply(q, k, v, scale)
+
+    monkeypatch.setattr(core._CausalAttentionBmm, "apply", spy)
+    cfg = tiny_config(
+        model={"max_seq_len": 32, **model},
+        train={"batch_size": 2, "precision": "bf16", "device": "cpu"},
+    )
+    cfg.model.vocab_size = 50
+    torch.manual_seed(0)
+    net = build_model(cfg.model).train()
+    ids = torch.randint(0, 50, (2, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        net(ids, decoder_input_ids=ids) if cfg.model.kind == "encoder_decoder" else net(ids)
+    counted = memory._bmm_causal_elements(build_model_meta(cfg), cfg.train, 32, 2)
+    assert counted == sum(calls)
+
+
+def build_model_meta(cfg):
+    from lmlab.models.counting import meta_model
+
+    return meta_model(cfg.model)
 
 
 def saved_activation_bytes(cfg) -> int:

@@ -98,6 +98,29 @@ def test_zero_init_blocks_start_as_the_identity_and_their_projections_still_lear
         assert layer.ffn.down_proj.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("kind", ["post", "hybrid"])
+def test_zero_init_norm_after_the_add_blocks_start_as_their_norms_not_the_identity(kind) -> None:
+    """A block that normalises after the residual add (post: norm(x + attn), norm(x + ffn);
+    hybrid: x + attn, then norm(x + ffn)) starts as its norms of the input, not the identity:
+    what the docs say (they said every block started as the identity)."""
+    torch.manual_seed(0)
+    cfg = tiny_model_config(vocab_size=37, init_zero_residual=True, block={"kind": kind})
+    model = build_model(cfg)
+    with torch.no_grad():  # norms away from (1, 0), so norm(x) differs from x for sure
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+    out = model(torch.randint(0, 37, (2, 7)), output_hidden_states=True)
+    x, h1 = out.hidden_states[0], out.hidden_states[1]
+    layer = model.layers[0]
+    want = layer.ffn_norm(layer.attn_norm(x)) if kind == "post" else layer.ffn_norm(x)
+    torch.testing.assert_close(h1, want, rtol=0, atol=0)
+    assert not torch.equal(h1, x)
+    from lmlab.models.init import INIT
+
+    assert "pre-norm block" in INIT.notes and "post-norm" in INIT.notes
+
+
 def test_zero_init_zeroes_an_encoders_projections_too() -> None:
     torch.manual_seed(0)
     model = build_model(encoder_config(vocab_size=40, init_zero_residual=True))
@@ -108,3 +131,27 @@ def test_zero_init_zeroes_an_encoders_projections_too() -> None:
 def test_zero_init_needs_the_skip_connections() -> None:
     with pytest.raises(ConfigError, match="model.init_zero_residual needs model.block.residual"):
         tiny_config(model={"init_zero_residual": True, "block": {"residual": False}})
+
+
+def test_verify_checks_a_zero_init_config_with_its_blocks_working() -> None:
+    """lmlab verify builds random models from the config: under init_zero_residual every block
+    was the identity, so causality and the KV cache passed whatever attention computed. Its
+    model now has random residual projections (the scheme's, as without the flag)."""
+    from lmlab.analysis import verify
+
+    cfg = tiny_model_config(vocab_size=37, init_zero_residual=True)
+    model = verify._model(cfg)
+    torch.manual_seed(0)
+    plain = build_model(tiny_model_config(vocab_size=37)).eval()
+    for layer, ref in zip(model.layers, plain.layers, strict=True):
+        assert layer.attn.o_proj.weight.abs().sum() > 0
+        assert torch.equal(layer.attn.o_proj.weight, ref.attn.o_proj.weight)
+    # a block that attends to the future is caught (with zeroed projections it was not)
+    bad = verify._model(cfg)
+    for layer in bad.layers:
+        layer.attn.mask_fn = None  # every query sees every key
+    ids = torch.randint(0, 37, (1, 8))
+    later = ids.clone()
+    later[0, 5:] = (later[0, 5:] + 1) % 37
+    with torch.no_grad():
+        assert not torch.equal(bad(ids).logits[0, :5], bad(later).logits[0, :5])

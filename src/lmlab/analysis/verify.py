@@ -1,6 +1,7 @@
 """``lmlab verify``: run the correctness proofs on a user's own model configuration.
 
-For a config (or every shipped preset), with random weights and random token ids:
+For a config (or every shipped preset), with random weights (the residual projections too,
+which ``model.init_zero_residual`` would zero) and random token ids:
 
 - causality: changing tokens t+1.. never changes the logits at positions <= t;
 - kv_cache: incremental cached decoding equals the full forward pass;
@@ -14,6 +15,7 @@ For a config (or every shipped preset), with random weights and random token ids
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import tempfile
 from dataclasses import dataclass
@@ -48,7 +50,12 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _model(cfg: ModelConfig, seed: int = 0) -> nn.Module:
+    """The model of ``cfg`` with random weights, its residual projections random too: under
+    ``model.init_zero_residual`` they start at zero, every block adds nothing, and causality
+    and the KV cache would pass whatever the attention computes."""
     torch.manual_seed(seed)
+    if cfg.init_zero_residual:
+        cfg = dataclasses.replace(cfg, init_zero_residual=False)
     return build_model(cfg).eval()
 
 

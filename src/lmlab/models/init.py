@@ -25,8 +25,9 @@ INIT.notes = """
 1/sqrt(2 L), and `normal` is N(0, 0.02) everywhere. When to use: `gpt2` is the default; `normal`
 for shallow models and ablations; `small` for wide models. `model.init_zero_residual: true`
 (with any scheme) then zeroes the residual projections, attention o_proj and FFN down_proj, so
-every block starts as the identity (modded-nanogpt's zero-init projections; as Fixup, Zhang et
-al. 2019, and ReZero, Bachlechner et al. 2020, start the residual branches at zero).
+every pre-norm block starts as the identity (modded-nanogpt's zero-init projections; as Fixup,
+Zhang et al. 2019, and ReZero, Bachlechner et al. 2020, start the residual branches at zero); a
+block that normalises after the add (post-norm, hybrid) starts as its norms of the input.
 """
 
 
@@ -34,7 +35,8 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
     """Initialise ``model`` with the scheme ``cfg.init`` names; then, when
     ``cfg.init_zero_residual``, set every residual projection (a module flagged
     ``is_residual_proj``: attention o_proj, FFN down_proj, each MoE expert's down_proj) to zero,
-    weight and bias. Each block's branches then add nothing at step 0; the gradient still
+    weight and bias. Each block's branches then add nothing at step 0 (a pre-norm block is the
+    identity; a post-norm or hybrid block is its norms of the input); the gradient still
     reaches those projections (it is the branch input times the output gradient), so they
     learn from the first step. Needs the skip connections (``model.block.residual``)."""
     INIT.get(cfg.init, "model.init")(model, cfg)

@@ -555,7 +555,7 @@ def _check_state_params(listed: str, tensors: dict[str, torch.Tensor], source: s
     are gone, or the list itself is malformed."""
     try:
         names = json.loads(listed)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: [[[[...]]]] nested past the stack
         names = None
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise CheckpointError(f"{source} has a malformed {STATE_PARAMS_KEY} header entry")

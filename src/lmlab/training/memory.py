@@ -22,12 +22,13 @@ q, K hd each for its k and V-norm's v; HybridNorm has all three), the FFN's hidd
 whose backward reads only its output; c = 4 for swiglu/geglu, gate, up, act(gate) and the
 product, 3 with relu), the attention scores and probabilities where they are materialised
 (s = 2 H T for ``attention.backend: math``; 0 for sdpa, whose fused kernels keep one log-sum-exp
-per row; linear attention's parallel form keeps its similarities, their normalised weights and
-the feature maps phi(q), phi(k): 2 H T + (H + K) hd), and the float32 router logits of an MoE
-layer (4 E); then the final norm's input and output ((4 + a) D) and the logits with their
-float32 log-probabilities and gradient at the start of backward ((a + 8) V). This is the count
-of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
-sec. 4.1) for lmlab's components;
+per row, except H T, the bf16 probabilities, where bf16 training on a CPU takes its batched-matmul
+path, T <= 256: ``_bmm_causal_elements``; linear attention's parallel form keeps its
+similarities, their normalised weights and the feature maps phi(q), phi(k): 2 H T + (H + K) hd),
+and the float32 router logits of an MoE layer (4 E); then the final norm's input and output
+((4 + a) D) and the logits with their float32 log-probabilities and gradient at the start of
+backward ((a + 8) V). This is the count of Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", sec. 4.1) for lmlab's components;
 tests/unit/test_memory.py checks it against the tensors autograd actually saves.
 
 Measured on CPU (the default Mini-GPT: batch 16 and 64, fp32 and bf16, sdpa and math), the
@@ -120,10 +121,61 @@ def estimate_training_memory(cfg: RunConfig) -> MemoryEstimate:
     stream = saved_stream(a) if callable(saved_stream) else 0
     per_layer = 8 * d + a * (2 * d + p_ + n + s) + hidden + stream
     per_token = m.n_layers * per_layer + (4 + a) * d + (a + 8) * (m.vocab_size or 0)
+    per_token += a * _bmm_causal_elements(model, t, seq, a)
     activations = t.batch_size * seq * per_token
     return MemoryEstimate(
         p, 4 * p, 4 * p, _optimizer_bytes(model, t), 2 * p if a == 2 else 0, activations
     )
+
+
+def _bmm_causal_elements(model: torch.nn.Module, t: Any, seq: int, a: int) -> int:
+    """Per token: the probabilities (H T elements, at ``a`` bytes) that the bf16 CPU causal
+    attention path keeps for backward (:func:`lmlab.nn.attention_core.causal_attention_bmm`)
+    in every attention module that takes it; the ``sdpa`` backend's fused kernels keep none, so
+    its ``saved_score_elements`` says 0. The path is taken (``attend``'s causal fast path, then
+    :func:`~lmlab.nn.attention_core.bmm_causal_applies`) under bf16 on a CPU without
+    ``train.compile``, for the ``sdpa`` backend with no attention dropout, a plain causal mask,
+    no score bias from the position encoding, no kv-head sharing by the kernel (GQA on
+    torch >= 2.5) and 1 < T <= ``BMM_CAUSAL_MAX_T``, in the self-attention of the kinds softmax,
+    differential and mla (tests/unit/test_memory.py counts the calls of every kind). 0 when
+    the run would not take it."""
+    from lmlab.nn import attention_core as core
+    from lmlab.nn.attention import SoftmaxAttention
+    from lmlab.nn.differential import DifferentialAttention
+    from lmlab.nn.masks import causal_mask
+    from lmlab.nn.mla import MultiHeadLatentAttention
+    from lmlab.nn.position import PositionEncoding
+    from lmlab.training.hardware import resolve_device
+
+    if a != 2 or t.compile or not 1 < seq <= core.BMM_CAUSAL_MAX_T:
+        return 0
+    try:
+        device = resolve_device(t.device)
+    except LmlabError:
+        device = torch.device("cpu")
+    if device.type != "cpu":
+        return 0
+    biased = any(
+        isinstance(p, PositionEncoding) and type(p).score_bias is not PositionEncoding.score_bias
+        for p in model.modules()
+    )
+    if biased:
+        return 0
+    total = 0
+    for mod in model.modules():
+        if (
+            # the kinds whose training forward reaches attend's causal fast path (sink, sigmoid,
+            # MoBA, NSA, linear and cross-attention compute theirs otherwise): a test spies on
+            # the calls of every registered kind
+            isinstance(mod, (SoftmaxAttention, DifferentialAttention, MultiHeadLatentAttention))
+            and type(mod) in (SoftmaxAttention, DifferentialAttention, MultiHeadLatentAttention)
+            and getattr(mod, "backend_fn", None) is core.attention_sdpa
+            and getattr(mod, "mask_fn", None) is causal_mask
+            and getattr(mod, "dropout", 1.0) == 0.0
+            and not (core.SDPA_GQA and mod.n_heads != mod.n_kv_heads)
+        ):
+            total += mod.n_heads * seq
+    return total
 
 
 def _optimizer_bytes(model: torch.nn.Module, t: Any) -> int:
