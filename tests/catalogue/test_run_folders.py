@@ -288,7 +288,7 @@ OPTIMIZER_CASES = {
     ),
     "moment-non-finite": (
         lambda t: t["final_norm.weight::exp_avg_sq"].fill_(float("nan")),
-        "non-finite or negative values in final_norm.weight::exp_avg_sq",
+        "non-finite values (inf or NaN) in final_norm.weight::exp_avg_sq",
     ),
     "step-not-a-scalar": (
         lambda t: t.update({"final_norm.weight::step": torch.zeros(2)}),

@@ -141,7 +141,7 @@ def _check_state_values(
     count; :data:`MAX_STEP` when unknown); a second moment in [0, MAX_MOMENT**2]; any other
     state within +-MAX_MOMENT."""
     if not bool(value.isfinite().all()):
-        raise CheckpointError(f"{source} holds non-finite or negative values in {key}")
+        raise CheckpointError(f"{source} holds non-finite values (inf or NaN) in {key}")
     if skey == "step":
         top = MAX_STEP if max_step is None else max_step
         step = float(value)
