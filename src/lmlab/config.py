@@ -131,7 +131,7 @@ class FFNConfig(VariantSection):
 
     kind: str = "mlp"
     d_ff: int | None = None  # None: 4 * d_model (per expert for moe)
-    activation: str = "gelu"  # mlp and gated; swiglu and geglu fix their gate activation
+    activation: str = "gelu"  # mlp, gated (and an encoder's MLM head); swiglu/geglu refuse it
     bias: bool = True
     # d_ff = None only: take 2/3 of 4*d_model (a gated FFN then has the MLP's parameter count,
     # Shazeer 2020; Llama), rounded up to a multiple of multiple_of.

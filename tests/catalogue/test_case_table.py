@@ -190,6 +190,16 @@ CASES: dict[str, Case] = {
         train("--set", "model.position.kind=learned", "--set", "model.position.interleaved=true"),
         "model.position.interleaved applies to kind=rope only, not learned",
     ),
+    "config-activation-on-swiglu": Case(
+        train(*TINY, "--set", "model.ffn.kind=swiglu", "--set", "model.ffn.activation=relu"),
+        "model.ffn.activation applies to kinds mlp, gated only, not swiglu (activation=relu has "
+        "no effect with model.ffn.kind=swiglu, whose gate activation is silu)",
+    ),
+    "config-activation-on-swiglu-experts": Case(
+        train(*TINY, "--set", "model.ffn.kind=moe", "--set", "model.ffn.activation=relu2"),
+        "model.ffn.activation applies to experts mlp, gated only, not swiglu (activation=relu2 "
+        "has no effect with model.ffn.expert=swiglu",
+    ),
     "config-parallel-post-norm": Case(
         train("--set", "model.block.parallel=true", "--set", "model.block.kind=post"),
         "model.block.parallel needs model.block.kind=pre",

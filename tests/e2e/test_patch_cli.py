@@ -63,6 +63,20 @@ def test_patch_text_output_and_log_prob_metric(tiny_run: Path, capsys):
     assert len(rows) == 3 and "wrote" not in out
 
 
+def test_a_one_token_prompt_is_one_token_not_one_tokens(tiny_run: Path, capsys):
+    code, out, err = run_cli(
+        capsys, "patch", str(tiny_run), "--clean", "R", "--corrupted", "H",
+        "--target", "\n", "--what", "resid_pre", "--no-plot", "--device", "cpu",
+    )  # fmt: skip
+    assert code == 0, err
+    assert "clean, 1 token: R" in out and "1 tokens" not in out
+    code, _, err = run_cli(
+        capsys, "patch", str(tiny_run), "--clean", "R", "--corrupted", "HA",
+        "--target", "\n", "--no-plot", "--device", "cpu",
+    )  # fmt: skip
+    assert_one_error(code, err, "the clean prompt is 1 token and the corrupted one 2")
+
+
 @pytest.mark.parametrize(
     "args, needles",
     [

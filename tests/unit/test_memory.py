@@ -218,6 +218,34 @@ def test_a_run_that_does_not_fit_is_refused_with_what_to_reduce(monkeypatch):
     assert check_training_memory(big_batch, CPU).total > 1 << 20
 
 
+def test_a_muon_model_that_does_not_fit_is_advised_with_muons_state(monkeypatch):
+    """Under train.optimizer: muon the estimate holds 4 bytes of state per Muon parameter and
+    8 per AdamW one, and the advice says so (not AdamW's 16 bytes for every parameter)."""
+    from lmlab.models.build import build_model
+    from lmlab.training.optim import muon_param_names
+
+    monkeypatch.setattr(memory, "available_memory", lambda device: (1 << 20, "a test"))
+    cfg = cfg_with(d_model=512)
+    cfg.train.batch_size, cfg.train.optimizer = 1, "muon"
+    model = build_model(cfg.model)
+    params = dict(model.named_parameters())
+    p = sum(x.numel() for x in model.parameters())
+    p_muon = sum(params[n].numel() for n in muon_param_names(model))
+    assert 0 < p_muon < p
+    est = estimate_training_memory(cfg)
+    assert (est.parameters, est.muon_parameters) == (p, p_muon)
+    assert est.optimizer == 4 * p_muon + 8 * (p - p_muon)
+    with pytest.raises(LmlabError) as e:
+        check_training_memory(cfg, CPU)
+    msg = str(e.value)
+    assert "16 bytes" not in msg and "reduce the model" in msg
+    assert (
+        f"its {p:,} parameters need 8 bytes each for weights and gradients, plus 4 of Muon state "
+        f"for the {p_muon:,} Muon holds and 8 of AdamW state for the other {p - p_muon:,}"
+    ) in msg
+    assert f"Muon + AdamW state {format_bytes(est.optimizer)}" in msg
+
+
 def test_a_10_terabyte_config_is_refused_without_allocating_it():
     cfg = cfg_with(d_model=16384, n_layers=200, attention={"n_heads": 128})
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux

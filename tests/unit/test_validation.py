@@ -107,6 +107,72 @@ def test_owner_and_selected_kind_are_named():
         tiny_config(model={"ffn": {"kind": "mlp", "n_experts": 4}})
 
 
+@pytest.mark.parametrize(
+    ("ffn", "field", "kind", "fixed"),
+    [
+        ({"kind": "swiglu", "activation": "relu"}, "model.ffn.kind", "swiglu", "silu"),
+        ({"kind": "geglu", "activation": "silu"}, "model.ffn.kind", "geglu", "gelu"),
+        (
+            {"kind": "moe", "expert": "swiglu", "activation": "relu"},
+            "model.ffn.expert",
+            "swiglu",
+            "silu",
+        ),
+    ],
+)
+def test_an_activation_a_gated_kind_fixes_is_refused_by_name(ffn, field, kind, fixed):
+    """swiglu / geglu fix their gate activation: another model.ffn.activation had no effect."""
+    act = ffn["activation"]
+    key = field.rsplit(".", 1)[1]
+    with pytest.raises(ConfigError) as e:
+        tiny_config(model={"ffn": {"d_ff": 16, **ffn}})
+    assert str(e.value).startswith(
+        f"model.ffn.activation applies to {key}s mlp, gated only, not {kind} "
+        f"(activation={act} has no effect with {field}={kind}, whose gate activation is {fixed})"
+    ), str(e.value)
+    assert f"use {field}=gated" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "ffn",
+    [
+        {"kind": "swiglu"},
+        {"kind": "swiglu", "activation": "gelu"},  # the default, as a saved config spells it
+        {"kind": "geglu", "activation": "gelu"},
+        {"kind": "gated", "activation": "relu"},
+        {"kind": "mlp", "activation": "relu"},
+        {"kind": "moe", "expert": "mlp", "activation": "relu"},
+        {"kind": "moe", "expert": "gated", "activation": "silu"},
+    ],
+)
+def test_an_activation_the_ffn_reads_or_the_default_is_accepted(ffn):
+    tiny_config(model={"ffn": {"d_ff": 16, **ffn}})
+
+
+def test_an_encoder_mlm_head_reads_the_activation_whatever_the_ffn_kind():
+    """The encoder's MLM head applies model.ffn.activation: accepted with swiglu (and read),
+    refused once the head is off."""
+    from lmlab.validation import validate_model
+
+    def encoder(act: str, **more: object) -> ModelConfig:
+        ffn = {"kind": "swiglu", "d_ff": 16, "activation": act}
+        attn = {"n_heads": 4, "mask": "bidirectional"}
+        m = dict(TINY["model"], kind="encoder", attention=attn, ffn=ffn, vocab_size=50, **more)
+        cfg = config_from_dict({"model": m}).model
+        validate_model(cfg)
+        return cfg
+
+    outs = []
+    for act in ("gelu", "relu"):
+        torch.manual_seed(0)
+        net = build_model(encoder(act)).eval()
+        with torch.no_grad():
+            outs.append(net(torch.arange(12).unsqueeze(0) % 50).logits)
+    assert not torch.allclose(*outs)
+    with pytest.raises(ConfigError, match=r"model\.ffn\.activation applies to kinds mlp, gated"):
+        encoder("relu", mlm_head=False)
+
+
 # ----------------------------------------------------------------------------- options are read
 
 

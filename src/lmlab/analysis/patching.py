@@ -119,7 +119,7 @@ def _at(logits: torch.Tensor, position: int) -> torch.Tensor:
         raise ValueError(f"logits must be (B, T, V) or (T, V), got {tuple(logits.shape)}")
     t = logits.shape[1]
     if not -t <= position < t:
-        raise LmlabError(f"position {position} is outside the {t} tokens")
+        raise LmlabError(f"position {position} is outside the {tokens_phrase(t)}")
     return logits[:, position].double()
 
 
@@ -232,15 +232,20 @@ def run_patched(
     return logits
 
 
+def tokens_phrase(n: int) -> str:
+    """``n`` with "token" or "tokens": "1 token", "3 tokens"."""
+    return f"{n} token" if n == 1 else f"{n} tokens"
+
+
 def _same_length(clean: torch.Tensor, corrupted: torch.Tensor, what: str, eg: str = "") -> None:
     """Raise LmlabError unless the (1, T) clean and corrupted ``what`` (prompt, source) have the
     same token length: patching swaps activations position by position."""
     tc, tx = clean.shape[1], corrupted.shape[1]
     if tc != tx:
         raise LmlabError(
-            f"the clean {what} is {tc} tokens and the corrupted one {tx}: activation patching "
-            f"swaps activations position by position, so give {what}s of the same token length "
-            f"(change words for words that are one token each{eg})"
+            f"the clean {what} is {tokens_phrase(tc)} and the corrupted one {tx}: activation "
+            f"patching swaps activations position by position, so give {what}s of the same token "
+            f"length (change words for words that are one token each{eg})"
         )
 
 
@@ -509,7 +514,7 @@ def _mask_kwargs(key_mask: torch.Tensor | None, t: int) -> Callable[[int], dict[
         return lambda rows: {}
     m = _one_row(key_mask, "key_mask")
     if m.shape[1] != t:
-        raise LmlabError(f"key_mask covers {m.shape[1]} tokens, the prompts {t}")
+        raise LmlabError(f"key_mask covers {tokens_phrase(m.shape[1])}, the prompts {t}")
     from lmlab.nn.masks import position_ids_from_attention_mask
 
     m = m.long()

@@ -34,6 +34,7 @@ from lmlab.analysis.patching import (
     POINTS,
     PatchResult,
     patch_activations,
+    tokens_phrase,
 )
 from lmlab.errors import LmlabError
 
@@ -308,13 +309,13 @@ def format_report(r: PatchReport, top: int = 5) -> str:
     lines = []
     if r.source_tokens is not None and r.corrupted_source_tokens is not None:
         lines += [
-            f"clean source, {len(r.source_tokens)} tokens: {' '.join(r.source_tokens)}",
+            f"clean source, {tokens_phrase(len(r.source_tokens))}: {' '.join(r.source_tokens)}",
             f"corrupted source: {' '.join(r.corrupted_source_tokens)}",
         ]
     decoder = "" if r.source_tokens is None else " decoder input"
     n = max(10, *(len(w) for w in r.result.scores))  # "what" column width
     lines += [
-        f"clean{decoder}, {len(r.tokens)} tokens: {' '.join(r.tokens)}",
+        f"clean{decoder}, {tokens_phrase(len(r.tokens))}: {' '.join(r.tokens)}",
         f"corrupted{decoder}: {' '.join(r.corrupted_tokens)}",
         metric_text(r),
         "score = (patched - corrupted) / (clean - corrupted): 1 restores the clean value",

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmlab.errors import ConfigError
 from lmlab.nn.fused import fused_linear, linear
 from lmlab.nn.hooks import HookPoint
 from lmlab.registry import Registry
@@ -73,6 +75,26 @@ ACTIVATIONS.register("relu2", "max(x, 0)^2, squared ReLU (So et al. 2021, Primer
 ACTIVATIONS.register("silu", "x * sigmoid(x), a.k.a. swish (Elfwing et al. 2018).")(F.silu)
 
 
+def refuse_fixed_activation(m: ModelConfig, field: str = "model.ffn.kind") -> None:
+    """Refuse ``model.ffn.activation`` set (off its default) where nothing reads it: on an FFN
+    kind whose gate activation is fixed (swiglu: silu, geglu: gelu), named by ``field``
+    (``model.ffn.kind``, or ``model.ffn.expert`` for an MoE's experts). An encoder with its MLM
+    head reads the field there, so it is accepted. Raises ConfigError naming the field."""
+    f = m.ffn
+    kind = f.kind if field == "model.ffn.kind" else f.expert
+    fixed = getattr(FFN.get(kind, field), "fixed_activation", None)
+    default = next(x.default for x in dataclasses.fields(f) if x.name == "activation")
+    if fixed is None or f.activation == default or (m.kind == "encoder" and m.mlm_head):
+        return
+    key = field.rsplit(".", 1)[1]
+    raise ConfigError(
+        f"model.ffn.activation applies to {key}s mlp, gated only, not {kind} "
+        f"(activation={f.activation} has no effect with {field}={kind}, whose gate activation "
+        f"is {fixed}); drop it from the config (default {default}), or use {field}=gated for a "
+        f"gated FFN with {f.activation}"
+    )
+
+
 @FFN.register("mlp")
 class MLP(nn.Module):
     """down(act(up(x))) with d_ff hidden units (Vaswani et al. 2017)."""
@@ -101,9 +123,16 @@ class MLP(nn.Module):
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): a gated linear unit (Shazeer 2020, "GLU Variants Improve
-    Transformer"); subclasses fix the gate activation."""
+    Transformer"); subclasses fix the gate activation (``fixed_activation``, with which a
+    non-default ``model.ffn.activation`` is refused) or read it (``gated``)."""
 
     activation = "silu"
+    fixed_activation: ClassVar[str | None] = None  # the gate activation when it is not read
+
+    @classmethod
+    def check(cls, m: ModelConfig) -> None:
+        """``model.ffn.activation`` left at its default when the kind fixes its activation."""
+        refuse_fixed_activation(m)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -137,14 +166,14 @@ class GatedMLP(nn.Module):
 class SwiGLU(GatedMLP):
     """down(silu(gate(x)) * up(x)) (Shazeer 2020; Llama, Mistral)."""
 
-    activation = "silu"
+    activation = fixed_activation = "silu"
 
 
 @FFN.register("geglu")
 class GeGLU(GatedMLP):
     """down(gelu(gate(x)) * up(x)) (Shazeer 2020; Gemma)."""
 
-    activation = "gelu"
+    activation = fixed_activation = "gelu"
 
 
 @FFN.register("gated")

@@ -28,7 +28,7 @@ from torch import nn
 
 from lmlab.checks import choice, positive
 from lmlab.errors import ConfigError
-from lmlab.nn.ffn import FFN
+from lmlab.nn.ffn import FFN, refuse_fixed_activation
 from lmlab.nn.hooks import HookPoint
 from lmlab.registry import Registry
 
@@ -143,9 +143,11 @@ class MoE(nn.Module):
 
     @staticmethod
     def check(m: ModelConfig) -> None:
-        """An expert kind other than moe; 1 <= top_k <= n_experts; loss weights >= 0."""
+        """An expert kind other than moe; 1 <= top_k <= n_experts; loss weights >= 0;
+        ``model.ffn.activation`` at its default when the expert kind fixes its activation."""
         f = m.ffn
         choice(f.expert, [k for k in FFN.names() if k != "moe"], "model.ffn.expert")
+        refuse_fixed_activation(m, "model.ffn.expert")
         positive(f.n_experts, "model.ffn.n_experts")
         positive(f.top_k, "model.ffn.top_k")
         if f.top_k > f.n_experts:

@@ -66,6 +66,7 @@ class MemoryEstimate:
     optimizer: int
     autocast: int
     activations: int
+    muon_parameters: int = 0  # of P, those Muon holds (train.optimizer: muon), 4 bytes of state
 
     @property
     def total(self) -> int:
@@ -123,9 +124,9 @@ def estimate_training_memory(cfg: RunConfig) -> MemoryEstimate:
     per_token = m.n_layers * per_layer + (4 + a) * d + (a + 8) * (m.vocab_size or 0)
     per_token += a * _bmm_causal_elements(model, t, seq, a)
     activations = t.batch_size * seq * per_token
-    return MemoryEstimate(
-        p, 4 * p, 4 * p, _optimizer_bytes(model, t), 2 * p if a == 2 else 0, activations
-    )
+    p_muon = _muon_parameters(model, t)
+    optimizer = 4 * p_muon + 8 * (p - p_muon)
+    return MemoryEstimate(p, 4 * p, 4 * p, optimizer, 2 * p if a == 2 else 0, activations, p_muon)
 
 
 def _bmm_causal_elements(model: torch.nn.Module, t: Any, seq: int, a: int) -> int:
@@ -178,19 +179,16 @@ def _bmm_causal_elements(model: torch.nn.Module, t: Any, seq: int, a: int) -> in
     return total
 
 
-def _optimizer_bytes(model: torch.nn.Module, t: Any) -> int:
-    """Optimizer state bytes: AdamW's two fp32 moments (8 per parameter); under
-    ``train.optimizer: muon`` Muon's one fp32 momentum buffer (4) for the parameters it holds
-    (:func:`lmlab.training.optim.muon_param_names`) and AdamW's 8 for the rest."""
-    from lmlab.models.counting import num_params
+def _muon_parameters(model: torch.nn.Module, t: Any) -> int:
+    """How many parameters Muon holds under ``train.optimizer: muon``
+    (:func:`lmlab.training.optim.muon_param_names`), 0 under AdamW. Optimizer state: Muon's one
+    fp32 momentum buffer (4 bytes) for these, AdamW's two fp32 moments (8) for the rest."""
     from lmlab.training.optim import muon_param_names
 
-    p = num_params(model)
     if t.optimizer != "muon":
-        return 8 * p
+        return 0
     params = dict(model.named_parameters())
-    p_muon = sum(params[n].numel() for n in muon_param_names(model))
-    return 4 * p_muon + 8 * (p - p_muon)
+    return sum(params[n].numel() for n in muon_param_names(model))
 
 
 MEMINFO = Path("/proc/meminfo")
@@ -316,10 +314,20 @@ def check_training_memory(cfg: RunConfig, device: torch.device) -> MemoryEstimat
             f"train.seq_len; activations for {t.batch_size} x {seq} tokens are the largest term"
         )
     else:
+        if t.optimizer == "muon":  # one momentum buffer per Muon matrix, two moments for the rest
+            need = (
+                f"its {est.parameters:,} parameters need 8 bytes each for weights and gradients, "
+                f"plus 4 of Muon state for the {est.muon_parameters:,} Muon holds and 8 of AdamW "
+                f"state for the other {est.parameters - est.muon_parameters:,}"
+            )
+        else:
+            need = (
+                f"its {est.parameters:,} parameters need 16 bytes each for weights, gradients "
+                "and AdamW state"
+            )
         advice = (
             "reduce the model (model.d_model, model.n_layers, model.ffn.d_ff, the vocabulary); "
-            f"its {est.parameters:,} parameters need 16 bytes each for weights, gradients and "
-            "AdamW state"
+            + need
         )
     parts = ", ".join(
         f"{name} {format_bytes(value)}"
