@@ -158,7 +158,8 @@ GENERATE = Command(
     "file), using the KV cache. Stops at max-new-tokens, the tokenizer's end-of-sequence "
     "token or a stop string. --chat wraps the text in the model's own chat template and "
     "prints only the answer. Decode steps of plain pre-norm decoders run a lean one-token step "
-    "with the same logits (docs/generation.md, 'Decoding speed').",
+    "computing the same logits (bit for bit on one thread; docs/generation.md, 'Decoding "
+    "speed').",
     arguments=_generate_arguments,
     run=cmd_generate,
     common=("device", "debug", "plugin", "quantize"),
