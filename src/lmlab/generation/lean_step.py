@@ -8,7 +8,7 @@ matrix-vector products on a CPU. :class:`LeanStep` runs what that forward comput
 model shape most decoders have (pre-norm blocks, softmax attention with the plain causal mask
 and the ``sdpa`` backend, any position encoding without a score bias, a (gated) MLP, plain or
 quantized linear layers, no hooks) as one flat loop of tensor operations, calling the very
-functions the modules call (the norms' formula, :func:`~lmlab.nn.fused.fused_linear`, the
+functions the modules call (the norms' formula, :func:`~lmlab.nn.fused.fused_weights`, the
 position's ``rotate``, ``scaled_dot_product_attention``), so on one thread its logits equal
 the forward's bit for bit (tests/unit/test_lean_step.py); on several threads the matmul library
 may split a product differently and the last bits can differ (SmolLM2-135M, 2 threads: 1.2e-3).
@@ -27,13 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
-from lmlab.nn import fused as _fused
 from lmlab.nn import quant_kernel
 from lmlab.nn.attention import SoftmaxAttention
 from lmlab.nn.attention_core import SDPA_GQA, repeat_kv
 from lmlab.nn.block import PreNormBlock
 from lmlab.nn.ffn import MLP, GatedMLP
-from lmlab.nn.fused import fused_linear, plain_linear
+from lmlab.nn.fused import fused_weights, plain_linear
+from lmlab.nn.fused import generation as fused_generation
 from lmlab.nn.hooks import HookPoint
 from lmlab.nn.kv_cache import KVCache, LayerKVCache
 from lmlab.nn.masks import causal_mask
@@ -176,7 +176,7 @@ class _QuantCat:
         return torch.cat([m.forward(x) for m in self.parts], dim=-1)
 
 
-def _fused_op(owner: nn.Module, key: str, names: tuple[str, ...], x: torch.Tensor) -> Op | None:
+def _fused_op(owner: nn.Module, key: str, names: tuple[str, ...]) -> Op | None:
     """One op for ``owner``'s linears ``names``: the fused weight lmlab.nn.fused keeps (built
     if needed, with its own staleness checks) for plain linears, a :class:`_QuantCat` for
     quantized ones the C++ kernel serves alike; None when neither applies."""
@@ -192,13 +192,8 @@ def _fused_op(owner: nn.Module, key: str, names: tuple[str, ...], x: torch.Tenso
         )  # fmt: skip
         ok = alike and quant_kernel.available()
         return (None, None, _QuantCat(q)) if ok else None
-    if fused_linear(owner, key, names, x.new_empty(0, x.shape[-1])) is None:  # builds, 0 rows
-        return None
-    f = owner.__dict__.get("_fused_linears", {}).get(key)  # what fused_linear just used
-    weight, bias = getattr(f, "weight", None), getattr(f, "bias", None)
-    if not isinstance(weight, torch.Tensor):  # its cache is not laid out as expected
-        return None
-    return (weight, bias, None)
+    fused = fused_weights(owner, key, names)
+    return None if fused is None else (fused[0], fused[1], None)
 
 
 class LeanStep:
@@ -226,9 +221,8 @@ class LeanStep:
 
     @torch.no_grad()
     def _snapshot(self) -> None:
-        self.generation = _fused._generation  # read before the fused copies are (re)built
+        self.generation = fused_generation()  # read before the fused copies are (re)built
         model = self.model
-        probe = model.embed.weight.new_empty(0, model.cfg.d_model)
         pos = model.position
         self.rope_fast = (
             type(pos) is RotaryPosition and not pos.interleaved and pos.rotary_dim == pos.head_dim
@@ -237,10 +231,10 @@ class LeanStep:
         for layer in model.layers:
             a, ffn = layer.attn, layer.ffn
             plain_heads = all(type(n) is nn.Identity for n in (a.q_norm, a.k_norm, a.v_norm))
-            qkv = _fused_op(a, "qkv", ("q_proj", "k_proj", "v_proj"), probe)
+            qkv = _fused_op(a, "qkv", ("q_proj", "k_proj", "v_proj"))
             qkv_ops = (_op(a.q_proj), _op(a.k_proj), _op(a.v_proj)) if qkv is None else ()
             gated = isinstance(ffn, GatedMLP)
-            gu = _fused_op(ffn, "gate_up", ("gate_proj", "up_proj"), probe) if gated else None
+            gu = _fused_op(ffn, "gate_up", ("gate_proj", "up_proj")) if gated else None
             gu_ops = (_op(ffn.gate_proj), _op(ffn.up_proj)) if gated and gu is None else ()
             self.layers.append((
                 _norm_op(layer.attn_norm), a, a.n_heads, a.n_kv_heads, a.head_dim, a.scale,
@@ -278,7 +272,7 @@ class LeanStep:
         """Whether a parameter or buffer was replaced or changed in place since the snapshot,
         or lmlab.nn.fused's copies went stale (any optimizer step, a training forward: fused
         optimizer kernels bump no version counter), which the fused ops here are."""
-        return self.generation != _fused._generation or any(
+        return self.generation != fused_generation() or any(
             d.get(n) is not t or t._version != v for d, n, t, v in self.sources
         )
 

@@ -137,11 +137,21 @@ def fused_linear(
 ) -> torch.Tensor | None:
     """x (..., D) -> the outputs of the linears ``owner.<name>`` for each of ``names``,
     concatenated on the last dim (..., sum N), in one matmul with their weights concatenated
-    (cached on ``owner`` under ``key``); None when the fast path does not apply: gradients on,
-    a module that is not a plain linear (:func:`plain_linear`), a global module hook, biases on
-    some but not all, mixed dtypes/devices, or under ``torch.compile``. The caller then calls
-    the modules one by one. A call with gradients on (a training forward) makes every fused
-    copy stale, as the weights may be updated next."""
+    (:func:`fused_weights`); None when the fast path does not apply (see there). The caller
+    then calls the modules one by one."""
+    w = fused_weights(owner, key, names)
+    return None if w is None else F.linear(x, w[0], w[1])
+
+
+def fused_weights(
+    owner: nn.Module, key: str, names: tuple[str, ...]
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The fused weight (sum N, D) and bias (sum N,) or None of the linears ``owner.<name>``
+    for each of ``names``, cached on ``owner`` under ``key`` and rebuilt when stale (see the
+    module docstring); None when the fast path does not apply: gradients on, a module that is
+    not a plain linear (:func:`plain_linear`), a global module hook, biases on some but not
+    all, mixed dtypes/devices, or under ``torch.compile``. A call with gradients on (a training
+    forward) makes every fused copy stale, as the weights may be updated next."""
     if torch.compiler.is_compiling():  # the compiler fuses what it can itself
         return None
     if torch.is_grad_enabled():  # even when off: copies made while on must not outlive this
@@ -164,7 +174,14 @@ def fused_linear(
         if any(p is not None and p.is_inference() for p in params):
             return None  # made under torch.inference_mode: no version counter to watch
         fused = cache[key] = _Fused(modules)  # type: ignore[arg-type]
-    return F.linear(x, fused.weight, fused.bias)
+    return fused.weight, fused.bias
+
+
+def generation() -> int:
+    """The current staleness generation: it changes at every optimizer step and training
+    forward (see the module docstring). A holder of fused weights (:func:`fused_weights`)
+    that read it before taking them must take them again once it has changed."""
+    return _generation
 
 
 def drop_fused(model: nn.Module) -> None:
