@@ -36,7 +36,7 @@ from lmlab.nn.attention_core import (  # noqa: F401  (re-exported from their old
     attention_sdpa,
     repeat_kv,
 )
-from lmlab.nn.fused import _global_hooks, fused_linear, linear, plain_linear
+from lmlab.nn.fused import _global_hooks, fusable_linears, fused_linear, linear
 from lmlab.nn.hooks import HookPoint
 from lmlab.nn.kv_cache import LayerCache, LayerKVCache, LinearAttentionState, SlidingWindowKVCache
 from lmlab.nn.masks import MASKS, MaskFn
@@ -212,8 +212,8 @@ class Attention(nn.Module):
         to ``q_proj`` / ``k_proj`` / ``v_proj``, whose parameters and names stay): while
         gradients are recorded (training) in bf16/fp16 or under autocast, when
         :data:`TRAIN_FUSED_QKV` is on and the three are
-        plain linears (:func:`~lmlab.nn.fused.plain_linear`, no global module hooks) with biases
-        on all or none, not under torch.compile. None otherwise (the caller runs the three).
+        plain linears with biases on all or none (:func:`~lmlab.nn.fused.fusable_linears`, no
+        global module hooks), not under torch.compile. None otherwise (the caller runs the three).
         Under bf16 autocast the input and the weights are cast once instead of three times, and
         the input's gradient is one matmul instead of three summed."""
         if not TRAIN_FUSED_QKV or not torch.is_grad_enabled() or torch.compiler.is_compiling():
@@ -221,12 +221,10 @@ class Attention(nn.Module):
         if not (x.dtype in _LOW_PRECISION or torch.is_autocast_enabled(x.device.type)):
             return None  # float32 training: no casts to save, and its bits stay the unfused ones
         mods = [self._modules["q_proj"], self._modules["k_proj"], self._modules["v_proj"]]
-        if not all(plain_linear(m) for m in mods) or _global_hooks():  # type: ignore[arg-type]
+        if _global_hooks() or not fusable_linears(mods):  # type: ignore[arg-type]
             return None
         weights = [m._parameters["weight"] for m in mods]  # type: ignore[union-attr]
         biases = [m._parameters["bias"] for m in mods]  # type: ignore[union-attr]
-        if any(b is None for b in biases) and any(b is not None for b in biases):
-            return None
         bias = None if biases[0] is None else torch.cat(biases)  # type: ignore[arg-type]
         return F.linear(x, torch.cat(weights), bias)  # type: ignore[arg-type]
 

@@ -132,6 +132,18 @@ class _Fused:
         return True
 
 
+def fusable_linears(modules: list[nn.Module]) -> bool:
+    """Whether ``modules`` can run as one matmul over their weights concatenated: all plain
+    linears (:func:`plain_linear`), biases on all or none, one dtype and device. Global module
+    hooks are the caller's to check (:func:`_global_hooks`)."""
+    if not all(plain_linear(m) for m in modules):
+        return False
+    params = [m._parameters[n] for m in modules for n in ("weight", "bias")]
+    has_bias = {p is not None for p in params[1::2]}
+    kinds = {(p.dtype, p.device) for p in params if p is not None}
+    return len(has_bias) == 1 and len(kinds) == 1
+
+
 def fused_linear(
     owner: nn.Module, key: str, names: tuple[str, ...], x: torch.Tensor
 ) -> torch.Tensor | None:
@@ -164,13 +176,9 @@ def fused_weights(
     fused = cache.get(key)
     if fused is None or not fused.fresh(modules):  # type: ignore[arg-type]
         cache.pop(key, None)  # release the old copy before building the new one
-        if not all(plain_linear(m) for m in modules):  # type: ignore[arg-type]
+        if not fusable_linears(modules):  # type: ignore[arg-type]
             return None
         params = [m._parameters[n] for m in modules for n in ("weight", "bias")]  # type: ignore[union-attr]
-        has_bias = {p is not None for p in params[1::2]}
-        kinds = {(p.dtype, p.device) for p in params if p is not None}
-        if len(has_bias) > 1 or len(kinds) > 1:
-            return None
         if any(p is not None and p.is_inference() for p in params):
             return None  # made under torch.inference_mode: no version counter to watch
         fused = cache[key] = _Fused(modules)  # type: ignore[arg-type]
