@@ -136,3 +136,11 @@ def test_attention_on_chinese_text_runs_and_labels_the_characters(cjk_run: Path,
     assert report["tokens"] == list("满纸荒唐言")
     assert (tmp_path / "layer-00.png").is_file() and (tmp_path / "layer-01.png").is_file()
     assert err.count("warning:") <= 1  # at most one font warning, no glyph warnings
+
+
+def test_attention_text_output_says_1_token_not_1_tokens(tiny_run: Path, tmp_path, capsys):
+    code, out, err = run_cli(
+        capsys, "attention", str(tiny_run), "--text", "R", "--out", str(tmp_path / "maps")
+    )
+    assert code == 0, err
+    assert "1 token: R" in out and "1 tokens" not in out

@@ -167,3 +167,14 @@ def test_lens_cli_source_refusals_are_one_error_line(seq2seq_run, tiny_run, caps
                              "a" * 40, "--no-plot", "--device", "cpu")  # fmt: skip
     assert_one_error(code, err, "--source is", "encoder context")
     assert out == ""
+
+
+def test_lens_text_output_says_1_token_not_1_tokens(tiny_run: Path, tmp_path: Path, capsys):
+    code, out, err = run_cli(
+        capsys, "lens", str(tiny_run), "--text", "R", "--device", "cpu", "--out", str(tmp_path)
+    )
+    assert code == 0, err
+    assert "1 token: R" in out and "1 tokens" not in out
+    code, out, err = lens(capsys, tiny_run, "--out", str(tmp_path / "more"))
+    assert code == 0, err
+    assert "10 tokens: R O M E O" in out

@@ -48,6 +48,7 @@ def _lens_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_lens(args: argparse.Namespace) -> int:
     from lmlab.analysis.lens_report import format_dla, format_lens, lens_report
+    from lmlab.analysis.patching import tokens_phrase
 
     report = lens_report(
         args.model,
@@ -67,9 +68,9 @@ def cmd_lens(args: argparse.Namespace) -> int:
             print(f"note: {report.dla_unavailable}", file=sys.stderr)
         return 0
     if report.source is not None:
-        print(f"source, {len(report.source)} tokens: {' '.join(report.source)}")
+        print(f"source, {tokens_phrase(len(report.source))}: {' '.join(report.source)}")
         print("decoder input, ", end="")
-    print(f"{len(report.tokens)} tokens: {' '.join(report.tokens)}")
+    print(f"{tokens_phrase(len(report.tokens))}: {' '.join(report.tokens)}")
     print(f"logit lens: top-1 prediction of {report.predicts} and its probability after each "
           "layer")  # fmt: skip
     print(format_lens(report))

@@ -107,6 +107,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_attention(args: argparse.Namespace) -> int:
     from lmlab.analysis.attention_maps import attention_report, format_stats
+    from lmlab.analysis.patching import tokens_phrase
 
     report = attention_report(
         args.model,
@@ -124,11 +125,13 @@ def cmd_attention(args: argparse.Namespace) -> int:
         print(json.dumps(report.as_dict(), ensure_ascii=False))
         return 0
     if report.target_tokens is not None:
-        print(f"source, {len(report.tokens)} tokens: {' '.join(report.tokens)}")
-        print(f"target, {len(report.target_tokens)} tokens: {' '.join(report.target_tokens)}")
+        print(f"source, {tokens_phrase(len(report.tokens))}: {' '.join(report.tokens)}")
+        print(
+            f"target, {tokens_phrase(len(report.target_tokens))}: {' '.join(report.target_tokens)}"
+        )
         print("cross-attention (decoder queries x source keys):")
     else:
-        print(f"{len(report.tokens)} tokens: {' '.join(report.tokens)}")
+        print(f"{tokens_phrase(len(report.tokens))}: {' '.join(report.tokens)}")
     print(format_stats(report.heads))
     for f in report.files:
         print(f"wrote {f}")
