@@ -11,6 +11,8 @@ the 255 tokens after it. Peak memory = the largest RSS above the RSS before the 
 every 2 ms from /proc/self/statm (weights excluded: both hold their own copy all along).
 lmlab's decode steps take the lean step (lmlab.generation.lean_step) as ``generate_ids`` does by
 default; ``--no-lean`` runs every step through the model's forward instead (the A/B).
+``--breakdown``: one more lmlab run at the end with its lean step calls timed (where a
+token's time goes: the step, the rest of the loop, best vs median vs mean, the context's growth).
 
     nice -n 10 .venv/bin/python benchmarks/smollm2_decode.py --rounds 3
 
@@ -139,6 +141,49 @@ def run_lmlab(model: torch.nn.Module, prompt: list[int], new: int) -> tuple[dict
     return _rates(t0, stamps, len(prompt), mem.peak), out
 
 
+def breakdown(model: torch.nn.Module, prompt: list[int], new: int) -> dict[str, float]:
+    """One more lmlab run with each lean step call timed: where a token's time goes (ms).
+
+    Per decode token (the intervals between streamed tokens, the first excluded): mean, median
+    and best; the lean step's call (its checks, snapshot test and layers) and the rest of the
+    loop (sampling/argmax, the stop checks, the cache mask, the streamed iterator); the mean of
+    the first and of the last quarter of the tokens (the context grows from the prompt's length
+    to prompt + new: attention reads more keys and values)."""
+    inside: list[float] = []
+    call = lean_step.LeanStep.__call__
+
+    def timed(self: lean_step.LeanStep, ids: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = call(self, ids)
+        inside.append(time.perf_counter() - t0)
+        return out
+
+    lean_step.LeanStep.__call__ = timed  # type: ignore[method-assign]
+    try:
+        stamps: list[float] = []
+        params = SamplingParams(max_new_tokens=new, temperature=0.0)
+        for _ in generate_ids(model, prompt, params, model.cfg.max_seq_len, eos_id=None):
+            stamps.append(time.perf_counter())
+    finally:
+        lean_step.LeanStep.__call__ = call  # type: ignore[method-assign]
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    q = max(1, len(gaps) // 4)
+    ms = {
+        "token_mean": statistics.mean(gaps),
+        "token_median": statistics.median(gaps),
+        "token_best": min(gaps),
+        "first_quarter_mean": statistics.mean(gaps[:q]),
+        "last_quarter_mean": statistics.mean(gaps[-q:]),
+    }
+    if len(inside) == len(gaps):  # every decode step took the lean step
+        ms["lean_call_mean"] = statistics.mean(inside)
+        ms["rest_of_loop_mean"] = statistics.mean(g - i for g, i in zip(gaps, inside, strict=True))
+        ms["rest_of_loop_median"] = statistics.median(
+            g - i for g, i in zip(gaps, inside, strict=True)
+        )
+    return {k: 1e3 * v for k, v in ms.items()}
+
+
 def run_hf(hf: torch.nn.Module, prompt: list[int], new: int) -> tuple[dict, list[int]]:
     from transformers.generation.streamers import BaseStreamer
 
@@ -197,6 +242,12 @@ def main() -> None:
         action="store_true",
         help="decode every lmlab token through the model's forward (lmlab.generation.lean_step "
         "off), the path before the lean step",
+    )
+    ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="after the rounds, one more lmlab run with its lean step calls timed: ms per "
+        "token in the step and in the rest of the loop, best/median/mean, first vs last quarter",
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -262,6 +313,9 @@ def main() -> None:
         f"peak extra memory: lmlab {med['lmlab']['peak_mib']:.0f} MiB, transformers "
         f"{med['transformers']['peak_mib']:.0f} MiB; greedy tokens equal: {same}/{args.new_tokens}"
     )
+    if args.breakdown:
+        summary["breakdown_ms"] = parts = breakdown(model, prompt, args.new_tokens)
+        print("lmlab per decode token, ms: " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
     print(json.dumps(summary))
 
 
