@@ -7,8 +7,10 @@ copied into a ``LlamaForCausalLM`` built from the same config (no download).
 
 Times come from the public generation paths: lmlab ``generate_ids`` (a streamed iterator) and
 transformers ``generate`` with a streamer. Prefill = prompt start -> first new token; decode =
-the 255 tokens after it. Peak memory = the largest RSS above the RSS before the run, sampled
-every 2 ms from /proc/self/statm (weights excluded: both hold their own copy all along).
+the 255 tokens after it; the prefill ratio is the medians of ``--prefill-runs`` (10) more
+prompt -> first token runs of each, alternating (one per round is too few). Peak memory = the
+largest RSS above the RSS before the run, sampled every 2 ms from /proc/self/statm (weights
+excluded: both hold their own copy all along).
 lmlab's decode steps take the lean step (lmlab.generation.lean_step) as ``generate_ids`` does by
 default; ``--no-lean`` runs every step through the model's forward instead (the A/B).
 ``--breakdown``: one more lmlab run at the end with its lean step calls timed (where a
@@ -244,6 +246,13 @@ def main() -> None:
         "off), the path before the lean step",
     )
     ap.add_argument(
+        "--prefill-runs",
+        type=int,
+        default=10,
+        help="extra prompt -> first token runs of each (alternating) for the prefill ratio; 0: "
+        "the rounds' prefills only",
+    )
+    ap.add_argument(
         "--breakdown",
         action="store_true",
         help="after the rounds, one more lmlab run with its lean step calls timed: ms per "
@@ -286,6 +295,16 @@ def main() -> None:
         name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         for name, rs in results.items()
     }
+    # prefill: one 128-token prompt per round is too few samples on a noisy machine; the same
+    # prompt -> first token through the same public paths, --prefill-runs more times, alternating
+    pre: dict[str, list[float]] = {"lmlab": [], "transformers": []}
+    for r in range(args.prefill_runs):
+        for name in ("lmlab", "transformers") if r % 2 == 0 else ("transformers", "lmlab"):
+            fn = run_lmlab if name == "lmlab" else run_hf
+            pre[name].append(fn(model if name == "lmlab" else hf, prompt, 2)[0]["prefill_tok_s"])
+    prefill = {
+        name: statistics.median(v) if v else med[name]["prefill_tok_s"] for name, v in pre.items()
+    }
     same = sum(a == b for a, b in zip(outs["lmlab"], outs["transformers"], strict=True))
     summary = {
         "device": str(device),
@@ -298,7 +317,11 @@ def main() -> None:
         "rounds": args.rounds,
         "median": med,
         "decode_ratio": med["lmlab"]["decode_tok_s"] / med["transformers"]["decode_tok_s"],
-        "prefill_ratio": med["lmlab"]["prefill_tok_s"] / med["transformers"]["prefill_tok_s"],
+        "prefill_ratio": prefill["lmlab"] / prefill["transformers"],
+        "prefill_tok_s": prefill,
+        "prefill_runs": args.prefill_runs,
+        "prefill_ratio_rounds": med["lmlab"]["prefill_tok_s"]
+        / med["transformers"]["prefill_tok_s"],
         "greedy_tokens_equal": f"{same}/{args.new_tokens}",
     }
     print(
@@ -307,7 +330,9 @@ def main() -> None:
     )
     print(
         f"prefill lmlab/transformers = {summary['prefill_ratio']:.2f}x "
-        f"({med['lmlab']['prefill_tok_s']:.0f} vs {med['transformers']['prefill_tok_s']:.0f} tok/s)"
+        f"({prefill['lmlab']:.0f} vs {prefill['transformers']:.0f} tok/s, medians of "
+        f"{args.prefill_runs or args.rounds} runs; the rounds alone: "
+        f"{summary['prefill_ratio_rounds']:.2f}x)"
     )
     print(
         f"peak extra memory: lmlab {med['lmlab']['peak_mib']:.0f} MiB, transformers "
