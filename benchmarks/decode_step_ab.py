@@ -186,6 +186,11 @@ def main() -> None:
     for name in best:
         if name != anchor:
             print(f"step {anchor}/{name} = {best[anchor] / best[name]:.2f}x (best of {args.steps})")
+    # the benchmark's tokens/s divide by the mean step, not the best: medians beside the bests
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    for name in med:
+        if name != anchor:
+            print(f"step {anchor}/{name} = {med[anchor] / med[name]:.2f}x (median of {args.steps})")
 
 
 if __name__ == "__main__":
