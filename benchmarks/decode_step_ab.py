@@ -1,10 +1,11 @@
 """One decode step of SmolLM2-135M, timed side by side: lmlab's forward, lmlab's lean step,
 transformers (and, with ``--compile``, a torch.compile'd layer step), interleaved in one process.
 
-Each contender decodes from its own cache after the same 64-token prefill; a round times one step
-of each, in turn; best and median over ``--steps`` rounds (the best is the least disturbed by other
-load, the figure to read on a shared machine). ``--twin``: the same 30-layer config at d_model 72,
-d_ff 96, vocab 256 with random weights, whose step is almost all per-token overhead.
+Each contender decodes from its own cache after the same 64-token prefill (``--prefill N``: N
+tokens); a round times one step of each, in turn; best and median over ``--steps`` rounds (the
+best is the least disturbed by other load, the figure to read on a shared machine). ``--twin``:
+the same 30-layer config at d_model 72, d_ff 96, vocab 256 with random weights, whose step is
+almost all per-token overhead.
 ``--quantize int4`` (or int8): lmlab's contenders on the quantized model (transformers is left
 out). ``--compile``: one layer's step as a pure function (static KV buffers of 512 slots and a
 position mask, the weights as arguments, so one graph serves every layer and step), compiled with
@@ -36,11 +37,12 @@ from lmlab.interop.load import load
 from lmlab.models.decoder import DecoderLM
 from lmlab.nn.quant import apply_quantization
 
-PREFILL, SLOTS = 64, 512
+SLOTS = 512
 
 
 def compiled_step(model: DecoderLM, prompt: torch.Tensor) -> tuple[Callable, float]:
     """A decode step built on a torch.compile'd layer function and its compile seconds."""
+    prefill = prompt.shape[1]
     cfg = model.cfg
     h, kv, hd = cfg.attention.n_heads, cfg.n_kv_heads, cfg.head_dim
     eps, scale = model.layers[0].attn_norm.eps, model.layers[0].attn.scale
@@ -76,9 +78,9 @@ def compiled_step(model: DecoderLM, prompt: torch.Tensor) -> tuple[Callable, flo
     kbufs = [torch.zeros(1, kv, SLOTS, hd) for _ in weights]
     vbufs = [torch.zeros(1, kv, SLOTS, hd) for _ in weights]
     for kb, vb, c in zip(kbufs, vbufs, cache.layers, strict=True):
-        kb[:, :, :PREFILL], vb[:, :, :PREFILL] = c.k, c.v
+        kb[:, :, :prefill], vb[:, :, :prefill] = c.k, c.v
     fn = torch.compile(layer, fullgraph=True, dynamic=False)
-    state = {"p": PREFILL}
+    state = {"p": prefill}
 
     @torch.no_grad()
     def step(ids: torch.Tensor) -> torch.Tensor:
@@ -98,7 +100,7 @@ def compiled_step(model: DecoderLM, prompt: torch.Tensor) -> tuple[Callable, flo
     t0 = time.perf_counter()
     step(prompt[:, -1:])
     took = time.perf_counter() - t0
-    state["p"] = PREFILL
+    state["p"] = prefill
     return step, took
 
 
@@ -117,6 +119,12 @@ def main() -> None:
     ap.add_argument("--twin", action="store_true")
     ap.add_argument("--quantize", default=None)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument(
+        "--prefill",
+        type=int,
+        default=64,
+        help="cached tokens before the first step (smollm2_decode.py decodes from 128 to 384)",
+    )
     ap.add_argument("--no-fuse", action="store_true", help="lmlab.nn.fused.ENABLED = False")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -132,7 +140,9 @@ def main() -> None:
     if args.quantize:
         model = apply_quantization(model, args.quantize)
     torch.manual_seed(1)
-    prompt = torch.randint(0, 250, (1, PREFILL))
+    if not 0 < args.prefill <= SLOTS - args.steps - 2:
+        raise SystemExit(f"--prefill must be in 1..{SLOTS - args.steps - 2}")
+    prompt = torch.randint(0, 250, (1, args.prefill))
     x = prompt[:, -1:]
     steps: dict[str, Callable[[], torch.Tensor]] = {}
     with torch.no_grad():
@@ -176,6 +186,11 @@ def main() -> None:
     for name in best:
         if name != anchor:
             print(f"step {anchor}/{name} = {best[anchor] / best[name]:.2f}x (best of {args.steps})")
+    # the benchmark's tokens/s divide by the mean step, not the best: medians beside the bests
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    for name in med:
+        if name != anchor:
+            print(f"step {anchor}/{name} = {med[anchor] / med[name]:.2f}x (median of {args.steps})")
 
 
 if __name__ == "__main__":

@@ -7,10 +7,14 @@ copied into a ``LlamaForCausalLM`` built from the same config (no download).
 
 Times come from the public generation paths: lmlab ``generate_ids`` (a streamed iterator) and
 transformers ``generate`` with a streamer. Prefill = prompt start -> first new token; decode =
-the 255 tokens after it. Peak memory = the largest RSS above the RSS before the run, sampled
-every 2 ms from /proc/self/statm (weights excluded: both hold their own copy all along).
+the 255 tokens after it; the prefill ratio is the medians of ``--prefill-runs`` (10) more
+prompt -> first token runs of each, alternating (one per round is too few). Peak memory = the
+largest RSS above the RSS before the run, sampled every 2 ms from /proc/self/statm (weights
+excluded: both hold their own copy all along).
 lmlab's decode steps take the lean step (lmlab.generation.lean_step) as ``generate_ids`` does by
 default; ``--no-lean`` runs every step through the model's forward instead (the A/B).
+``--breakdown``: one more lmlab run at the end with its lean step calls timed (where a
+token's time goes: the step, the rest of the loop, best vs median vs mean, the context's growth).
 
     nice -n 10 .venv/bin/python benchmarks/smollm2_decode.py --rounds 3
 
@@ -139,6 +143,49 @@ def run_lmlab(model: torch.nn.Module, prompt: list[int], new: int) -> tuple[dict
     return _rates(t0, stamps, len(prompt), mem.peak), out
 
 
+def breakdown(model: torch.nn.Module, prompt: list[int], new: int) -> dict[str, float]:
+    """One more lmlab run with each lean step call timed: where a token's time goes (ms).
+
+    Per decode token (the intervals between streamed tokens, the first excluded): mean, median
+    and best; the lean step's call (its checks, snapshot test and layers) and the rest of the
+    loop (sampling/argmax, the stop checks, the cache mask, the streamed iterator); the mean of
+    the first and of the last quarter of the tokens (the context grows from the prompt's length
+    to prompt + new: attention reads more keys and values)."""
+    inside: list[float] = []
+    call = lean_step.LeanStep.__call__
+
+    def timed(self: lean_step.LeanStep, ids: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = call(self, ids)
+        inside.append(time.perf_counter() - t0)
+        return out
+
+    lean_step.LeanStep.__call__ = timed  # type: ignore[method-assign]
+    try:
+        stamps: list[float] = []
+        params = SamplingParams(max_new_tokens=new, temperature=0.0)
+        for _ in generate_ids(model, prompt, params, model.cfg.max_seq_len, eos_id=None):
+            stamps.append(time.perf_counter())
+    finally:
+        lean_step.LeanStep.__call__ = call  # type: ignore[method-assign]
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    q = max(1, len(gaps) // 4)
+    ms = {
+        "token_mean": statistics.mean(gaps),
+        "token_median": statistics.median(gaps),
+        "token_best": min(gaps),
+        "first_quarter_mean": statistics.mean(gaps[:q]),
+        "last_quarter_mean": statistics.mean(gaps[-q:]),
+    }
+    if len(inside) == len(gaps):  # every decode step took the lean step
+        ms["lean_call_mean"] = statistics.mean(inside)
+        ms["rest_of_loop_mean"] = statistics.mean(g - i for g, i in zip(gaps, inside, strict=True))
+        ms["rest_of_loop_median"] = statistics.median(
+            g - i for g, i in zip(gaps, inside, strict=True)
+        )
+    return {k: 1e3 * v for k, v in ms.items()}
+
+
 def run_hf(hf: torch.nn.Module, prompt: list[int], new: int) -> tuple[dict, list[int]]:
     from transformers.generation.streamers import BaseStreamer
 
@@ -198,6 +245,19 @@ def main() -> None:
         help="decode every lmlab token through the model's forward (lmlab.generation.lean_step "
         "off), the path before the lean step",
     )
+    ap.add_argument(
+        "--prefill-runs",
+        type=int,
+        default=10,
+        help="extra prompt -> first token runs of each (alternating) for the prefill ratio; 0: "
+        "the rounds' prefills only",
+    )
+    ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="after the rounds, one more lmlab run with its lean step calls timed: ms per "
+        "token in the step and in the rest of the loop, best/median/mean, first vs last quarter",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lean_step.ENABLED = not args.no_lean
@@ -235,6 +295,16 @@ def main() -> None:
         name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         for name, rs in results.items()
     }
+    # prefill: one 128-token prompt per round is too few samples on a noisy machine; the same
+    # prompt -> first token through the same public paths, --prefill-runs more times, alternating
+    pre: dict[str, list[float]] = {"lmlab": [], "transformers": []}
+    for r in range(args.prefill_runs):
+        for name in ("lmlab", "transformers") if r % 2 == 0 else ("transformers", "lmlab"):
+            fn = run_lmlab if name == "lmlab" else run_hf
+            pre[name].append(fn(model if name == "lmlab" else hf, prompt, 2)[0]["prefill_tok_s"])
+    prefill = {
+        name: statistics.median(v) if v else med[name]["prefill_tok_s"] for name, v in pre.items()
+    }
     same = sum(a == b for a, b in zip(outs["lmlab"], outs["transformers"], strict=True))
     summary = {
         "device": str(device),
@@ -247,7 +317,11 @@ def main() -> None:
         "rounds": args.rounds,
         "median": med,
         "decode_ratio": med["lmlab"]["decode_tok_s"] / med["transformers"]["decode_tok_s"],
-        "prefill_ratio": med["lmlab"]["prefill_tok_s"] / med["transformers"]["prefill_tok_s"],
+        "prefill_ratio": prefill["lmlab"] / prefill["transformers"],
+        "prefill_tok_s": prefill,
+        "prefill_runs": args.prefill_runs,
+        "prefill_ratio_rounds": med["lmlab"]["prefill_tok_s"]
+        / med["transformers"]["prefill_tok_s"],
         "greedy_tokens_equal": f"{same}/{args.new_tokens}",
     }
     print(
@@ -256,12 +330,17 @@ def main() -> None:
     )
     print(
         f"prefill lmlab/transformers = {summary['prefill_ratio']:.2f}x "
-        f"({med['lmlab']['prefill_tok_s']:.0f} vs {med['transformers']['prefill_tok_s']:.0f} tok/s)"
+        f"({prefill['lmlab']:.0f} vs {prefill['transformers']:.0f} tok/s, medians of "
+        f"{args.prefill_runs or args.rounds} runs; the rounds alone: "
+        f"{summary['prefill_ratio_rounds']:.2f}x)"
     )
     print(
         f"peak extra memory: lmlab {med['lmlab']['peak_mib']:.0f} MiB, transformers "
         f"{med['transformers']['peak_mib']:.0f} MiB; greedy tokens equal: {same}/{args.new_tokens}"
     )
+    if args.breakdown:
+        summary["breakdown_ms"] = parts = breakdown(model, prompt, args.new_tokens)
+        print("lmlab per decode token, ms: " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
     print(json.dumps(summary))
 
 

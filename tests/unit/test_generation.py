@@ -427,3 +427,35 @@ def test_a_model_padded_wider_than_its_tokenizer_never_samples_an_id_without_tex
     sampled = SamplingParams(max_new_tokens=20, temperature=1.0, seed=3)
     assert len("".join(generate_text(model, tok, "ab", sampled, 32))) > 0
     assert all(len(t) > 0 for t in generate_texts(model, tok, ["a", "bc"], sampled, 32))
+
+
+def _next_token_gathering_finite(logits, temperature, top_k, top_p, generator):
+    """next_token as it was before its overflow test stopped gathering the finite entries:
+    the reference for the cheaper test."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    scaled = logits / temperature
+    if not bool(scaled[logits.isfinite()].isfinite().all()):
+        return int(torch.argmax(logits))
+    probs = torch.softmax(apply_top_p(apply_top_k(scaled, top_k), top_p), dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_overflow_test_picks_what_gathering_the_finite_logits_picked(dtype):
+    # -inf entries (a vocabulary masked past the tokenizer's, a top-k) with an ordinary
+    # temperature must sample, not fall back to greedy; temperatures where only some finite
+    # logits overflow must act as greedy; the same seed must give the same tokens
+    torch.manual_seed(0)
+    for case in range(60):
+        logits = torch.randn(64) * 10 ** (case % 4)
+        logits[torch.randperm(64)[: case % 7]] = float("-inf")
+        logits = logits.to(dtype)
+        for temperature in (0.7, 1.0, 1e-30, 1e-38, 1e-300, 5e-324):
+            for top_k, top_p in ((0, 1.0), (5, 0.9)):
+                g1 = torch.Generator().manual_seed(case)
+                g2 = torch.Generator().manual_seed(case)
+                got = [next_token(logits, torch.tensor([]), temperature, top_k, top_p, 1.0, g1)
+                       for _ in range(3)]  # fmt: skip
+                want = [_next_token_gathering_finite(logits, temperature, top_k, top_p, g2)
+                        for _ in range(3)]  # fmt: skip
+                assert got == want, (case, temperature, top_k, top_p)

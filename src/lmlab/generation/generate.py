@@ -119,6 +119,10 @@ def _decode(
 
     if params.max_new_tokens == 0:
         return
+    # the history only matters to a repetition penalty (1 leaves logits as they are): without
+    # one, no (S,) id tensor is built per token
+    penalised = params.repetition_penalty != 1.0
+    no_history = torch.empty(0, dtype=torch.long)
     logits = feed(hist)  # prefill every prompt at once
     for step in range(params.max_new_tokens):
         toks: list[int | None] = [None] * b
@@ -131,7 +135,7 @@ def _decode(
                 row_logits[n_tokens:] = float("-inf")  # ids the tokenizer has no text for
             tok = next_token(
                 row_logits,
-                torch.tensor(hist[i], dtype=torch.long),
+                torch.tensor(hist[i], dtype=torch.long) if penalised else no_history,
                 params.temperature,
                 params.top_k,
                 params.top_p,
