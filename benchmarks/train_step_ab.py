@@ -358,14 +358,16 @@ def trainer_step(trainer, fast_paths: bool = True) -> Callable[[], None]:
 
     def step() -> None:
         saved = attention.TRAIN_FUSED_QKV, core.BMM_CAUSAL_MAX_T, position.TRAIN_ROTATE_HALF
+        saved_kernel = position.TRAIN_ROPE_KERNEL
         if not fast_paths:
             attention.TRAIN_FUSED_QKV, core.BMM_CAUSAL_MAX_T = False, 0
-            position.TRAIN_ROTATE_HALF = False
+            position.TRAIN_ROTATE_HALF = position.TRAIN_ROPE_KERNEL = False
         try:
             trainer.train_step(count[0])
         finally:
             attention.TRAIN_FUSED_QKV, core.BMM_CAUSAL_MAX_T = saved[:2]
             position.TRAIN_ROTATE_HALF = saved[2]
+            position.TRAIN_ROPE_KERNEL = saved_kernel
         count[0] += 1
 
     return step

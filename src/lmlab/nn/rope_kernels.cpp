@@ -1,0 +1,142 @@
+// lmlab's CPU kernel for rotary position embeddings (RoPE, half-split layout) in training:
+// one pass over q or k (or both, joined on the head dim) instead of torch's four (x * cos, the
+// rolled copy, its product, the sum) forward and four backward.
+//
+// Legend: B batch, N heads, T tokens, hd head_dim (even, h = hd / 2), strides in elements.
+// x (B, N, T, hd) with any strides (the last one 1), cos and sgn (T, hd) contiguous, where sgn is
+// sin with its first half negated ([-sin1, sin2]); y (B, N, T, hd) with any strides (last 1).
+//
+//   forward (inverse = 0):  y[i] = x[i] cos[i] + x[j] sgn[i]       j = (i + h) mod hd
+//   backward (inverse = 1): y[i] = x[i] cos[i] + x[j] sgn[j]       (x = the output's gradient)
+//
+// which is x * cos + roll(x, h) * sgn and its autograd backward, g * cos + roll(g * sgn, -h).
+// Every product and the sum round as torch's eager ops round them: float32 is plain IEEE
+// arithmetic (built with -ffp-contract=off: no fused multiply-add), bfloat16 is computed in
+// float32 and rounded to bfloat16 (nearest even) after each product and after the sum, as
+// torch's CPU kernels do. So the result is bit-equal to the eager formula in both dtypes
+// (tests/unit/test_rope_kernel.py). (B, T) rows are split over threads with at::parallel_for.
+
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kMaxHeadDim = 1024;
+
+inline float bf16_to_f32(uint16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// f rounded to bfloat16 (nearest even, as c10::BFloat16; NaN stays a NaN), as a float32;
+// branch-free so that the row loops vectorize
+inline float round_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  r = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : r;
+  float out;
+  std::memcpy(&out, &r, 4);
+  return out;
+}
+
+// One row of hd channels; Bf16: round each product and the sum to bfloat16.
+template <bool Bf16>
+inline void rotate_row(const float* x, const float* c, const float* s, float* y, int64_t hd,
+                       bool inverse) {
+  const int64_t h = hd / 2;
+  for (int64_t half = 0; half < 2; ++half) {
+    const int64_t lo = half * h;          // channels i in [lo, lo + h)
+    const int64_t other = (1 - half) * h;  // j = i + h (first half) or i - h (second half)
+    const float* sj = inverse ? s + other : s + lo;
+    for (int64_t i = 0; i < h; ++i) {
+      float a = x[lo + i] * c[lo + i];
+      float b = x[other + i] * sj[i];
+      if (Bf16) {
+        a = round_bf16(a);
+        b = round_bf16(b);
+        y[lo + i] = round_bf16(a + b);
+      } else {
+        y[lo + i] = a + b;
+      }
+    }
+  }
+}
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n);
+template <>
+inline void load_row<float>(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+template <>
+inline void load_row<uint16_t>(const uint16_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
+}
+
+template <typename T>
+inline void store_row(const float* src, T* dst, int64_t n);
+template <>
+inline void store_row<float>(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+template <>
+inline void store_row<uint16_t>(const float* src, uint16_t* dst, int64_t n) {
+  // values are already bfloat16-exact: the conversion only truncates
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &src[i], 4);
+    dst[i] = static_cast<uint16_t>(u >> 16);
+  }
+}
+
+template <typename T>
+void rope(const T* x, int64_t nb, int64_t nh, int64_t nt, int64_t hd, int64_t sxb, int64_t sxn,
+          int64_t sxt, const T* cos, const T* sgn, T* y, int64_t syb, int64_t syn, int64_t syt,
+          bool inverse) {
+  constexpr bool kBf16 = sizeof(T) == 2;
+  at::parallel_for(0, nb * nt, 8, [&](int64_t begin, int64_t end) {
+    float xf[kMaxHeadDim], cf[kMaxHeadDim], sf[kMaxHeadDim], yf[kMaxHeadDim];
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t b = row / nt, t = row % nt;
+      load_row<T>(cos + t * hd, cf, hd);
+      load_row<T>(sgn + t * hd, sf, hd);
+      for (int64_t n = 0; n < nh; ++n) {
+        load_row<T>(x + b * sxb + n * sxn + t * sxt, xf, hd);
+        rotate_row<kBf16>(xf, cf, sf, yf, hd, inverse);
+        store_row<T>(yf, y + b * syb + n * syn + t * syt, hd);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype 0: float32, 1: bfloat16. Returns 0, or 1 for a head_dim it does not take (odd, > 1024).
+int lmlab_rope(int dtype, const void* x, int64_t nb, int64_t nh, int64_t nt, int64_t hd,
+               int64_t sxb, int64_t sxn, int64_t sxt, const void* cos, const void* sgn, void* y,
+               int64_t syb, int64_t syn, int64_t syt, int inverse) {
+  if (hd < 2 || hd % 2 || hd > kMaxHeadDim) return 1;
+  if (dtype == 0) {
+    rope<float>(static_cast<const float*>(x), nb, nh, nt, hd, sxb, sxn, sxt,
+                static_cast<const float*>(cos), static_cast<const float*>(sgn),
+                static_cast<float*>(y), syb, syn, syt, inverse != 0);
+  } else if (dtype == 1) {
+    rope<uint16_t>(static_cast<const uint16_t*>(x), nb, nh, nt, hd, sxb, sxn, sxt,
+                   static_cast<const uint16_t*>(cos), static_cast<const uint16_t*>(sgn),
+                   static_cast<uint16_t*>(y), syb, syn, syt, inverse != 0);
+  } else {
+    return 1;
+  }
+  return 0;
+}
+
+int lmlab_rope_max_head_dim() { return static_cast<int>(kMaxHeadDim); }
+
+}  // extern "C"
