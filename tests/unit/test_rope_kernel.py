@@ -105,3 +105,60 @@ def test_without_the_compiled_kernel_rope_runs_as_torch_ops(monkeypatch):
     assert torch.equal(y, _rolled(x, cos, signed))
     with pytest.raises(RuntimeError, match="not available"):
         rope_kernel.rope(x, cos, signed)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("h", "kv"), [(3, 3), (4, 2)])
+def test_split_rotates_q_and_k_and_passes_v_from_one_projection(dtype, h, kv):
+    torch.manual_seed(1)
+    b, t, hd = 2, 6, 16
+    proj = torch.randn(b, t, h + 2 * kv, hd, dtype=dtype)
+    cos, signed = torch.randn(t, hd).to(dtype), torch.randn(t, hd).to(dtype)
+    a, r = proj.clone().requires_grad_(), proj.clone().requires_grad_()
+    q, k, v = rope_kernel.rope_split(a, cos, signed, h, kv)
+    heads = r.transpose(1, 2)
+    ref = (
+        _rolled(heads[:, :h], cos, signed),
+        _rolled(heads[:, h : h + kv], cos, signed),
+        heads[:, h + kv :],
+    )
+    for out, want in zip((q, k, v), ref, strict=True):
+        assert torch.equal(out, want) and out.is_contiguous()
+    gs = [torch.randn_like(z) for z in ref]
+    torch.autograd.backward(ref, gs)
+    torch.autograd.backward((q, k, v), [g.transpose(2, 3).contiguous().transpose(2, 3) for g in gs])
+    assert torch.equal(a.grad, r.grad)
+    (dk,) = torch.autograd.grad(rope_kernel.rope_split(a, cos, signed, h, kv)[1].sum(), a)
+    assert dk[:, :, :h].abs().sum() == 0 and dk[:, :, h + kv :].abs().sum() == 0  # k only
+
+
+@needs_kernel
+def test_bf16_training_takes_the_split_and_hooks_see_the_same_q_k_v(monkeypatch):
+    torch.manual_seed(0)
+    m = build_model(tiny_model_config(V, d_model=64, attention={"n_heads": 2}))
+    x = torch.randint(0, V, (2, 9))
+    attn = m.layers[0].attn
+    seen: list[torch.Tensor] = []
+    kinds: set[str] = set()
+
+    def record(out: torch.Tensor, name: str) -> None:
+        seen.append(out.detach())
+        kinds.add(type(out.grad_fn).__name__)
+
+    for point in (attn.hook_q, attn.hook_k, attn.hook_v):  # lmlab's hook points (lmlab.hooks)
+        point.fns.append(record)
+
+    def run(kernel: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(position, "TRAIN_ROPE_KERNEL", kernel)
+        m.zero_grad(set_to_none=True)
+        seen.clear()
+        kinds.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(x, targets=x).loss
+        assert ("RopeSplitFunctionBackward" in kinds) == kernel, kinds
+        loss.backward()
+        return [*seen, loss.detach(), *(p.grad.clone() for p in m.parameters())]
+
+    for a, b in zip(run(True), run(False), strict=True):
+        assert torch.equal(a, b)

@@ -487,6 +487,24 @@ class RotaryPosition(PositionEncoding):
             return x * cos + x.roll(r // 2, -1) * signed
         return apply_rope(x, cos, sin, self.interleaved)
 
+    def rotate_split(
+        self, qkv: torch.Tensor, h: int, kv: int, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """qkv (B, T, H + 2 K, hd), a fused projection's output, -> (q (B, H, T, hd) and k
+        (B, K, T, hd) rotated to ``positions``, v (B, K, T, hd)), each contiguous, through lmlab's
+        RoPE kernel in one call each way (:func:`lmlab.nn.rope_kernel.rope_split`): the values
+        and gradients of splitting, transposing and :meth:`rotate_heads`, bit for bit. None where
+        the kernel does not apply (see :func:`_rope_kernel_applies`; the half-split layout over
+        every channel only): the caller splits and rotates."""
+        cos, _, signed = self._rotation(positions, qkv.dtype)
+        if signed is None or qkv.shape[-1] != cos.shape[-1] or qkv.stride(-1) != 1:
+            return None
+        if not _rope_kernel_applies(qkv.transpose(1, 2), cos):
+            return None
+        from lmlab.nn.rope_kernel import rope_split
+
+        return rope_split(qkv, cos, signed, h, kv)
+
     def rotation(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -121,14 +121,17 @@ def applies(x: torch.Tensor, cos: torch.Tensor) -> bool:
     )
 
 
-def _call(x: torch.Tensor, cos: torch.Tensor, signed: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """x (B, N, T, hd) -> (B, N, T, hd) laid out in memory as (B, T, N, hd) (the layout torch's
-    elementwise ops give a head-transposed projection, and its gradient)."""
+def _into(
+    x: torch.Tensor, cos: torch.Tensor, signed: torch.Tensor, out: torch.Tensor, inverse: bool
+) -> torch.Tensor:
+    """Rotate x (B, N, T, hd) into ``out`` (B, N, T, hd), each with any strides but a last one
+    of 1, not overlapping; ``inverse``: the gradient's rotation. Returns ``out``."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"lmlab's RoPE kernel is not available: {_status}")
     b, n, t, hd = x.shape
-    out = torch.empty(b, t, n, hd, dtype=x.dtype, device=x.device).transpose(1, 2)
+    if out.shape != x.shape or out.dtype != x.dtype or x.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("x and out must have one shape and dtype and a last stride of 1")
     cos, signed = cos.contiguous(), signed.contiguous()
     sx, so = x.stride(), out.stride()
     rc = lib.lmlab_rope(
@@ -138,6 +141,14 @@ def _call(x: torch.Tensor, cos: torch.Tensor, signed: torch.Tensor, inverse: boo
     if rc:
         raise ValueError(f"the RoPE kernel refused head_dim {hd}")
     return out
+
+
+def _call(x: torch.Tensor, cos: torch.Tensor, signed: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """x (B, N, T, hd) -> (B, N, T, hd) laid out in memory as (B, T, N, hd) (the layout torch's
+    elementwise ops give a head-transposed projection, and its gradient)."""
+    b, n, t, hd = x.shape
+    out = torch.empty(b, t, n, hd, dtype=x.dtype, device=x.device).transpose(1, 2)
+    return _into(x, cos, signed, out, inverse)
 
 
 class RopeFunction(torch.autograd.Function):
@@ -161,3 +172,53 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed: torch.Tensor) -> torch.Tens
     (T, hd) of its dtype: ``x * cos + roll(x, hd / 2) * signed``, bit-equal, differentiable.
     Raises RuntimeError when the kernel is unavailable (check :func:`applies` first)."""
     return RopeFunction.apply(x, cos, signed)
+
+
+class RopeSplitFunction(torch.autograd.Function):
+    """qkv (B, T, H + 2 K, hd), one projection's output -> q (B, H, T, hd) and k (B, K, T, hd)
+    rotated, v (B, K, T, hd), each contiguous (what batched-matmul attention reads without a
+    copy). Backward writes the three gradients into one (B, T, H + 2 K, hd) tensor, q's and k's
+    rotated back: no concatenation of the three, no transposed copies. Values and gradients are
+    :func:`rope`'s (the rolled formula), bit for bit; cos and signed (T, hd) of qkv's dtype."""
+
+    @staticmethod
+    def forward(ctx, qkv, cos, signed, h, kv):
+        b, t, _, hd = qkv.shape
+        ctx.save_for_backward(cos, signed)
+        ctx.h, ctx.kv = h, kv
+        heads = qkv.transpose(1, 2)  # (B, H + 2 K, T, hd), strided
+        new = lambda n: torch.empty(b, n, t, hd, dtype=qkv.dtype, device=qkv.device)  # noqa: E731
+        q = _into(heads[:, :h], cos, signed, new(h), inverse=False)
+        k = _into(heads[:, h : h + kv], cos, signed, new(kv), inverse=False)
+        v = new(kv).copy_(heads[:, h + kv :])
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos, signed = ctx.saved_tensors
+        h, kv = ctx.h, ctx.kv
+        ref = next(g for g in (dq, dk, dv) if g is not None)
+        b, _, t, hd = ref.shape
+        dqkv = torch.empty(b, t, h + 2 * kv, hd, dtype=ref.dtype, device=ref.device)
+        heads = dqkv.transpose(1, 2)
+        for g, lo, n in ((dq, 0, h), (dk, h, kv)):
+            if g is None:
+                heads[:, lo : lo + n].zero_()
+            else:
+                _into(g if g.stride(-1) == 1 else g.contiguous(), cos, signed,
+                      heads[:, lo : lo + n], inverse=True)  # fmt: skip
+        if dv is None:
+            heads[:, h + kv :].zero_()
+        else:
+            heads[:, h + kv :].copy_(dv)
+        return dqkv, None, None, None, None
+
+
+def rope_split(
+    qkv: torch.Tensor, cos: torch.Tensor, signed: torch.Tensor, h: int, kv: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv (B, T, H + 2 K, hd) float32 or bfloat16 -> (q (B, H, T, hd), k (B, K, T, hd)) rotated
+    as :func:`rope` rotates them and v (B, K, T, hd), each contiguous; differentiable
+    (:class:`RopeSplitFunction`). Raises RuntimeError when the kernel is unavailable."""
+    q, k, v = RopeSplitFunction.apply(qkv, cos, signed, h, kv)
+    return q, k, v
