@@ -1,7 +1,7 @@
 """One training step, lmlab vs nanoGPT, on the same model and batch, interleaved in one process.
 
     python benchmarks/train_step_ab.py [--shapes nanogpt,minigpt] [--precisions fp32,bf16]
-        [--rounds 20] [--threads 1] [--config CONFIG]
+        [--rounds 20] [--threads 1] [--config CONFIG] [--reference] [--rope-kernel]
 
 For each shape and precision it builds, in this one process:
 
@@ -19,6 +19,8 @@ For each shape and precision it builds, in this one process:
 - **lmlab-ref** (``--reference``): lmlab's default again with its training fast paths off (the
   q/k/v fusion, the bf16 batched-matmul attention, the bf16 RoPE function; module flags), so
   ``lmlab fast paths on/off`` is what they gain, measured in the same loop.
+- **lmlab-torchrope** (``--rope-kernel``): lmlab's default with only the C++ RoPE kernel
+  (:mod:`lmlab.nn.rope_kernel`) off, RoPE as torch ops: ``lmlab rope kernel on/off``.
 - **plain**: lmlab with nanoGPT's architecture (learned positions, no biases in linears or
   norms), the same Trainer step: ``lmlab default / plain`` is what lmlab's default architecture
   costs.
@@ -135,6 +137,11 @@ def main(argv: list[str] | None = None) -> None:
         help="also lmlab with its training fast paths off (lmlab-ref): what they gain",
     )
     ap.add_argument(
+        "--rope-kernel",
+        action="store_true",
+        help="also lmlab with only its C++ RoPE kernel off (lmlab-torchrope): what it gains",
+    )
+    ap.add_argument(
         "--attention", action="store_true", help="only the bf16 attention paths (see attention_ab)"
     )
     ap.add_argument(
@@ -205,6 +212,10 @@ def main(argv: list[str] | None = None) -> None:
             (f"lmlab fast paths on/off ({shape} shape, {p})", "lmlab", p, "lmlab-ref", p)
             for p in precisions
         ]
+        pairs += [
+            (f"lmlab rope kernel on/off ({shape} shape, {p})", "lmlab", p, "lmlab-torchrope", p)
+            for p in precisions
+        ]
         for what, a, pa, b, pb in pairs:
             if (a, pa) in med and (b, pb) in med:
                 r = med[b, pb] / med[a, pa]
@@ -232,6 +243,9 @@ def run_shape(args: argparse.Namespace, shape: str, precisions: list[str], ids: 
             if args.reference:
                 ref = stack.enter_context(lmlab_session(args.config, over))
                 steps["lmlab-ref", p] = trainer_step(ref.trainer, fast_paths=False)
+            if args.rope_kernel:
+                tr = stack.enter_context(lmlab_session(args.config, over))
+                steps["lmlab-torchrope", p] = trainer_step(tr.trainer, rope_kernel=False)
             tokens = SHAPES[shape][4] * lm.seq_len
             flops = flops_per_token(lm.model, lm.cfg.model, lm.seq_len, True)
         for fn in steps.values():
@@ -346,10 +360,11 @@ def attention_ab(rounds: int) -> None:
         )
 
 
-def trainer_step(trainer, fast_paths: bool = True) -> Callable[[], None]:
+def trainer_step(trainer, fast_paths: bool = True, rope_kernel: bool = True) -> Callable[[], None]:
     """One ``Trainer.train_step`` per call, at the next step number; ``fast_paths`` False runs
     it with the training fast paths switched off (the q/k/v fusion, the bf16 batched-matmul
-    attention, the bf16 RoPE function): the reference path they replace."""
+    attention, the bf16 RoPE function, the C++ RoPE kernel): the reference path they replace;
+    ``rope_kernel`` False only the C++ RoPE kernel (RoPE as torch ops, as before it)."""
     import lmlab.nn.attention as attention
     import lmlab.nn.attention_core as core
     import lmlab.nn.position as position
@@ -362,6 +377,8 @@ def trainer_step(trainer, fast_paths: bool = True) -> Callable[[], None]:
         if not fast_paths:
             attention.TRAIN_FUSED_QKV, core.BMM_CAUSAL_MAX_T = False, 0
             position.TRAIN_ROTATE_HALF = position.TRAIN_ROPE_KERNEL = False
+        if not rope_kernel:
+            position.TRAIN_ROPE_KERNEL = False
         try:
             trainer.train_step(count[0])
         finally:
