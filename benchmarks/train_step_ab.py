@@ -19,7 +19,7 @@ For each shape and precision it builds, in this one process:
 - **lmlab-ref** (``--reference``): lmlab's default again with its training fast paths off (the
   q/k/v fusion, the bf16 batched-matmul attention, the bf16 RoPE function; module flags), so
   ``lmlab fast paths on/off`` is what they gain, measured in the same loop.
-- **lmlab-torchrope** (``--rope-kernel``): lmlab's default with only the C++ RoPE kernel
+- **torchrope** (``--rope-kernel``): lmlab's default with only the C++ RoPE kernel
   (:mod:`lmlab.nn.rope_kernel`) off, RoPE as torch ops: ``lmlab rope kernel on/off``.
 - **plain**: lmlab with nanoGPT's architecture (learned positions, no biases in linears or
   norms), the same Trainer step: ``lmlab default / plain`` is what lmlab's default architecture
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--rope-kernel",
         action="store_true",
-        help="also lmlab with only its C++ RoPE kernel off (lmlab-torchrope): what it gains",
+        help="also lmlab with only its C++ RoPE kernel off (torchrope): what it gains",
     )
     ap.add_argument(
         "--attention", action="store_true", help="only the bf16 attention paths (see attention_ab)"
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
             for p in precisions
         ]
         pairs += [
-            (f"lmlab rope kernel on/off ({shape} shape, {p})", "lmlab", p, "lmlab-torchrope", p)
+            (f"lmlab rope kernel on/off ({shape} shape, {p})", "lmlab", p, "torchrope", p)
             for p in precisions
         ]
         for what, a, pa, b, pb in pairs:
@@ -245,7 +245,7 @@ def run_shape(args: argparse.Namespace, shape: str, precisions: list[str], ids: 
                 steps["lmlab-ref", p] = trainer_step(ref.trainer, fast_paths=False)
             if args.rope_kernel:
                 tr = stack.enter_context(lmlab_session(args.config, over))
-                steps["lmlab-torchrope", p] = trainer_step(tr.trainer, rope_kernel=False)
+                steps["torchrope", p] = trainer_step(tr.trainer, rope_kernel=False)
             tokens = SHAPES[shape][4] * lm.seq_len
             flops = flops_per_token(lm.model, lm.cfg.model, lm.seq_len, True)
         for fn in steps.values():

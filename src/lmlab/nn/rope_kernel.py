@@ -145,7 +145,10 @@ def _into(
 
 def _call(x: torch.Tensor, cos: torch.Tensor, signed: torch.Tensor, inverse: bool) -> torch.Tensor:
     """x (B, N, T, hd) -> (B, N, T, hd) laid out in memory as (B, T, N, hd) (the layout torch's
-    elementwise ops give a head-transposed projection, and its gradient)."""
+    elementwise ops give a head-transposed projection, and its gradient). An x whose last
+    stride is not 1 (a gradient from a transposed matmul) is made contiguous first."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     b, n, t, hd = x.shape
     out = torch.empty(b, t, n, hd, dtype=x.dtype, device=x.device).transpose(1, 2)
     return _into(x, cos, signed, out, inverse)
