@@ -1,5 +1,6 @@
 """One training step, lmlab vs nanoGPT, on the same model and batch, interleaved in one process.
 
+    python benchmarks/train_step_ab.py --profile-arch minigpt,bf16 --rounds 4  # op by op
     python benchmarks/train_step_ab.py [--shapes nanogpt,minigpt] [--precisions fp32,bf16]
         [--rounds 20] [--threads 1] [--config CONFIG] [--reference] [--rope-kernel]
 
@@ -150,6 +151,12 @@ def main(argv: list[str] | None = None) -> None:
         help="only profile 3 lmlab steps (torch.profiler, ops by self CPU time), e.g. minigpt,bf16",
     )
     ap.add_argument(
+        "--profile-arch",
+        metavar="SHAPE,PRECISION[,A,B]",
+        help="only profile lmlab's architecture A against B (default: default,plain; names of "
+        "ARCH_VARIANTS), op by op, ms per step (see profile_arch), e.g. minigpt,bf16",
+    )
+    ap.add_argument(
         "--arch",
         metavar="SHAPE",
         help="only lmlab's architecture variants at SHAPE (see arch_ab), e.g. minigpt",
@@ -161,6 +168,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.profile:
         profile_steps(args, *args.profile.split(","))
+        return
+    if args.profile_arch:
+        profile_arch(args, *args.profile_arch.split(","))
         return
     if args.attention:
         attention_ab(args.rounds)
@@ -317,6 +327,46 @@ def profile_steps(args: argparse.Namespace, shape: str, precision: str) -> None:
             for _ in range(3):
                 step()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+
+
+def profile_arch(
+    args: argparse.Namespace, shape: str, precision: str, a: str = "default", b: str = "plain"
+) -> None:
+    """torch.profiler over ``--rounds`` Trainer steps (after 3 warm-up steps) of lmlab's
+    architecture variant ``a`` and then ``b`` (:data:`ARCH_VARIANTS`) at ``shape``: the total
+    self CPU time per step of each and, for the 28 ops whose self CPU time differs most, each
+    one's ms per step (calls per step) in a and in b and the difference: where a's extra time
+    goes. One after the other, not interleaved: read the op rows, not the totals, under load."""
+    from torch.profiler import ProfilerActivity, profile
+
+    per_step: dict[str, dict[str, tuple[float, float]]] = {}
+    for name in (a, b):
+        over = shape_overrides(shape, precision) + ARCH_VARIANTS[name]
+        with lmlab_session(args.config, over) as lm:
+            step = trainer_step(lm.trainer)
+            for _ in range(3):
+                step()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(args.rounds):
+                    step()
+        per_step[name] = {
+            e.key: (e.self_cpu_time_total / args.rounds / 1e3, e.count / args.rounds)
+            for e in prof.key_averages()
+        }
+    total = {n: sum(v[0] for v in per_step[n].values()) for n in (a, b)}
+    print(
+        f"{shape} shape, {precision}, {args.threads} thread(s): self CPU ms/step "
+        f"{a} {total[a]:.1f}, {b} {total[b]:.1f}"
+    )
+    zero = (0.0, 0.0)
+    keys = sorted(
+        set(per_step[a]) | set(per_step[b]),
+        key=lambda k: -abs(per_step[a].get(k, zero)[0] - per_step[b].get(k, zero)[0]),
+    )
+    print(f"{'op':<48} {a + ' ms (calls)':>18} {b + ' ms (calls)':>18}   {a} - {b}")
+    for k in keys[:28]:
+        (ta, ca), (tb, cb) = per_step[a].get(k, zero), per_step[b].get(k, zero)
+        print(f"{k[:48]:<48} {ta:9.2f} ({ca:5.0f}) {tb:10.2f} ({cb:5.0f})   {ta - tb:+8.2f}")
 
 
 ATTENTION_SHAPES = [(12, 4, 64, 32), (16, 4, 256, 64), (4, 4, 512, 64), (2, 4, 1024, 64)]
