@@ -45,74 +45,79 @@ inline float round_bf16(float f) {
   return out;
 }
 
-// One row of hd channels; Bf16: round each product and the sum to bfloat16.
-template <bool Bf16>
-inline void rotate_row(const float* __restrict x, const float* __restrict c,
-                       const float* __restrict s, float* __restrict y, int64_t hd, bool inverse) {
+inline float load(float v) { return v; }
+inline float load(uint16_t v) { return bf16_to_f32(v); }
+inline void store(float v, float* dst) { *dst = v; }
+inline void store(float v, uint16_t* dst) {  // v is already bfloat16-exact: truncation
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  *dst = static_cast<uint16_t>(u >> 16);
+}
+
+// One head's row of hd channels (HD: hd known at compile time, 0 for any): y[i] = x[i] c[i] +
+// x[j] s[i], j = (i + hd/2) mod hd, where s is already the row's sgn (forward) or sgn[j]
+// (inverse). Bf16 (T = uint16_t): each product and the sum rounded to bfloat16.
+template <typename T, int64_t HD>
+inline void rotate_head(const T* __restrict x, const float* __restrict c,
+                        const float* __restrict s, T* __restrict y, int64_t hd_rt) {
+  constexpr bool kBf16 = sizeof(T) == 2;
+  const int64_t hd = HD ? HD : hd_rt;
   const int64_t h = hd / 2;
+  float xf[kMaxHeadDim];
+  for (int64_t i = 0; i < hd; ++i) xf[i] = load(x[i]);
   for (int64_t half = 0; half < 2; ++half) {
-    const int64_t lo = half * h;          // channels i in [lo, lo + h)
-    const int64_t other = (1 - half) * h;  // j = i + h (first half) or i - h (second half)
-    const float* sj = inverse ? s + other : s + lo;
+    const int64_t lo = half * h, other = (1 - half) * h;  // i in [lo, lo + h), j = other + ..
     for (int64_t i = 0; i < h; ++i) {
-      float a = x[lo + i] * c[lo + i];
-      float b = x[other + i] * sj[i];
-      if (Bf16) {
-        a = round_bf16(a);
-        b = round_bf16(b);
-        y[lo + i] = round_bf16(a + b);
+      const float a = xf[lo + i] * c[lo + i];
+      const float b = xf[other + i] * s[lo + i];
+      float v;
+      if (kBf16) {
+        v = round_bf16(round_bf16(a) + round_bf16(b));
       } else {
-        y[lo + i] = a + b;
+        v = a + b;
       }
+      store(v, &y[lo + i]);
     }
   }
 }
 
-template <typename T>
-inline void load_row(const T* src, float* dst, int64_t n);
-template <>
-inline void load_row<float>(const float* src, float* dst, int64_t n) {
-  std::memcpy(dst, src, n * sizeof(float));
-}
-template <>
-inline void load_row<uint16_t>(const uint16_t* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
-}
-
-template <typename T>
-inline void store_row(const float* src, T* dst, int64_t n);
-template <>
-inline void store_row<float>(const float* src, float* dst, int64_t n) {
-  std::memcpy(dst, src, n * sizeof(float));
-}
-template <>
-inline void store_row<uint16_t>(const float* src, uint16_t* dst, int64_t n) {
-  // values are already bfloat16-exact: the conversion only truncates
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, &src[i], 4);
-    dst[i] = static_cast<uint16_t>(u >> 16);
-  }
-}
-
-template <typename T>
+template <typename T, int64_t HD>
 void rope(const T* x, int64_t nb, int64_t nh, int64_t nt, int64_t hd, int64_t sxb, int64_t sxn,
           int64_t sxt, const T* cos, const T* sgn, T* y, int64_t syb, int64_t syn, int64_t syt,
           bool inverse) {
-  constexpr bool kBf16 = sizeof(T) == 2;
   at::parallel_for(0, nb * nt, 8, [&](int64_t begin, int64_t end) {
-    float xf[kMaxHeadDim], cf[kMaxHeadDim], sf[kMaxHeadDim], yf[kMaxHeadDim];
+    float cf[kMaxHeadDim], sf[kMaxHeadDim];
+    const int64_t h = hd / 2;
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / nt, t = row % nt;
-      load_row<T>(cos + t * hd, cf, hd);
-      load_row<T>(sgn + t * hd, sf, hd);
+      for (int64_t i = 0; i < hd; ++i) {
+        const int64_t j = i < h ? i + h : i - h;
+        cf[i] = load(cos[t * hd + i]);
+        sf[i] = load(sgn[t * hd + (inverse ? j : i)]);
+      }
       for (int64_t n = 0; n < nh; ++n) {
-        load_row<T>(x + b * sxb + n * sxn + t * sxt, xf, hd);
-        rotate_row<kBf16>(xf, cf, sf, yf, hd, inverse);
-        store_row<T>(yf, y + b * syb + n * syn + t * syt, hd);
+        rotate_head<T, HD>(x + b * sxb + n * sxn + t * sxt, cf, sf, y + b * syb + n * syn + t * syt,
+                           hd);
       }
     }
   });
+}
+
+template <typename T>
+void rope_any(const T* x, int64_t nb, int64_t nh, int64_t nt, int64_t hd, int64_t sxb,
+              int64_t sxn, int64_t sxt, const T* cos, const T* sgn, T* y, int64_t syb,
+              int64_t syn, int64_t syt, bool inverse) {
+  // the common head sizes unrolled at compile time
+#define LMLAB_ROPE_HD(N)                                                                     \
+  if (hd == N) {                                                                           \
+    rope<T, N>(x, nb, nh, nt, hd, sxb, sxn, sxt, cos, sgn, y, syb, syn, syt, inverse);     \
+    return;                                                                                \
+  }
+  LMLAB_ROPE_HD(32)
+  LMLAB_ROPE_HD(64)
+  LMLAB_ROPE_HD(128)
+#undef LMLAB_ROPE_HD
+  rope<T, 0>(x, nb, nh, nt, hd, sxb, sxn, sxt, cos, sgn, y, syb, syn, syt, inverse);
 }
 
 }  // namespace
@@ -125,11 +130,11 @@ int lmlab_rope(int dtype, const void* x, int64_t nb, int64_t nh, int64_t nt, int
                int64_t syb, int64_t syn, int64_t syt, int inverse) {
   if (hd < 2 || hd % 2 || hd > kMaxHeadDim) return 1;
   if (dtype == 0) {
-    rope<float>(static_cast<const float*>(x), nb, nh, nt, hd, sxb, sxn, sxt,
+    rope_any<float>(static_cast<const float*>(x), nb, nh, nt, hd, sxb, sxn, sxt,
                 static_cast<const float*>(cos), static_cast<const float*>(sgn),
                 static_cast<float*>(y), syb, syn, syt, inverse != 0);
   } else if (dtype == 1) {
-    rope<uint16_t>(static_cast<const uint16_t*>(x), nb, nh, nt, hd, sxb, sxn, sxt,
+    rope_any<uint16_t>(static_cast<const uint16_t*>(x), nb, nh, nt, hd, sxb, sxn, sxt,
                    static_cast<const uint16_t*>(cos), static_cast<const uint16_t*>(sgn),
                    static_cast<uint16_t*>(y), syb, syn, syt, inverse != 0);
   } else {
