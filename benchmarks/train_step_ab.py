@@ -157,6 +157,11 @@ def main(argv: list[str] | None = None) -> None:
         "ARCH_VARIANTS), op by op, ms per step (see profile_arch), e.g. minigpt,bf16",
     )
     ap.add_argument(
+        "--matmuls",
+        action="store_true",
+        help="only the Mini-GPT step's bf16 matmul shapes alone, as a fraction of the peak",
+    )
+    ap.add_argument(
         "--arch",
         metavar="SHAPE",
         help="only lmlab's architecture variants at SHAPE (see arch_ab), e.g. minigpt",
@@ -168,6 +173,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.profile:
         profile_steps(args, *args.profile.split(","))
+        return
+    if args.matmuls:
+        matmul_shapes(args.rounds)
         return
     if args.profile_arch:
         profile_arch(args, *args.profile_arch.split(","))
@@ -367,6 +375,39 @@ def profile_arch(
     for k in keys[:28]:
         (ta, ca), (tb, cb) = per_step[a].get(k, zero), per_step[b].get(k, zero)
         print(f"{k[:48]:<48} {ta:9.2f} ({ca:5.0f}) {tb:10.2f} ({cb:5.0f})   {ta - tb:+8.2f}")
+
+
+MATMUL_SHAPES = {  # (batch, M, K, N) of the Mini-GPT bf16 step's matmuls (16 x 256 tokens)
+    "q/k/v projection (4096, 256) x (256, 768)": (1, 4096, 256, 768),
+    "MLP up (4096, 256) x (256, 1024)": (1, 4096, 256, 1024),
+    "MLP down (4096, 1024) x (1024, 256)": (1, 4096, 1024, 256),
+    "out projection (4096, 256) x (256, 256)": (1, 4096, 256, 256),
+    "MLP up weight gradient (1024, 4096) x (4096, 256)": (1, 1024, 4096, 256),
+    "attention scores bmm (64, 256, 64) x (64, 64, 256)": (64, 256, 64, 256),
+}
+
+
+def matmul_shapes(rounds: int) -> None:
+    """Each of :data:`MATMUL_SHAPES` in bf16 alone (the same operands each call, median of
+    ``rounds``) as TFLOP/s and a fraction of the bf16 matmul peak measured here: how near the
+    peak this step's matmuls can run at all."""
+    from lmlab.training.hardware import measure_matmul_peak
+
+    peak = measure_matmul_peak(torch.device("cpu"), "bf16", seconds=1.0)
+    for name, (b, m, k, n) in MATMUL_SHAPES.items():
+        x = torch.randn(b, m, k, dtype=torch.bfloat16)
+        w = torch.randn(b, k, n, dtype=torch.bfloat16)
+        a, c = (x[0], w[0]) if b == 1 else (x, w)
+        op = torch.mm if b == 1 else torch.bmm
+        op(a, c)
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            op(a, c)
+            times.append(time.perf_counter() - start)
+        rate = 2 * b * m * k * n / statistics.median(times)
+        print(f"{name}: {rate / 1e12:.2f} TFLOP/s = {100 * rate / peak:.0f}% of the bf16 peak")
+    print(f"bf16 matmul peak {peak / 1e12:.2f} TFLOP/s")
 
 
 ATTENTION_SHAPES = [(12, 4, 64, 32), (16, 4, 256, 64), (4, 4, 512, 64), (2, 4, 1024, 64)]
