@@ -1,7 +1,8 @@
 """One training step, lmlab vs nanoGPT, on the same model and batch, interleaved in one process.
 
+    python benchmarks/train_step_ab.py --profile-arch minigpt,bf16 --rounds 4  # op by op
     python benchmarks/train_step_ab.py [--shapes nanogpt,minigpt] [--precisions fp32,bf16]
-        [--rounds 20] [--threads 1] [--config CONFIG]
+        [--rounds 20] [--threads 1] [--config CONFIG] [--reference] [--rope-kernel]
 
 For each shape and precision it builds, in this one process:
 
@@ -19,6 +20,8 @@ For each shape and precision it builds, in this one process:
 - **lmlab-ref** (``--reference``): lmlab's default again with its training fast paths off (the
   q/k/v fusion, the bf16 batched-matmul attention, the bf16 RoPE function; module flags), so
   ``lmlab fast paths on/off`` is what they gain, measured in the same loop.
+- **torchrope** (``--rope-kernel``): lmlab's default with only the C++ RoPE kernel
+  (:mod:`lmlab.nn.rope_kernel`) off, RoPE as torch ops: ``lmlab rope kernel on/off``.
 - **plain**: lmlab with nanoGPT's architecture (learned positions, no biases in linears or
   norms), the same Trainer step: ``lmlab default / plain`` is what lmlab's default architecture
   costs.
@@ -135,12 +138,28 @@ def main(argv: list[str] | None = None) -> None:
         help="also lmlab with its training fast paths off (lmlab-ref): what they gain",
     )
     ap.add_argument(
+        "--rope-kernel",
+        action="store_true",
+        help="also lmlab with only its C++ RoPE kernel off (torchrope): what it gains",
+    )
+    ap.add_argument(
         "--attention", action="store_true", help="only the bf16 attention paths (see attention_ab)"
     )
     ap.add_argument(
         "--profile",
         metavar="SHAPE,PRECISION",
         help="only profile 3 lmlab steps (torch.profiler, ops by self CPU time), e.g. minigpt,bf16",
+    )
+    ap.add_argument(
+        "--profile-arch",
+        metavar="SHAPE,PRECISION[,A,B]",
+        help="only profile lmlab's architecture A against B (default: default,plain; names of "
+        "ARCH_VARIANTS), op by op, ms per step (see profile_arch), e.g. minigpt,bf16",
+    )
+    ap.add_argument(
+        "--matmuls",
+        action="store_true",
+        help="only the Mini-GPT step's bf16 matmul shapes alone, as a fraction of the peak",
     )
     ap.add_argument(
         "--arch",
@@ -154,6 +173,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.profile:
         profile_steps(args, *args.profile.split(","))
+        return
+    if args.matmuls:
+        matmul_shapes(args.rounds)
+        return
+    if args.profile_arch:
+        profile_arch(args, *args.profile_arch.split(","))
         return
     if args.attention:
         attention_ab(args.rounds)
@@ -205,6 +230,10 @@ def main(argv: list[str] | None = None) -> None:
             (f"lmlab fast paths on/off ({shape} shape, {p})", "lmlab", p, "lmlab-ref", p)
             for p in precisions
         ]
+        pairs += [
+            (f"lmlab rope kernel on/off ({shape} shape, {p})", "lmlab", p, "torchrope", p)
+            for p in precisions
+        ]
         for what, a, pa, b, pb in pairs:
             if (a, pa) in med and (b, pb) in med:
                 r = med[b, pb] / med[a, pa]
@@ -232,6 +261,9 @@ def run_shape(args: argparse.Namespace, shape: str, precisions: list[str], ids: 
             if args.reference:
                 ref = stack.enter_context(lmlab_session(args.config, over))
                 steps["lmlab-ref", p] = trainer_step(ref.trainer, fast_paths=False)
+            if args.rope_kernel:
+                tr = stack.enter_context(lmlab_session(args.config, over))
+                steps["torchrope", p] = trainer_step(tr.trainer, rope_kernel=False)
             tokens = SHAPES[shape][4] * lm.seq_len
             flops = flops_per_token(lm.model, lm.cfg.model, lm.seq_len, True)
         for fn in steps.values():
@@ -305,6 +337,79 @@ def profile_steps(args: argparse.Namespace, shape: str, precision: str) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
 
 
+def profile_arch(
+    args: argparse.Namespace, shape: str, precision: str, a: str = "default", b: str = "plain"
+) -> None:
+    """torch.profiler over ``--rounds`` Trainer steps (after 3 warm-up steps) of lmlab's
+    architecture variant ``a`` and then ``b`` (:data:`ARCH_VARIANTS`) at ``shape``: the total
+    self CPU time per step of each and, for the 28 ops whose self CPU time differs most, each
+    one's ms per step (calls per step) in a and in b and the difference: where a's extra time
+    goes. One after the other, not interleaved: read the op rows, not the totals, under load."""
+    from torch.profiler import ProfilerActivity, profile
+
+    per_step: dict[str, dict[str, tuple[float, float]]] = {}
+    for name in (a, b):
+        over = shape_overrides(shape, precision) + ARCH_VARIANTS[name]
+        with lmlab_session(args.config, over) as lm:
+            step = trainer_step(lm.trainer)
+            for _ in range(3):
+                step()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(args.rounds):
+                    step()
+        per_step[name] = {
+            e.key: (e.self_cpu_time_total / args.rounds / 1e3, e.count / args.rounds)
+            for e in prof.key_averages()
+        }
+    total = {n: sum(v[0] for v in per_step[n].values()) for n in (a, b)}
+    print(
+        f"{shape} shape, {precision}, {args.threads} thread(s): self CPU ms/step "
+        f"{a} {total[a]:.1f}, {b} {total[b]:.1f}"
+    )
+    zero = (0.0, 0.0)
+    keys = sorted(
+        set(per_step[a]) | set(per_step[b]),
+        key=lambda k: -abs(per_step[a].get(k, zero)[0] - per_step[b].get(k, zero)[0]),
+    )
+    print(f"{'op':<48} {a + ' ms (calls)':>18} {b + ' ms (calls)':>18}   {a} - {b}")
+    for k in keys[:28]:
+        (ta, ca), (tb, cb) = per_step[a].get(k, zero), per_step[b].get(k, zero)
+        print(f"{k[:48]:<48} {ta:9.2f} ({ca:5.0f}) {tb:10.2f} ({cb:5.0f})   {ta - tb:+8.2f}")
+
+
+MATMUL_SHAPES = {  # (batch, M, K, N) of the Mini-GPT bf16 step's matmuls (16 x 256 tokens)
+    "q/k/v projection (4096, 256) x (256, 768)": (1, 4096, 256, 768),
+    "MLP up (4096, 256) x (256, 1024)": (1, 4096, 256, 1024),
+    "MLP down (4096, 1024) x (1024, 256)": (1, 4096, 1024, 256),
+    "out projection (4096, 256) x (256, 256)": (1, 4096, 256, 256),
+    "MLP up weight gradient (1024, 4096) x (4096, 256)": (1, 1024, 4096, 256),
+    "attention scores bmm (64, 256, 64) x (64, 64, 256)": (64, 256, 64, 256),
+}
+
+
+def matmul_shapes(rounds: int) -> None:
+    """Each of :data:`MATMUL_SHAPES` in bf16 alone (the same operands each call, median of
+    ``rounds``) as TFLOP/s and a fraction of the bf16 matmul peak measured here: how near the
+    peak this step's matmuls can run at all."""
+    from lmlab.training.hardware import measure_matmul_peak
+
+    peak = measure_matmul_peak(torch.device("cpu"), "bf16", seconds=1.0)
+    for name, (b, m, k, n) in MATMUL_SHAPES.items():
+        x = torch.randn(b, m, k, dtype=torch.bfloat16)
+        w = torch.randn(b, k, n, dtype=torch.bfloat16)
+        a, c = (x[0], w[0]) if b == 1 else (x, w)
+        op = torch.mm if b == 1 else torch.bmm
+        op(a, c)
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            op(a, c)
+            times.append(time.perf_counter() - start)
+        rate = 2 * b * m * k * n / statistics.median(times)
+        print(f"{name}: {rate / 1e12:.2f} TFLOP/s = {100 * rate / peak:.0f}% of the bf16 peak")
+    print(f"bf16 matmul peak {peak / 1e12:.2f} TFLOP/s")
+
+
 ATTENTION_SHAPES = [(12, 4, 64, 32), (16, 4, 256, 64), (4, 4, 512, 64), (2, 4, 1024, 64)]
 
 
@@ -346,10 +451,11 @@ def attention_ab(rounds: int) -> None:
         )
 
 
-def trainer_step(trainer, fast_paths: bool = True) -> Callable[[], None]:
+def trainer_step(trainer, fast_paths: bool = True, rope_kernel: bool = True) -> Callable[[], None]:
     """One ``Trainer.train_step`` per call, at the next step number; ``fast_paths`` False runs
     it with the training fast paths switched off (the q/k/v fusion, the bf16 batched-matmul
-    attention, the bf16 RoPE function): the reference path they replace."""
+    attention, the bf16 RoPE function, the C++ RoPE kernel): the reference path they replace;
+    ``rope_kernel`` False only the C++ RoPE kernel (RoPE as torch ops, as before it)."""
     import lmlab.nn.attention as attention
     import lmlab.nn.attention_core as core
     import lmlab.nn.position as position
@@ -358,14 +464,18 @@ def trainer_step(trainer, fast_paths: bool = True) -> Callable[[], None]:
 
     def step() -> None:
         saved = attention.TRAIN_FUSED_QKV, core.BMM_CAUSAL_MAX_T, position.TRAIN_ROTATE_HALF
+        saved_kernel = position.TRAIN_ROPE_KERNEL
         if not fast_paths:
             attention.TRAIN_FUSED_QKV, core.BMM_CAUSAL_MAX_T = False, 0
-            position.TRAIN_ROTATE_HALF = False
+            position.TRAIN_ROTATE_HALF = position.TRAIN_ROPE_KERNEL = False
+        if not rope_kernel:
+            position.TRAIN_ROPE_KERNEL = False
         try:
             trainer.train_step(count[0])
         finally:
             attention.TRAIN_FUSED_QKV, core.BMM_CAUSAL_MAX_T = saved[:2]
             position.TRAIN_ROTATE_HALF = saved[2]
+            position.TRAIN_ROPE_KERNEL = saved_kernel
         count[0] += 1
 
     return step

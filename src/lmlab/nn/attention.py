@@ -188,6 +188,11 @@ class Attention(nn.Module):
             qkv = self.train_fused_qkv(x)
             if qkv is not None and self.joint_rotation(position):
                 # training, no head norms, RoPE or none: q and k rotate as one tensor
+                if isinstance(position, RotaryPosition):  # lmlab's kernel: one call each way
+                    split = position.rotate_split(qkv.view(b, t, h + 2 * kv, hd), h, kv, positions)
+                    if split is not None:
+                        q, k, v = split
+                        return self.hook_q(q), self.hook_k(k), self.hook_v(v)
                 qk, v = qkv.view(b, t, h + 2 * kv, hd).split([h + kv, kv], dim=2)
                 qk = qk.transpose(1, 2)  # (B, H + K, T, hd)
                 if isinstance(position, RotaryPosition):

@@ -324,6 +324,24 @@ def apply_rope(
 
 # Training in bf16/fp16: RoPE through _RotateHalf; False keeps the rolled formula (A/B benchmarks).
 TRAIN_ROTATE_HALF = True
+# Training in float32/bf16 on a CPU: RoPE through lmlab's C++ kernel (lmlab.nn.rope_kernel),
+# bit-equal to the rolled formula; False keeps torch ops (A/B benchmarks).
+TRAIN_ROPE_KERNEL = True
+
+
+def _rope_kernel_applies(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether :meth:`RotaryPosition.rotate_heads` takes lmlab's RoPE kernel
+    (:mod:`lmlab.nn.rope_kernel`): training (x records gradients), float32 or bfloat16 on a CPU,
+    positions shared by the batch, not under torch.compile, the kernel compiled. Its values and
+    gradients are the rolled formula's, bit for bit; only training takes it (a forward without
+    gradients, decoding, stays on torch ops)."""
+    if not (TRAIN_ROPE_KERNEL and torch.is_grad_enabled() and x.requires_grad):
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    from lmlab.nn import rope_kernel
+
+    return rope_kernel.applies(x, cos)
 
 
 def _rope_train_applies(x: torch.Tensor) -> bool:
@@ -457,6 +475,10 @@ class RotaryPosition(PositionEncoding):
         so q and k concatenated on the head dim rotate as one tensor, the same bits)."""
         cos, sin, signed = self._rotation(positions, x.dtype)
         r = cos.shape[-1]
+        if signed is not None and x.shape[-1] == r and _rope_kernel_applies(x, cos):
+            from lmlab.nn.rope_kernel import rope
+
+            return rope(x, cos, signed)  # the rolled formula below, in one pass each way
         if signed is not None and x.shape[-1] == r and _rope_train_applies(x):
             return _RotateHalf.apply(x, cos, signed)
         if signed is not None and x.shape[-1] == r:
@@ -464,6 +486,24 @@ class RotaryPosition(PositionEncoding):
             # exact): 4 ops per tensor instead of 6, the same bits
             return x * cos + x.roll(r // 2, -1) * signed
         return apply_rope(x, cos, sin, self.interleaved)
+
+    def rotate_split(
+        self, qkv: torch.Tensor, h: int, kv: int, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """qkv (B, T, H + 2 K, hd), a fused projection's output, -> (q (B, H, T, hd) and k
+        (B, K, T, hd) rotated to ``positions``, v (B, K, T, hd)), each contiguous, through lmlab's
+        RoPE kernel in one call each way (:func:`lmlab.nn.rope_kernel.rope_split`): the values
+        and gradients of splitting, transposing and :meth:`rotate_heads`, bit for bit. None where
+        the kernel does not apply (see :func:`_rope_kernel_applies`; the half-split layout over
+        every channel only): the caller splits and rotates."""
+        cos, _, signed = self._rotation(positions, qkv.dtype)
+        if signed is None or qkv.shape[-1] != cos.shape[-1] or qkv.stride(-1) != 1:
+            return None
+        if not _rope_kernel_applies(qkv.transpose(1, 2), cos):
+            return None
+        from lmlab.nn.rope_kernel import rope_split
+
+        return rope_split(qkv, cos, signed, h, kv)
 
     def rotation(
         self, positions: torch.Tensor, dtype: torch.dtype

@@ -1,0 +1,227 @@
+"""lmlab's CPU kernel for RoPE in training: q and k rotated in one pass, forward and backward.
+
+Legend: B batch, N heads (q heads, k heads, or both joined on the head dim), T tokens, hd
+head_dim (even), h = hd / 2. :func:`rope` computes ``x * cos + roll(x, h) * signed`` (the
+half-split rotation of :meth:`lmlab.nn.position.RotaryPosition.rotate_heads`, ``signed`` =
+[-sin1, sin2]) and :class:`RopeFunction` its gradient ``g * cos + roll(g * signed, -h)``, each in
+one pass over the tensor where torch's eager formula makes four (three products or copies and a
+sum, each a full read and write). Bit-equal to the eager formula in float32 and bfloat16: the
+products and the sum round as torch's ops round them (see ``rope_kernels.cpp``).
+
+Compiled on first use by ``torch.utils.cpp_extension.load`` (torch's extension cache; a few
+seconds once, then a cached load) and called through ctypes with the tensors' data pointers, as
+:mod:`lmlab.nn.quant_kernel` does. When it cannot be used (``LMLAB_NO_CPP_KERNELS=1``, no C++
+compiler, a failed build) :func:`available` is False, the reason is kept in :func:`status`, and
+RoPE runs as torch ops (the same values).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from lmlab.nn.quant_kernel import ENV_OFF, OFF_VALUES
+
+SOURCE = Path(__file__).with_name("rope_kernels.cpp")
+MAX_HEAD_DIM = 1024  # the kernel's per-row buffers (rope_kernels.cpp kMaxHeadDim)
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+_lib: ctypes.CDLL | None = None
+_status: str | None = None  # None: not tried yet
+_off = False  # inside disabled()
+
+
+def _build() -> ctypes.CDLL:
+    """Compile (or load from torch's cache) rope_kernels.cpp; raises on any failure."""
+    from torch.utils.cpp_extension import load
+
+    from lmlab.nn.quant_kernel import _cpu_has_avx2_fma, _cpu_has_avx512f
+
+    avx2 = _cpu_has_avx2_fma()
+    avx512 = avx2 and _cpu_has_avx512f()
+    # no fused multiply-add (-ffp-contract=off): each product rounds as torch's eager mul does
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off", *(["-mavx2"] if avx2 else [])]
+    flags += ["-mavx512f"] if avx512 else []
+    kind = "avx512" if avx512 else "avx2" if avx2 else "generic"
+    path = load(
+        name=f"lmlab_rope_kernels_{kind}",
+        sources=[str(SOURCE)],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
+    lib = ctypes.CDLL(str(path))
+    i64, fp = ctypes.c_int64, ctypes.c_void_p
+    lib.lmlab_rope.argtypes = [ctypes.c_int, fp, *[i64] * 7, fp, fp, fp, i64, i64, i64]
+    lib.lmlab_rope.argtypes.append(ctypes.c_int)
+    lib.lmlab_rope.restype = ctypes.c_int
+    if lib.lmlab_rope_max_head_dim() != MAX_HEAD_DIM:
+        raise RuntimeError("rope_kernels.cpp and rope_kernel.py disagree on MAX_HEAD_DIM")
+    return lib
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _status
+    if _status is None:
+        if os.environ.get(ENV_OFF, "").strip().lower() not in OFF_VALUES:
+            _status = f"disabled by {ENV_OFF}={os.environ[ENV_OFF]}"
+        else:
+            try:
+                _lib = _build()
+                _status = "compiled"
+            except Exception as e:  # no compiler, a failed build, an unloadable library
+                _lib = None
+                _status = f"unavailable: {type(e).__name__}: {str(e).strip().splitlines()[-1:]}"
+    return _lib
+
+
+def available() -> bool:
+    """Whether the compiled kernel can be used (compiles it on the first call); False inside
+    :func:`disabled`."""
+    return not _off and _load() is not None
+
+
+@contextmanager
+def disabled() -> Iterator[None]:
+    """Within the block RoPE runs as torch ops (A/B benchmarks, tests)."""
+    global _off
+    before, _off = _off, True
+    try:
+        yield
+    finally:
+        _off = before
+
+
+def status() -> str:
+    """``compiled``, or why the kernel is not used (``not loaded yet`` before the first use)."""
+    return _status or "not loaded yet"
+
+
+def applies(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether :func:`rope` takes x (B, N, T, hd) with tables ``cos`` (T, hd): CPU, float32 or
+    bfloat16 (one dtype), contiguous last dim, shared positions (2-d tables), an even hd <=
+    :data:`MAX_HEAD_DIM`; and the kernel available."""
+    return (
+        x.device.type == "cpu"
+        and x.dim() == 4
+        and x.dtype in _DTYPES
+        and cos.dtype == x.dtype
+        and cos.dim() == 2
+        and cos.shape == x.shape[2:]
+        and x.stride(-1) == 1
+        and x.shape[-1] % 2 == 0
+        and x.shape[-1] <= MAX_HEAD_DIM
+        and available()
+    )
+
+
+def _into(
+    x: torch.Tensor, cos: torch.Tensor, signed: torch.Tensor, out: torch.Tensor, inverse: bool
+) -> torch.Tensor:
+    """Rotate x (B, N, T, hd) into ``out`` (B, N, T, hd), each with any strides but a last one
+    of 1, not overlapping; ``inverse``: the gradient's rotation. Returns ``out``."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"lmlab's RoPE kernel is not available: {_status}")
+    b, n, t, hd = x.shape
+    if out.shape != x.shape or out.dtype != x.dtype or x.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("x and out must have one shape and dtype and a last stride of 1")
+    cos, signed = cos.contiguous(), signed.contiguous()
+    sx, so = x.stride(), out.stride()
+    rc = lib.lmlab_rope(
+        _DTYPES[x.dtype], x.data_ptr(), b, n, t, hd, sx[0], sx[1], sx[2],
+        cos.data_ptr(), signed.data_ptr(), out.data_ptr(), so[0], so[1], so[2], int(inverse),
+    )  # fmt: skip
+    if rc:
+        raise ValueError(f"the RoPE kernel refused head_dim {hd}")
+    return out
+
+
+def _call(x: torch.Tensor, cos: torch.Tensor, signed: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """x (B, N, T, hd) -> (B, N, T, hd) laid out in memory as (B, T, N, hd) (the layout torch's
+    elementwise ops give a head-transposed projection, and its gradient). An x whose last
+    stride is not 1 (a gradient from a transposed matmul) is made contiguous first."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    b, n, t, hd = x.shape
+    out = torch.empty(b, t, n, hd, dtype=x.dtype, device=x.device).transpose(1, 2)
+    return _into(x, cos, signed, out, inverse)
+
+
+class RopeFunction(torch.autograd.Function):
+    """y = x * cos + roll(x, h) * signed, backward dx = g * cos + roll(g * signed, -h), each one
+    kernel pass (:func:`_call`); x (B, N, T, hd), cos and signed (T, hd) of x's dtype (no
+    gradient). Returns y laid out as (B, T, N, hd) in memory, as the eager formula's result."""
+
+    @staticmethod
+    def forward(ctx, x, cos, signed):
+        ctx.save_for_backward(cos, signed)
+        return _call(x, cos, signed, inverse=False)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, signed = ctx.saved_tensors
+        return _call(g, cos, signed, inverse=True), None, None
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, signed: torch.Tensor) -> torch.Tensor:
+    """x (B, N, T, hd) float32 or bfloat16 rotated by ``cos`` and ``signed`` ([-sin1, sin2])
+    (T, hd) of its dtype: ``x * cos + roll(x, hd / 2) * signed``, bit-equal, differentiable.
+    Raises RuntimeError when the kernel is unavailable (check :func:`applies` first)."""
+    return RopeFunction.apply(x, cos, signed)
+
+
+class RopeSplitFunction(torch.autograd.Function):
+    """qkv (B, T, H + 2 K, hd), one projection's output -> q (B, H, T, hd) and k (B, K, T, hd)
+    rotated, v (B, K, T, hd), each contiguous (what batched-matmul attention reads without a
+    copy). Backward writes the three gradients into one (B, T, H + 2 K, hd) tensor, q's and k's
+    rotated back: no concatenation of the three, no transposed copies. Values and gradients are
+    :func:`rope`'s (the rolled formula), bit for bit; cos and signed (T, hd) of qkv's dtype."""
+
+    @staticmethod
+    def forward(ctx, qkv, cos, signed, h, kv):
+        b, t, _, hd = qkv.shape
+        ctx.save_for_backward(cos, signed)
+        ctx.h, ctx.kv = h, kv
+        heads = qkv.transpose(1, 2)  # (B, H + 2 K, T, hd), strided
+        new = lambda n: torch.empty(b, n, t, hd, dtype=qkv.dtype, device=qkv.device)  # noqa: E731
+        q = _into(heads[:, :h], cos, signed, new(h), inverse=False)
+        k = _into(heads[:, h : h + kv], cos, signed, new(kv), inverse=False)
+        v = new(kv).copy_(heads[:, h + kv :])
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos, signed = ctx.saved_tensors
+        h, kv = ctx.h, ctx.kv
+        ref = next(g for g in (dq, dk, dv) if g is not None)
+        b, _, t, hd = ref.shape
+        dqkv = torch.empty(b, t, h + 2 * kv, hd, dtype=ref.dtype, device=ref.device)
+        heads = dqkv.transpose(1, 2)
+        for g, lo, n in ((dq, 0, h), (dk, h, kv)):
+            if g is None:
+                heads[:, lo : lo + n].zero_()
+            else:
+                _into(g if g.stride(-1) == 1 else g.contiguous(), cos, signed,
+                      heads[:, lo : lo + n], inverse=True)  # fmt: skip
+        if dv is None:
+            heads[:, h + kv :].zero_()
+        else:
+            heads[:, h + kv :].copy_(dv)
+        return dqkv, None, None, None, None
+
+
+def rope_split(
+    qkv: torch.Tensor, cos: torch.Tensor, signed: torch.Tensor, h: int, kv: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv (B, T, H + 2 K, hd) float32 or bfloat16 -> (q (B, H, T, hd), k (B, K, T, hd)) rotated
+    as :func:`rope` rotates them and v (B, K, T, hd), each contiguous; differentiable
+    (:class:`RopeSplitFunction`). Raises RuntimeError when the kernel is unavailable."""
+    q, k, v = RopeSplitFunction.apply(qkv, cos, signed, h, kv)
+    return q, k, v

@@ -1,0 +1,166 @@
+"""lmlab's RoPE kernel (lmlab.nn.rope_kernel): bit-equal to the rolled eager formula, forward and
+backward, in float32 and bfloat16; taken by RotaryPosition in training only; without the compiled
+kernel (LMLAB_NO_CPP_KERNELS=1, a failed build) RoPE runs as torch ops with the same values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lmlab.nn.position as position
+from lmlab.models import build_model
+from lmlab.nn import rope_kernel
+from lmlab.nn.position import RotaryPosition
+from tests.helpers import tiny_model_config
+
+V = 37
+needs_kernel = pytest.mark.skipif(not rope_kernel.available(), reason=rope_kernel.status())
+
+
+def _rolled(x: torch.Tensor, cos: torch.Tensor, signed: torch.Tensor) -> torch.Tensor:
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hd", [2, 8, 32, 64])
+def test_kernel_is_the_rolled_formula_bit_for_bit(dtype, hd):
+    torch.manual_seed(0)
+    b, n, t = 2, 3, 5
+    proj = torch.randn(b, t, n + 2, hd, dtype=dtype) * 3  # a projection's output, strided heads
+    cos, signed = torch.randn(t, hd).to(dtype), torch.randn(t, hd).to(dtype)
+    leaf_ref, leaf = proj.clone().requires_grad_(), proj.clone().requires_grad_()
+    ref = _rolled(leaf_ref[:, :, :n].transpose(1, 2), cos, signed)
+    out = rope_kernel.rope(leaf[:, :, :n].transpose(1, 2), cos, signed)
+    assert torch.equal(out, ref) and out.stride() == ref.stride()
+    g = torch.randn(b, n, t, hd, dtype=dtype)
+    if hd > 2:  # a gradient whose last dim is strided (as a transposed matmul's can be)
+        g = torch.randn(b, n, hd, t, dtype=dtype).transpose(2, 3)
+    ref.backward(g)
+    out.backward(g)
+    assert torch.equal(leaf.grad, leaf_ref.grad)
+    assert leaf.grad[:, :, n:].abs().sum() == 0  # nothing leaked into the other heads
+    # the rotation is a rotation: with cos/sin of real angles it keeps each pair's norm
+    ang = torch.rand(t, hd // 2, dtype=torch.float64) * 6
+    c = torch.cat((ang.cos(), ang.cos()), -1)
+    s = torch.cat((-ang.sin(), ang.sin()), -1)
+    x = torch.randn(b, n, t, hd)
+    y = rope_kernel.rope(x, c.float(), s.float())
+    pair = lambda z: z[..., : hd // 2] ** 2 + z[..., hd // 2 :] ** 2  # noqa: E731
+    torch.testing.assert_close(pair(y), pair(x), atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_position_takes_the_kernel_in_training_only(dtype):
+    cfg = tiny_model_config(V, d_model=64, attention={"n_heads": 2})
+    pos = RotaryPosition(cfg)
+    positions = torch.arange(2, 9)
+    x = torch.randn(2, 7, 2, cfg.head_dim, dtype=dtype).transpose(1, 2).requires_grad_()
+    y = pos.rotate_heads(x, positions)
+    assert type(y.grad_fn).__name__ == "RopeFunctionBackward"
+    with rope_kernel.disabled():
+        ref = pos.rotate_heads(x, positions)
+    assert "Rope" not in type(ref.grad_fn).__name__
+    assert torch.equal(y, ref)
+    g = torch.randn_like(y)
+    assert torch.equal(*(torch.autograd.grad(z, x, g)[0] for z in (y, ref)))
+    with torch.no_grad():  # no gradients: torch ops (decoding, evaluation)
+        assert pos.rotate_heads(x, positions).grad_fn is None
+    per_row = torch.stack([positions, positions + 1])  # (B, T) positions: torch ops
+    assert "Rope" not in type(pos.rotate_heads(x, per_row).grad_fn).__name__
+
+
+@needs_kernel
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_training_step_with_the_kernel_has_the_same_loss_and_gradients(precision, monkeypatch):
+    torch.manual_seed(0)
+    m = build_model(tiny_model_config(V, d_model=64, attention={"n_heads": 2}))
+    x = torch.randint(0, V, (2, 11))
+
+    def run(kernel: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        monkeypatch.setattr(position, "TRAIN_ROPE_KERNEL", kernel)
+        m.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = m(x, targets=x).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in m.parameters()]
+
+    (loss, grads), (ref_loss, ref_grads) = run(True), run(False)
+    assert torch.equal(loss, ref_loss)
+    for a, b in zip(grads, ref_grads, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_without_the_compiled_kernel_rope_runs_as_torch_ops(monkeypatch):
+    monkeypatch.setattr(rope_kernel, "_lib", None)
+    monkeypatch.setattr(rope_kernel, "_status", None)
+    monkeypatch.setenv("LMLAB_NO_CPP_KERNELS", "1")
+    assert not rope_kernel.available()
+    assert "LMLAB_NO_CPP_KERNELS=1" in rope_kernel.status()
+    cfg = tiny_model_config(V, d_model=64, attention={"n_heads": 2})
+    pos = RotaryPosition(cfg)
+    x = torch.randn(1, 2, 5, cfg.head_dim, requires_grad=True)
+    y = pos.rotate_heads(x, torch.arange(5))
+    assert "Rope" not in type(y.grad_fn).__name__
+    cos, _, signed = pos._rotation(torch.arange(5), x.dtype)
+    assert torch.equal(y, _rolled(x, cos, signed))
+    with pytest.raises(RuntimeError, match="not available"):
+        rope_kernel.rope(x, cos, signed)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("h", "kv"), [(3, 3), (4, 2)])
+def test_split_rotates_q_and_k_and_passes_v_from_one_projection(dtype, h, kv):
+    torch.manual_seed(1)
+    b, t, hd = 2, 6, 16
+    proj = torch.randn(b, t, h + 2 * kv, hd, dtype=dtype)
+    cos, signed = torch.randn(t, hd).to(dtype), torch.randn(t, hd).to(dtype)
+    a, r = proj.clone().requires_grad_(), proj.clone().requires_grad_()
+    q, k, v = rope_kernel.rope_split(a, cos, signed, h, kv)
+    heads = r.transpose(1, 2)
+    ref = (
+        _rolled(heads[:, :h], cos, signed),
+        _rolled(heads[:, h : h + kv], cos, signed),
+        heads[:, h + kv :],
+    )
+    for out, want in zip((q, k, v), ref, strict=True):
+        assert torch.equal(out, want) and out.is_contiguous()
+    gs = [torch.randn_like(z) for z in ref]
+    torch.autograd.backward(ref, gs)
+    torch.autograd.backward((q, k, v), [g.transpose(2, 3).contiguous().transpose(2, 3) for g in gs])
+    assert torch.equal(a.grad, r.grad)
+    (dk,) = torch.autograd.grad(rope_kernel.rope_split(a, cos, signed, h, kv)[1].sum(), a)
+    assert dk[:, :, :h].abs().sum() == 0 and dk[:, :, h + kv :].abs().sum() == 0  # k only
+
+
+@needs_kernel
+def test_bf16_training_takes_the_split_and_hooks_see_the_same_q_k_v(monkeypatch):
+    torch.manual_seed(0)
+    m = build_model(tiny_model_config(V, d_model=64, attention={"n_heads": 2}))
+    x = torch.randint(0, V, (2, 9))
+    attn = m.layers[0].attn
+    seen: list[torch.Tensor] = []
+    kinds: set[str] = set()
+
+    def record(out: torch.Tensor, name: str) -> None:
+        seen.append(out.detach())
+        kinds.add(type(out.grad_fn).__name__)
+
+    for point in (attn.hook_q, attn.hook_k, attn.hook_v):  # lmlab's hook points (lmlab.hooks)
+        point.fns.append(record)
+
+    def run(kernel: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(position, "TRAIN_ROPE_KERNEL", kernel)
+        m.zero_grad(set_to_none=True)
+        seen.clear()
+        kinds.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(x, targets=x).loss
+        assert ("RopeSplitFunctionBackward" in kinds) == kernel, kinds
+        loss.backward()
+        return [*seen, loss.detach(), *(p.grad.clone() for p in m.parameters())]
+
+    for a, b in zip(run(True), run(False), strict=True):
+        assert torch.equal(a, b)
