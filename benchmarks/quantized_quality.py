@@ -44,6 +44,9 @@ SETTINGS = {
     "int4-g64": QuantSpec(4, 64),
     "int4-g128": QuantSpec(4, 128, pad=True),  # 576 = 4.5 x 128: the last group zero-padded
     "int4-g32-sym": QuantSpec(4, 32, symmetric=True),
+    # activations quantized to int8 per block of 32 too (integer dot products in decode)
+    "int8-a8": QuantSpec(8, None, act_bits=8),
+    "int4-g32-a8": QuantSpec(4, 32, act_bits=8),
 }
 
 
