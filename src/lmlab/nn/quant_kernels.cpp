@@ -51,6 +51,12 @@
 #else
 #define LMLAB_VNNI 0
 #endif
+// Two blocks per 512-bit dpbusd where the CPU has AVX512-VNNI and AVX512BW (byte masks).
+#if LMLAB_AVX512 && LMLAB_VNNI == 1 && defined(__AVX512BW__)
+#define LMLAB_VNNI512 1
+#else
+#define LMLAB_VNNI512 0
+#endif
 
 namespace {
 
@@ -311,8 +317,69 @@ void a8_row_simd(const ActQ& xa, int64_t K, const uint8_t* w, const float* s, co
   const int64_t ng = K / G;
   _mm_prefetch(reinterpret_cast<const char*>(s + 4 * ng), _MM_HINT_T0);
   if constexpr (Int4) _mm_prefetch(reinterpret_cast<const char*>(z + 4 * ng), _MM_HINT_T0);
-  int64_t g = 0, left = bpg;
-  for (int64_t b = 0; b < nb; ++b) {
+  int64_t g = 0, left = bpg, b = 0;
+#if LMLAB_VNNI512
+  {
+    // blocks b and b + 1 in one 512-bit register each step: lanes 0-7 block b, 8-15 block b + 1
+    __m512 acc5[M];
+    for (int m = 0; m < M; ++m) acc5[m] = _mm512_setzero_ps();
+    const __m256i lo4x = _mm256_set1_epi8(15);
+    for (; b + 2 <= nb; b += 2) {
+      if ((b * wb) % 64 == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(w + b * wb + kPrefetch), _MM_HINT_T0);
+      const int64_t g0 = g;
+      if (--left == 0) {
+        ++g;
+        left = bpg;
+      }
+      const int64_t g1 = g;
+      if (--left == 0) {
+        ++g;
+        left = bpg;
+      }
+      const float s0 = s[g0], s1 = s[g1];
+      if constexpr (Int4) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 16));
+        const __m256i lo = _mm256_and_si256(raw, lo4x);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4x);
+        // 128-bit lanes [lo b, lo b+1, hi b, hi b+1] -> [lo b, hi b, lo b+1, hi b+1]
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        const __m512i codes = _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0));
+        const float z0 = z[g0] - 8.0f * s0, z1 = z[g1] - 8.0f * s1;
+        for (int m = 0; m < M; ++m) {
+          const __m512i xv = _mm512_loadu_si512(xa.q.data() + m * K + b * 32);
+          const __m512 dot =
+              _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, xv));
+          const float* d = xa.d.data() + m * nb + b;
+          const __m512 sc = _mm512_castpd_ps(_mm512_insertf64x4(
+              _mm512_castps_pd(_mm512_set1_ps(s0 * d[0])),
+              _mm256_castps_pd(_mm256_set1_ps(s1 * d[1])), 1));
+          acc5[m] = _mm512_fmadd_ps(dot, sc, acc5[m]);
+          const float* xs = xa.s.data() + m * nb + b;
+          off[m] += z0 * xs[0] + z1 * xs[1];
+        }
+      } else {
+        const __m512i wv = _mm512_loadu_si512(w + b * 32);
+        for (int m = 0; m < M; ++m) {
+          const __m512i xv = _mm512_loadu_si512(xa.q.data() + m * K + b * 32);
+          const __m512i ax = _mm512_loadu_si512(xa.a.data() + m * K + b * 32);
+          // q with xq's sign (0 where xq is 0: |xq| is 0 there anyway)
+          const __m512i sw =
+              _mm512_mask_sub_epi8(wv, _mm512_movepi8_mask(xv), _mm512_setzero_si512(), wv);
+          const __m512 dot =
+              _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ax, sw));
+          const float* d = xa.d.data() + m * nb + b;
+          const __m512 sc = _mm512_castpd_ps(_mm512_insertf64x4(
+              _mm512_castps_pd(_mm512_set1_ps(s0 * d[0])),
+              _mm256_castps_pd(_mm256_set1_ps(s1 * d[1])), 1));
+          acc5[m] = _mm512_fmadd_ps(dot, sc, acc5[m]);
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m) acc[m][0] = fold16(acc5[m]);
+  }
+#endif
+  for (; b < nb; ++b) {
     if ((b * wb) % 64 == 0)
       _mm_prefetch(reinterpret_cast<const char*>(w + b * wb + kPrefetch), _MM_HINT_T0);
     const float sg = s[g];
