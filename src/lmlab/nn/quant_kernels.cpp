@@ -324,6 +324,46 @@ void a8_row_simd(const ActQ& xa, int64_t K, const uint8_t* w, const float* s, co
     __m512 acc5[M];
     for (int m = 0; m < M; ++m) acc5[m] = _mm512_setzero_ps();
     const __m256i lo4x = _mm256_set1_epi8(15);
+    if constexpr (Int4) {
+      if (G == 32) {
+        // llama.cpp's Q4_1 shape, one group per block: the two blocks' scales s * d and offset
+        // terms (z - 8 s) * xs come from 2-float loads, no group bookkeeping
+        const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        const __m128 eight = _mm_set1_ps(8.0f);
+        __m128 offv[M];
+        for (int m = 0; m < M; ++m) offv[m] = _mm_setzero_ps();
+        auto two = [](const float* f) {
+          return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(f)));
+        };
+        for (; b + 2 <= nb; b += 2) {
+          if ((b * wb) % 64 == 0)
+            _mm_prefetch(reinterpret_cast<const char*>(w + b * wb + kPrefetch), _MM_HINT_T0);
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 16));
+          const __m256i lo = _mm256_and_si256(raw, lo4x);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4x);
+          const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+          const __m512i codes = _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0));
+          const __m128 s2 = two(s + b);
+          const __m128 zc2 = _mm_fnmadd_ps(eight, s2, two(z + b));  // z - 8 s
+          for (int m = 0; m < M; ++m) {
+            const __m512i xv = _mm512_loadu_si512(xa.q.data() + m * K + b * 32);
+            const __m512 dot =
+                _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, xv));
+            const __m128 sd = _mm_mul_ps(s2, two(xa.d.data() + m * nb + b));
+            const __m512 sc = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(sd));
+            acc5[m] = _mm512_fmadd_ps(dot, sc, acc5[m]);
+            offv[m] = _mm_fmadd_ps(zc2, two(xa.s.data() + m * nb + b), offv[m]);
+          }
+        }
+        for (int m = 0; m < M; ++m) {
+          alignas(16) float o[4];
+          _mm_store_ps(o, offv[m]);
+          off[m] += o[0] + o[1];
+        }
+        g = b;  // one block per group: the loops below take the odd last block, if any
+        left = 1;
+      }
+    }
     for (; b + 2 <= nb; b += 2) {
       if ((b * wb) % 64 == 0)
         _mm_prefetch(reinterpret_cast<const char*>(w + b * wb + kPrefetch), _MM_HINT_T0);
