@@ -126,16 +126,19 @@ def test_quantize_activations_is_round_to_nearest_per_block() -> None:
     assert act_block(32) == act_block(576) == 32 and act_block(26) == 26
 
 
-@pytest.mark.parametrize("limit", ["avx2", "generic"])
+@pytest.mark.parametrize("limit", ["avx2", "generic", "avxvnni"])
 def test_builds_without_vnni_or_avx_give_the_same_numbers(limit, monkeypatch) -> None:
-    """The AVX2-only build (maddubs instead of VNNI) and the plain-loop build agree with the
-    float64 reference as tightly as the full build."""
+    """The AVX2-only build (maddubs instead of VNNI), the plain-loop build and the AVX-VNNI
+    build (256-bit, where the CPU has it) agree with the float64 reference as tightly as the
+    full build."""
+    if limit == "avxvnni" and "avx_vnni" not in quant_kernel._cpu_flags():
+        pytest.skip("the CPU has no AVX-VNNI")
     try:
         lib = quant_kernel._build(limit)
     except Exception as e:  # pragma: no cover - no compiler for this variant
         pytest.skip(f"cannot build the {limit} variant: {e}")
-    assert lib.lmlab_kernels_vnni() == 0
-    assert lib.lmlab_kernels_avx2() == (limit == "avx2" and quant_kernel._cpu_has_avx2_fma())
+    assert lib.lmlab_kernels_vnni() == (2 if limit == "avxvnni" else 0)
+    assert lib.lmlab_kernels_avx2() == (limit != "generic" and quant_kernel._cpu_has_avx2_fma())
     monkeypatch.setattr(quant_kernel, "_lib", lib)
     for bits, sym in MODES:
         for n, k, g in [(17, 576, 32), (9, 60, 6), (5, 256, 128)]:

@@ -83,8 +83,9 @@ def _cpu_flags() -> set[str]:
 
 def _build(limit: str | None = None) -> ctypes.CDLL:
     """Compile (or load from torch's cache) quant_kernels.cpp; raises on any failure.
-    ``limit`` (tests: the fallback paths on a CPU that has more): ``generic`` builds without
-    instruction-set flags, ``avx2`` with AVX2 + FMA only (no AVX-512, no VNNI)."""
+    ``limit`` (tests: the other paths on a CPU that has more): ``generic`` builds without
+    instruction-set flags, ``avx2`` with AVX2 + FMA only (no AVX-512, no VNNI), ``avxvnni``
+    with AVX2 + FMA + AVX-VNNI (where the CPU lists avx_vnni)."""
     from torch.utils.cpp_extension import load
 
     avx2 = _cpu_has_avx2_fma() and limit != "generic"
@@ -98,7 +99,7 @@ def _build(limit: str | None = None) -> ctypes.CDLL:
     if avx512 and {"avx512_vnni", "avx512vl", "avx512bw"} <= cpu:
         flags += ["-mavx512vnni", "-mavx512vl", "-mavx512bw"]
         kind += "_vnni512"
-    elif avx2 and "avx_vnni" in cpu and limit is None:
+    elif avx2 and "avx_vnni" in cpu and limit in (None, "avxvnni"):
         flags += ["-mavxvnni"]
         kind += "_avxvnni"
     path = load(
