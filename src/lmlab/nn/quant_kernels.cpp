@@ -324,17 +324,18 @@ void a8_row_simd(const ActQ& xa, int64_t K, const uint8_t* w, const float* s, co
     __m512 acc5[M];
     for (int m = 0; m < M; ++m) acc5[m] = _mm512_setzero_ps();
     const __m256i lo4x = _mm256_set1_epi8(15);
+    // the scale vector of a pair of blocks: lanes 0-7 from float 0 of a __m128, 8-15 from float 1
+    const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    auto two = [](const float* f) {  // 2 floats into lanes 0, 1
+      return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(f)));
+    };
     if constexpr (Int4) {
       if (G == 32) {
         // llama.cpp's Q4_1 shape, one group per block: the two blocks' scales s * d and offset
         // terms (z - 8 s) * xs come from 2-float loads, no group bookkeeping
-        const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
         const __m128 eight = _mm_set1_ps(8.0f);
         __m128 offv[M];
         for (int m = 0; m < M; ++m) offv[m] = _mm_setzero_ps();
-        auto two = [](const float* f) {
-          return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(f)));
-        };
         for (; b + 2 <= nb; b += 2) {
           if ((b * wb) % 64 == 0)
             _mm_prefetch(reinterpret_cast<const char*>(w + b * wb + kPrefetch), _MM_HINT_T0);
@@ -378,6 +379,7 @@ void a8_row_simd(const ActQ& xa, int64_t K, const uint8_t* w, const float* s, co
         left = bpg;
       }
       const float s0 = s[g0], s1 = s[g1];
+      const __m128 s01 = _mm_unpacklo_ps(_mm_set_ss(s0), _mm_set_ss(s1));
       if constexpr (Int4) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 16));
         const __m256i lo = _mm256_and_si256(raw, lo4x);
@@ -390,10 +392,8 @@ void a8_row_simd(const ActQ& xa, int64_t K, const uint8_t* w, const float* s, co
           const __m512i xv = _mm512_loadu_si512(xa.q.data() + m * K + b * 32);
           const __m512 dot =
               _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, xv));
-          const float* d = xa.d.data() + m * nb + b;
-          const __m512 sc = _mm512_castpd_ps(_mm512_insertf64x4(
-              _mm512_castps_pd(_mm512_set1_ps(s0 * d[0])),
-              _mm256_castps_pd(_mm256_set1_ps(s1 * d[1])), 1));
+          const __m128 sd = _mm_mul_ps(s01, two(xa.d.data() + m * nb + b));
+          const __m512 sc = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(sd));
           acc5[m] = _mm512_fmadd_ps(dot, sc, acc5[m]);
           const float* xs = xa.s.data() + m * nb + b;
           off[m] += z0 * xs[0] + z1 * xs[1];
@@ -408,10 +408,8 @@ void a8_row_simd(const ActQ& xa, int64_t K, const uint8_t* w, const float* s, co
               _mm512_mask_sub_epi8(wv, _mm512_movepi8_mask(xv), _mm512_setzero_si512(), wv);
           const __m512 dot =
               _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ax, sw));
-          const float* d = xa.d.data() + m * nb + b;
-          const __m512 sc = _mm512_castpd_ps(_mm512_insertf64x4(
-              _mm512_castps_pd(_mm512_set1_ps(s0 * d[0])),
-              _mm256_castps_pd(_mm256_set1_ps(s1 * d[1])), 1));
+          const __m128 sd = _mm_mul_ps(s01, two(xa.d.data() + m * nb + b));
+          const __m512 sc = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(sd));
           acc5[m] = _mm512_fmadd_ps(dot, sc, acc5[m]);
         }
       }
