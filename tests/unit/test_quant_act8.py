@@ -118,6 +118,16 @@ def test_the_activations_are_really_rounded() -> None:
     assert _rel(y8, _x_hat(x, 32)[0] @ no_offset.T) > 1e-2
 
 
+def test_a_nan_or_inf_input_gives_nan_as_the_float_path_does() -> None:
+    ql = _layer(8, 64, 32, 4, False)
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(2, 64)
+        x[1, 3] = bad
+        y = _kernel(ql, x)
+        assert torch.isnan(y[1]).all() and torch.isfinite(y[0]).all()
+        assert torch.isnan(ql(torch.cat([x, x, x, x, x]))[1]).all()  # 10 rows: the torch path
+
+
 def test_quantize_activations_is_round_to_nearest_per_block() -> None:
     x = torch.tensor([[127.0, 0.5, -1.5, 2.5, 0.0, 0.0, 0.0, 0.0]])
     q, d = quantize_activations(x, 4)

@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include <cstdint>
@@ -270,8 +271,14 @@ void quantize_acts(const float* x, int64_t M, int64_t K, int64_t A, bool split_e
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + m * K + b * A;
       float amax = 0.0f;
-      for (int64_t i = 0; i < A; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float d = amax / 127.0f;
+      bool finite = true;
+      for (int64_t i = 0; i < A; ++i) {
+        amax = std::max(amax, std::fabs(xb[i]));
+        finite = finite && std::isfinite(xb[i]);
+      }
+      // a NaN or inf in the block makes its scale NaN, so the outputs it meets are NaN (as in
+      // the float path) rather than finite numbers from clamped codes
+      const float d = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
       int8_t* qb = out.q.data() + m * K + b * A;
       uint8_t* ab = out.a.data() + m * K + b * A;
       int32_t sum = 0;
