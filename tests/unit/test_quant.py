@@ -203,7 +203,7 @@ def test_cli_quantize_flag(tiny_run, capsys) -> None:
     assert code == 0, err
     assert out != scores["int4"]
     code, _, err = run_cli(capsys, "eval", tiny_run, "--quantize", "int4+a4")
-    assert_one_error(code, err, "--quantize: after '+' only a8")
+    assert_one_error(code, err, "--quantize must be int8 or int4", "+a8", "'int4+a4'")
 
 
 @pytest.mark.parametrize(
