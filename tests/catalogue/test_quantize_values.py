@@ -52,7 +52,9 @@ def test_an_int8_group_that_does_not_divide_suggests_cli_values(capsys, tiny_run
 )
 def test_no_cpp_kernels_takes_false_for_false(monkeypatch, value, off):
     """LMLAB_NO_CPP_KERNELS=false switched the kernels off (anything but '' and '0' did)."""
-    fake = SimpleNamespace(lmlab_kernels_avx512=lambda: 0, lmlab_kernels_avx2=lambda: 1)
+    fake = SimpleNamespace(
+        lmlab_kernels_avx512=lambda: 0, lmlab_kernels_avx2=lambda: 1, lmlab_kernels_vnni=lambda: 0
+    )
     monkeypatch.setattr(quant_kernel, "_build", lambda: fake)  # no compiler run in the test
     monkeypatch.setenv(quant_kernel.ENV_OFF, value)
     quant_kernel._reset()

@@ -107,8 +107,9 @@ def test_the_reserved_cache_is_written_in_place_and_equals_the_dynamic_one() -> 
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", "mqa_bias"])
-@pytest.mark.parametrize("spec", ["int8", "int4:16"])
+@pytest.mark.parametrize("spec", ["int8", "int4:16", "int8+a8", "int4+a8", "int4:16+a8"])
 def test_lean_step_of_a_quantized_model_equals_its_forward(spec: str, name: str) -> None:
+    """Also with int8 activations (+a8: the integer kernels; group 16 their plain loops)."""
     model = apply_quantization(_model(name, d_model=64), spec)
     refs, leans = _lean_and_forward(model, torch.randint(0, 40, (1, 5)), steps=4, capacity=16)
     for ref, lean in zip(refs, leans, strict=True):

@@ -196,7 +196,14 @@ def test_cli_quantize_flag(tiny_run, capsys) -> None:
     code, _, err = run_cli(capsys, "eval", tiny_run, "--quantize", "int4:24")
     assert_one_error(code, err, "cannot quantize", "group_size 24 does not divide", "32")
     code, out, _ = run_cli(capsys, "generate", "--help")
-    assert "--quantize" in out and "int4:64" in out
+    assert "--quantize" in out and "int4:64" in out and "+a8" in out
+    # int8 activations: the eval changes again (rounded activations), a bad suffix is one error
+    code, out, err = run_cli(capsys, "eval", tiny_run, "--max-tokens", "200", "--json",
+                             "--quantize", "int4+a8")  # fmt: skip
+    assert code == 0, err
+    assert out != scores["int4"]
+    code, _, err = run_cli(capsys, "eval", tiny_run, "--quantize", "int4+a4")
+    assert_one_error(code, err, "--quantize must be int8 or int4", "+a8", "'int4+a4'")
 
 
 @pytest.mark.parametrize(

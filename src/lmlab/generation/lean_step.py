@@ -149,7 +149,9 @@ def _quant(m: Any, x: torch.Tensor) -> torch.Tensor:
         and x.device.type == "cpu"
         and quant_kernel.available()
     ):
-        y = quant_kernel.run(x.contiguous(), m.qweight, m.scales, m.zeros, m.group_size, m.bits)
+        y = quant_kernel.run(
+            x.contiguous(), m.qweight, m.scales, m.zeros, m.group_size, m.bits, m.act_bits
+        )
         return y if m.bias is None else y + m.bias.to(y.dtype)
     return m.forward(x)
 
@@ -164,6 +166,7 @@ class _QuantCat:
         self.parts = parts
         p0 = parts[0]
         self.bits, self.group_size, self.in_features = p0.bits, p0.group_size, p0.in_features
+        self.act_bits = p0.act_bits
         self.qweight = torch.cat([m.qweight for m in parts])
         self.scales = torch.cat([m.scales for m in parts])
         self.zeros = torch.cat([m.zeros for m in parts])
@@ -186,6 +189,7 @@ def _fused_op(owner: nn.Module, key: str, names: tuple[str, ...]) -> Op | None:
         p0 = q[0]
         alike = all(
             m.bits == p0.bits and m.group_size == p0.group_size and m.in_features == p0.in_features
+            and m.act_bits == p0.act_bits
             and m.scales.shape[1] * m.group_size == m.in_features and m._cpp_ok
             and (m.bias is None) == (p0.bias is None)
             for m in q

@@ -423,8 +423,9 @@ def load(
     llama or starcoder2 architecture (:mod:`lmlab.interop.gguf`: dequantized to float32,
     tokenizer and chat template from its metadata). The model is in eval mode;
     ``model(input_ids)`` returns an output whose ``.logits`` is (batch, seq, vocab).
-    ``quantize`` (``"int8"``, ``"int4"``, ``"int4:64"`` or a :class:`lmlab.nn.quant.QuantSpec`)
-    then makes its linear layers weight-only quantized (:func:`lmlab.nn.quant.quantize_model`).
+    ``quantize`` (``"int8"``, ``"int4"``, ``"int4:64"``, with ``"+a8"`` for int8 activations,
+    or a :class:`lmlab.nn.quant.QuantSpec`) then makes its linear layers weight-only quantized
+    (:func:`lmlab.nn.quant.quantize_model`).
 
     Raises LmlabError (or a subclass) when the path is neither, or its files are damaged.
     """

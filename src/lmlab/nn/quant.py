@@ -13,6 +13,13 @@ float32 scale (and for asymmetric int4 one float32 zero) per (row, group):
 
 Rounding to nearest makes |w - w_hat| <= s / 2 for every element (exactly, up to float32 rounding).
 
+Activations (``act_bits``): float32 by default. ``act_bits=8`` (``--quantize int4+a8``) also
+rounds each layer's input, per row and block of 32 columns (:func:`act_block`), to
+x_hat = q d with d = max|x| / 127 and q = round(x / d) in [-127, 127] (llama.cpp's Q8_0
+activations), so every layer computes x_hat @ w_hat.T, and decode's C++ kernels use integer dot
+products (VNNI where the CPU has it). This changes the numbers (|x - x_hat| <= d / 2), so it is
+an explicit choice; docs/quantization.md has its measured speed and perplexity cost.
+
 Kernels. CPU float32 inputs of 1..8 rows (decode) go to lmlab's own C++ kernels
 (:mod:`lmlab.nn.quant_kernel`, ``quant_kernels.cpp``: the stored codes dequantized 8 at a time
 with AVX2 + FMA and multiply-added in float32, output rows over threads), compiled on first use;
@@ -55,6 +62,8 @@ from lmlab.errors import LmlabError
 from lmlab.nn import quant_kernel
 
 BITS = (4, 8)
+ACT_BITS = (None, 8)  # float32 activations, or int8 per block of ACT_BLOCK (act_block())
+ACT_BLOCK = 32
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)
 DEFAULT_GROUP = {8: None, 4: 32}  # int8: per row (the kernel's only form); int4: llama.cpp's 32
 # The kernels serve at most this many rows (decode); more rows (prefill, scoring) dequantize the
@@ -70,18 +79,26 @@ class QuantSpec:
     the input (None: one group per output row); ``symmetric`` (int8 is always symmetric);
     ``head``: quantize the LM head too (a tied head gets its own quantized copy, the embedding
     stays float); ``pad``: pad in_features up to a multiple of ``group_size`` rather than
-    refuse."""
+    refuse; ``act_bits``: None keeps activations float32, 8 quantizes each linear layer's input
+    to int8 per block (:func:`quantize_activations`) and uses integer dot products."""
 
     bits: int = 8
     group_size: int | None = None
     symmetric: bool = False
     head: bool = True
     pad: bool = False
+    act_bits: int | None = None
 
     def check(self) -> None:
-        """Raise LmlabError for bits outside {4, 8} or a group size < 2 (or odd for int4)."""
+        """Raise LmlabError for bits outside {4, 8}, a group size < 2 (or odd for int4), or
+        act_bits other than None / 8."""
         if self.bits not in BITS:
             raise LmlabError(f"quantization bits must be 4 or 8, got {self.bits}")
+        if self.act_bits not in ACT_BITS:
+            raise LmlabError(
+                f"quantization act_bits must be None (float activations) or 8, got "
+                f"{self.act_bits!r}"
+            )
         g = self.group_size
         if g is not None and (g < 2 or (self.bits == 4 and g % 2)):
             raise LmlabError(
@@ -93,23 +110,56 @@ class QuantSpec:
     def name(self) -> str:
         """``int8``, ``int4-g32``, ``int4-g64-sym``: how results are labelled."""
         g = "" if self.group_size is None else f"-g{self.group_size}"
-        return f"int{self.bits}{g}{'-sym' if self.symmetric and self.bits == 4 else ''}"
+        a = "" if self.act_bits is None else f"-a{self.act_bits}"
+        return f"int{self.bits}{g}{'-sym' if self.symmetric and self.bits == 4 else ''}{a}"
 
 
 def parse_spec(text: str) -> QuantSpec:
-    """``int8``, ``int4``, ``int4:64`` or ``int8:128`` (bits, optional group size) -> QuantSpec
-    with the default group of :data:`DEFAULT_GROUP`. Raises LmlabError for anything else."""
-    kind, colon, group = text.partition(":")
+    """``int8``, ``int4``, ``int4:64`` or ``int8:128`` (bits, optional group size), optionally
+    followed by ``+a8`` (int8 activations: ``int4+a8``, ``int4:64+a8``) -> QuantSpec with the
+    default group of :data:`DEFAULT_GROUP`. Raises LmlabError for anything else."""
+    a8 = text.endswith("+a8")
+    weights = text.removesuffix("+a8")  # any other '+' fails below ("int8:+8" is no group)
+    kind, colon, group = weights.partition(":")
     bits = {"int8": 8, "int4": 4}.get(kind)
     # ASCII digits only: str.isdigit() also takes '²' (which int() refuses) and other scripts'
     # digits; "int4:" (a colon, no group) is a typo, not the default
     if bits is None or (colon and re.fullmatch("[0-9]{1,9}", group, flags=re.ASCII) is None):
         raise LmlabError(
-            f"--quantize must be int8 or int4, optionally :GROUP_SIZE (e.g. int4:64), got {text!r}"
+            f"--quantize must be int8 or int4, optionally :GROUP_SIZE (e.g. int4:64) and +a8, got "
+            f"{text!r}"
         )
-    spec = QuantSpec(bits, int(group) if group else DEFAULT_GROUP[bits])
+    group_size = int(group) if group else DEFAULT_GROUP[bits]
+    spec = QuantSpec(bits, group_size, act_bits=8 if a8 else None)
     spec.check()
     return spec
+
+
+def act_block(group_size: int) -> int:
+    """Columns per activation scale for ``act_bits=8``: 32 (llama.cpp's Q8_0 block) where it
+    divides the weight group, else the whole group, so that no block straddles two groups."""
+    return ACT_BLOCK if group_size % ACT_BLOCK == 0 else group_size
+
+
+def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., K) float, K % block == 0 -> (q (..., K) float32 integers in [-127, 127],
+    d (..., K/block) float32) with d = max|x| / 127 over each block of ``block`` columns and
+    q = round-half-to-even(x / d) (0 where d == 0), all in float32: x_hat = q d per block, the
+    activations the ``act_bits=8`` kernels multiply (the C++ kernel computes the same q and d
+    bit for bit). |x - x_hat| <= d / 2."""
+    k = x.shape[-1]
+    xb = x.float().reshape(*x.shape[:-1], k // block, block)
+    d = xb.abs().amax(-1) / 127
+    q = torch.where(d[..., None] > 0, torch.round(xb / d[..., None]), 0.0).clamp(-127, 127)
+    return q.reshape(x.shape), d
+
+
+def fake_quantize_activations(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x_hat = q d of :func:`quantize_activations`, (..., K) in x's dtype."""
+    q, d = quantize_activations(x, block)
+    k = x.shape[-1]
+    xb = q.reshape(*x.shape[:-1], k // block, block) * d[..., None]
+    return xb.reshape(x.shape).to(x.dtype)
 
 
 def quantize_weight(
@@ -167,6 +217,11 @@ class QuantLinear(nn.Module):
     int4 codes per byte (:func:`pack_int4`), ``scales`` and ``zeros`` (N, Kp/G) float32, ``bias``
     (N,) if the layer had one; Kp is K padded up to a multiple of G (Kp == K unless built with
     ``pad``). The CPU kernel's packed copy is rebuilt from them after every load.
+
+    ``act_bits=8`` (not a buffer: a setting of the layer, like ``group_size``): the input is
+    quantized to int8 per block of :func:`act_block` columns before the product on every path
+    (the C++ kernels' integer dot products, else x_hat = :func:`fake_quantize_activations` times
+    the float weight), so y = x_hat @ w_hat.T whatever the rows or device.
     """
 
     qweight: torch.Tensor
@@ -176,9 +231,11 @@ class QuantLinear(nn.Module):
 
     def __init__(
         self, linear: nn.Linear, bits: int, group_size: int | None, symmetric: bool, pad: bool,
-        name: str = "linear",
+        name: str = "linear", act_bits: int | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
+        if act_bits not in ACT_BITS:
+            raise LmlabError(f"cannot quantize {name}: act_bits must be None or 8, got {act_bits}")
         n, k = linear.out_features, linear.in_features
         g = k if group_size is None else group_size
         if k % g and not pad:
@@ -191,6 +248,7 @@ class QuantLinear(nn.Module):
         if bits == 4 and kp % 2:
             raise LmlabError(f"cannot quantize {name} to int4: in_features {k} is odd")
         self.in_features, self.out_features, self.bits, self.group_size = k, n, bits, g
+        self.act_bits = act_bits
         w = F.pad(linear.weight.detach().float(), (0, kp - k))  # (N, Kp), zero columns
         q, s, z = quantize_weight(w, bits, g, symmetric)
         self.register_buffer("qweight", q if bits == 8 else pack_int4(q))
@@ -246,8 +304,13 @@ class QuantLinear(nn.Module):
         few = 1 <= x2.shape[0] <= quant_kernel.MAX_ROWS  # an MoE expert may get 0 rows
         if on_cpu and few and self._cpp_ok and quant_kernel.available():  # compiles once
             y = quant_kernel.run(x2.contiguous(), self.qweight, self.scales, self.zeros,
-                                 self.group_size, self.bits)  # fmt: skip
-        elif on_cpu and x2.shape[0] <= KERNEL_MAX_ROWS and self.kernel == "int8pack":
+                                 self.group_size, self.bits, self.act_bits)  # fmt: skip
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)
+            return y.view(*lead, self.out_features)
+        if self.act_bits == 8:
+            x2 = fake_quantize_activations(x2, act_block(self.group_size))
+        if on_cpu and x2.shape[0] <= KERNEL_MAX_ROWS and self.kernel == "int8pack":
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scales[:, 0])
         elif on_cpu and x2.shape[0] <= KERNEL_MAX_ROWS and self._packed is not None:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -271,6 +334,7 @@ class QuantLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bits={self.bits}, group_size={self.group_size}, kernel={self.kernel}"
+            + ("" if self.act_bits is None else f", act_bits={self.act_bits}")
         )
 
 
@@ -289,6 +353,7 @@ def quantize_model(
     symmetric: bool = False,
     head: bool = True,
     pad: bool = False,
+    act_bits: int | None = None,
 ) -> nn.Module:
     """Replace, in place, every ``nn.Linear`` of ``model`` (attention q/k/v/o, FFN, the LM head
     unless ``head=False``) by a :class:`QuantLinear`; embeddings and norms stay float. A module
@@ -296,10 +361,12 @@ def quantize_model(
     those float. A head tied to the embedding gets its own quantized copy and the model is no
     longer tied (the embedding is still float). Returns ``model`` (eval mode; for inference).
 
-    Raises LmlabError for bits outside {4, 8}, or a group size that does not divide a layer's
-    in_features (naming the layer) unless ``pad``.
+    ``act_bits=8``: every quantized layer also quantizes its input to int8 (QuantLinear).
+
+    Raises LmlabError for bits outside {4, 8}, act_bits other than None / 8, or a group size
+    that does not divide a layer's in_features (naming the layer) unless ``pad``.
     """
-    spec = QuantSpec(bits, group_size, symmetric, head, pad)
+    spec = QuantSpec(bits, group_size, symmetric, head, pad, act_bits)
     spec.check()
     targets: list[tuple[nn.Module, str, str, nn.Linear]] = []
     for parent_name, parent in model.named_modules():
@@ -312,7 +379,7 @@ def quantize_model(
                 continue
             targets.append((parent, child_name, full, child))
     # every layer is quantized (and any refusal raised) before the model changes
-    new = {full: QuantLinear(lin, bits, group_size, symmetric, pad, full)
+    new = {full: QuantLinear(lin, bits, group_size, symmetric, pad, full, act_bits)
            for _, _, full, lin in targets}  # fmt: skip
     tied = getattr(model, "tied", None)
     for parent, child_name, full, _ in targets:
@@ -340,4 +407,4 @@ def apply_quantization(model: nn.Module, spec: str | QuantSpec) -> nn.Module:
     ``int4``, ``int4:64``: :func:`parse_spec`)."""
     s = parse_spec(spec) if isinstance(spec, str) else spec
     s.check()
-    return quantize_model(model, s.bits, s.group_size, s.symmetric, s.head, s.pad)
+    return quantize_model(model, s.bits, s.group_size, s.symmetric, s.head, s.pad, s.act_bits)

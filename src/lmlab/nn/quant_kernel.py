@@ -10,6 +10,15 @@ int4 16 at a time with AVX-512F where it has that)
 and multiply-added into M float32 accumulators, output rows split over threads by
 ``at::parallel_for`` (``torch.set_num_threads``).
 
+With ``act_bits=8`` (``QuantLinear(act_bits=8)``, ``--quantize int4+a8``) the kernels first
+quantize each row of x to int8 per block of 32 columns (one float32 scale per block, and the
+block's sum for int4's offset term, as llama.cpp's Q8_0 / Q8_1 activations), then take integer
+dot products per block: 256-bit AVX512-VNNI ``vpdpbusd`` (built with ``-mavx512vnni
+-mavx512vl`` where /proc/cpuinfo lists avx512_vnni), else AVX-VNNI (``-mavxvnni``), else AVX2's
+``maddubs`` + ``madd``, else plain loops; the result is scaled by weight scale x activation
+scale in float32. It equals x_hat @ w_hat.T with x_hat =
+:func:`lmlab.nn.quant.fake_quantize_activations` (tests/unit/test_quant_act8.py).
+
 It is compiled on first use by ``torch.utils.cpp_extension.load`` into torch's extension cache
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; about 10-30 s once, then a
 cached load) and called through ctypes with the tensors' data pointers (only ATen/Parallel.h is
@@ -60,15 +69,39 @@ def _cpu_has_avx512f() -> bool:
         return False
 
 
-def _build() -> ctypes.CDLL:
-    """Compile (or load from torch's cache) quant_kernels.cpp; raises on any failure."""
+def _cpu_flags() -> set[str]:
+    """The ``flags`` of /proc/cpuinfo's first processor (empty where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def _build(limit: str | None = None) -> ctypes.CDLL:
+    """Compile (or load from torch's cache) quant_kernels.cpp; raises on any failure.
+    ``limit`` (tests: the other paths on a CPU that has more): ``generic`` builds without
+    instruction-set flags, ``avx2`` with AVX2 + FMA only (no AVX-512, no VNNI), ``avxvnni``
+    with AVX2 + FMA + AVX-VNNI (where the CPU lists avx_vnni)."""
     from torch.utils.cpp_extension import load
 
-    avx2 = _cpu_has_avx2_fma()
-    avx512 = avx2 and _cpu_has_avx512f()
+    avx2 = _cpu_has_avx2_fma() and limit != "generic"
+    avx512 = avx2 and _cpu_has_avx512f() and limit is None
     flags = ["-O3", "-fopenmp", *(["-mavx2", "-mfma"] if avx2 else [])]
     flags += ["-mavx512f"] if avx512 else []
     kind = "avx512" if avx512 else "avx2" if avx2 else "generic"
+    # the int8-activation kernels' dot product: AVX512-VNNI (256-bit, needs VL), else AVX-VNNI,
+    # else AVX2's maddubs; each flag set gets its own extension name (torch's cache key)
+    cpu = _cpu_flags()
+    if avx512 and {"avx512_vnni", "avx512vl", "avx512bw"} <= cpu:
+        flags += ["-mavx512vnni", "-mavx512vl", "-mavx512bw"]
+        kind += "_vnni512"
+    elif avx2 and "avx_vnni" in cpu and limit in (None, "avxvnni"):
+        flags += ["-mavxvnni"]
+        kind += "_avxvnni"
     path = load(
         name=f"lmlab_quant_kernels_{kind}",
         sources=[str(SOURCE)],
@@ -81,7 +114,8 @@ def _build() -> ctypes.CDLL:
     i64, fp = ctypes.c_int64, ctypes.c_void_p
     lib.lmlab_int4_mm.argtypes = [fp, i64, i64, fp, fp, fp, i64, i64, fp]
     lib.lmlab_int8_mm.argtypes = [fp, i64, i64, fp, fp, i64, i64, fp]
-    lib.lmlab_int4_mm.restype = lib.lmlab_int8_mm.restype = ctypes.c_int
+    lib.lmlab_a8_mm.argtypes = [ctypes.c_int, fp, i64, i64, fp, fp, fp, i64, i64, fp]
+    lib.lmlab_int4_mm.restype = lib.lmlab_int8_mm.restype = lib.lmlab_a8_mm.restype = ctypes.c_int
     if lib.lmlab_kernels_max_rows() != MAX_ROWS:
         raise RuntimeError("quant_kernels.cpp and quant_kernel.py disagree on MAX_ROWS")
     return lib
@@ -102,6 +136,8 @@ def _load() -> ctypes.CDLL | None:
                     if _lib.lmlab_kernels_avx2()
                     else "generic C++ (no AVX2)"
                 )
+                vnni = _lib.lmlab_kernels_vnni()
+                _status += {1: "+avx512vnni", 2: "+avxvnni"}.get(vnni, "")
             except Exception as e:  # no compiler, a failed build, an unloadable library
                 _lib = None
                 _status = f"unavailable: {type(e).__name__}: {str(e).strip().splitlines()[-1:]}"
@@ -133,8 +169,9 @@ def disabled() -> Iterator[None]:
 
 
 def status() -> str:
-    """``avx512f+avx2+fma``, ``avx2+fma``, ``generic C++ (no AVX2)``, or why the kernels are
-    not used (after :func:`available` has been asked; ``not loaded yet`` before)."""
+    """``avx512f+avx2+fma``, ``avx2+fma``, ``generic C++ (no AVX2)`` (with ``+avx512vnni`` or
+    ``+avxvnni`` where the int8-activation kernels use VNNI), or why the kernels are not used
+    (after :func:`available` has been asked; ``not loaded yet`` before)."""
     return _status or "not loaded yet"
 
 
@@ -155,9 +192,13 @@ def _check(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, k: int, g: int) ->
         raise ValueError("operands must be on the CPU")
 
 
-def int8_mm(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, g: int) -> torch.Tensor:
-    """x (M, K) float32, q (N, K) int8, s (N, K/G) float32 -> (M, N) float32 = x @ (q s).T.
-    Raises ValueError for operands the kernel does not take, RuntimeError if unavailable."""
+def int8_mm(
+    x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, g: int, act_bits: int | None = None
+) -> torch.Tensor:
+    """x (M, K) float32, q (N, K) int8, s (N, K/G) float32 -> (M, N) float32 = x @ (q s).T;
+    ``act_bits=8``: x is first quantized to int8 per block (:func:`lmlab.nn.quant.
+    quantize_activations`) and the products are integer dot products. Raises ValueError for
+    operands the kernel does not take, RuntimeError if unavailable."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"lmlab's C++ kernels are not available: {_status}")
@@ -166,18 +207,26 @@ def int8_mm(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, g: int) -> torch.
     _check(x, q, s, q.shape[1], g)
     m, k = x.shape
     n = q.shape[0]
+    _check_act_bits(act_bits)
     y = torch.empty(m, n)
-    if lib.lmlab_int8_mm(x.data_ptr(), m, k, q.data_ptr(), s.data_ptr(), n, g, y.data_ptr()):
+    if act_bits == 8:
+        bad = lib.lmlab_a8_mm(8, x.data_ptr(), m, k, q.data_ptr(), s.data_ptr(), s.data_ptr(), n,
+                              g, y.data_ptr())  # fmt: skip
+    else:
+        bad = lib.lmlab_int8_mm(x.data_ptr(), m, k, q.data_ptr(), s.data_ptr(), n, g, y.data_ptr())
+    if bad:
         raise ValueError(f"the kernel refused M={m} K={k} N={n} G={g}")
     return y
 
 
 def int4_mm(
-    x: torch.Tensor, p: torch.Tensor, s: torch.Tensor, z: torch.Tensor, g: int
-) -> torch.Tensor:
+    x: torch.Tensor, p: torch.Tensor, s: torch.Tensor, z: torch.Tensor, g: int,
+    act_bits: int | None = None,
+) -> torch.Tensor:  # fmt: skip
     """x (M, K) float32, p (N, K/2) uint8 (two codes per byte, low nibble first), s and z (N, K/G)
-    float32 -> (M, N) float32 = x @ ((code - 8) s + z).T group-wise. Raises ValueError for
-    operands the kernel does not take, RuntimeError if unavailable."""
+    float32 -> (M, N) float32 = x @ ((code - 8) s + z).T group-wise; ``act_bits=8`` as in
+    :func:`int8_mm`. Raises ValueError for operands the kernel does not take, RuntimeError if
+    unavailable."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"lmlab's C++ kernels are not available: {_status}")
@@ -188,17 +237,22 @@ def int4_mm(
     _check(x, p, s, 2 * p.shape[1], g)
     m, k = x.shape
     n = p.shape[0]
+    _check_act_bits(act_bits)
     y = torch.empty(m, n)
-    if lib.lmlab_int4_mm(
-        x.data_ptr(), m, k, p.data_ptr(), s.data_ptr(), z.data_ptr(), n, g, y.data_ptr()
-    ):
+    args = (x.data_ptr(), m, k, p.data_ptr(), s.data_ptr(), z.data_ptr(), n, g, y.data_ptr())
+    if lib.lmlab_a8_mm(4, *args) if act_bits == 8 else lib.lmlab_int4_mm(*args):
         raise ValueError(f"the kernel refused M={m} K={k} N={n} G={g}")
     return y
 
 
+def _check_act_bits(act_bits: int | None) -> None:
+    if act_bits not in (None, 8):
+        raise ValueError(f"act_bits must be None (float activations) or 8, got {act_bits!r}")
+
+
 def run(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g: int,
-    bits: int,
+    bits: int, act_bits: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """QuantLinear's call: :func:`int8_mm` / :func:`int4_mm` without their operand checks (the
     layer checked its buffers when it prepared them; x (M <= MAX_ROWS, K) contiguous float32).
@@ -207,7 +261,12 @@ def run(
     m, k = x.shape
     n = qweight.shape[0]
     y = torch.empty(m, n)
-    if bits == 8:
+    if act_bits == 8:
+        bad = _lib.lmlab_a8_mm(
+            bits, x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n,
+            g, y.data_ptr(),
+        )  # fmt: skip
+    elif bits == 8:
         bad = _lib.lmlab_int8_mm(
             x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), n, g, y.data_ptr()
         )

@@ -15,10 +15,19 @@
 // with -mavx512f too where it has AVX-512, int4 groups are read 16 codes at a time (32 per step,
 // two accumulator chains) before the AVX2 loop takes what is left: 1.07-1.27x the AVX2 path
 // per layer at batch 1-2 (SmolLM2's shapes, one thread, loaded Xeon; docs/quantization.md).
+//
+// lmlab_a8_mm (act_bits = 8, llama.cpp's Q8_0 x Q4_1 / Q8_0 idea): x is quantized to int8 per
+// block of 32 columns first and each block's product is an integer dot product (AVX512-VNNI or
+// AVX-VNNI dpbusd where the CPU has it, AVX2 maddubs + madd otherwise, plain loops without AVX2),
+// scaled by weight scale x activation scale in float32; the weight stream is software-prefetched.
+// See "int8 activations" below.
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
 
 #include <cstdint>
 #include <cstring>
@@ -33,6 +42,21 @@
 #define LMLAB_AVX512 1
 #else
 #define LMLAB_AVX512 0
+#endif
+// The u8 x s8 -> s32 dot product of the int8-activation kernels: 1 AVX512-VNNI (256-bit form,
+// needs AVX512VL), 2 AVX-VNNI, 0 AVX2's maddubs + madd (exact here: |u s| pair sums <= 32258).
+#if LMLAB_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define LMLAB_VNNI 1
+#elif LMLAB_AVX2 && defined(__AVXVNNI__)
+#define LMLAB_VNNI 2
+#else
+#define LMLAB_VNNI 0
+#endif
+// Two blocks per 512-bit dpbusd where the CPU has AVX512-VNNI and AVX512BW (byte masks).
+#if LMLAB_AVX512 && LMLAB_VNNI == 1 && defined(__AVX512BW__)
+#define LMLAB_VNNI512 1
+#else
+#define LMLAB_VNNI512 0
 #endif
 
 namespace {
@@ -214,6 +238,260 @@ void int8_row(const float* x, int64_t K, const int8_t* q, const float* s, int64_
   r.finish(out);
 }
 
+// ---- int8 activations (act_bits = 8) ----
+// Each row of x is quantized once per call, per block of A columns (A = 32 when G % 32 == 0,
+// else A = G, so a block never straddles a weight group): d = max|x| / 127 (float32),
+// xq = round-half-even(x / d) in [-127, 127] (all 0 when d == 0), and xs = d * sum(xq) for the
+// int4 offset term. y[m, n] = sum over blocks b (group g of b) of
+//   int8:  s[g] d_b * sum(q xq)
+//   int4:  s[g] d_b * sum(code xq) + (z[g] - 8 s[g]) xs_b       (w_hat = code s + (z - 8 s))
+// with the integer sums exact in int32 and the rest in float32. With AVX2 and A == 32 a block
+// is one 256-bit u8 x s8 dot product (VNNI dpbusd, else maddubs + madd): int4 codes are the
+// unsigned operand (a block's 16 bytes: low nibbles = even columns in the low 128 bits, high
+// nibbles = odd columns in the high 128, so xq is stored in that order per block); int8 weights
+// take llama.cpp's sign trick: |xq| unsigned times q carrying xq's sign.
+
+constexpr int64_t kPrefetch = 1024;
+
+struct ActQ {
+  std::vector<int8_t> q;   // (M, K), per block in the kernel's column order
+  std::vector<uint8_t> a;  // |q| (int8 weights' SIMD path)
+  std::vector<float> d;    // (M, K/A) block scales
+  std::vector<float> s;    // (M, K/A) d * sum(q)
+};
+
+void quantize_acts(const float* x, int64_t M, int64_t K, int64_t A, bool split_even_odd,
+                   ActQ& out) {
+  const int64_t nb = K / A;
+  out.q.resize(M * K);
+  out.a.resize(M * K);
+  out.d.resize(M * nb);
+  out.s.resize(M * nb);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * A;
+      float amax = 0.0f;
+      bool finite = true;
+      for (int64_t i = 0; i < A; ++i) {
+        amax = std::max(amax, std::fabs(xb[i]));
+        finite = finite && std::isfinite(xb[i]);
+      }
+      // a NaN or inf in the block makes its scale NaN, so the outputs it meets are NaN (as in
+      // the float path) rather than finite numbers from clamped codes
+      const float d = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+      int8_t* qb = out.q.data() + m * K + b * A;
+      uint8_t* ab = out.a.data() + m * K + b * A;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < A; ++i) {
+        float r = d > 0.0f ? std::nearbyint(xb[i] / d) : 0.0f;
+        r = std::min(127.0f, std::max(-127.0f, r));
+        const int8_t v = static_cast<int8_t>(r);
+        sum += v;
+        const int64_t j = split_even_odd ? (i / 2 + (i & 1) * (A / 2)) : i;
+        qb[j] = v;
+        ab[j] = static_cast<uint8_t>(v < 0 ? -v : v);
+      }
+      out.d[m * nb + b] = d;
+      out.s[m * nb + b] = d * static_cast<float>(sum);
+    }
+  }
+}
+
+#if LMLAB_AVX2
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if LMLAB_VNNI == 1
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif LMLAB_VNNI == 2
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// One output row, A == 32, M rows of quantized x: two float accumulator chains per row
+// (even/odd blocks) so that M = 1 does not wait on one chain's FMA latency.
+template <int M, bool Int4>
+void a8_row_simd(const ActQ& xa, int64_t K, const uint8_t* w, const float* s, const float* z,
+                 int64_t G, float* out) {
+  const int64_t nb = K / 32, bpg = G / 32;
+  __m256 acc[M][2];
+  float off[M] = {};
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  const __m128i lo4 = _mm_set1_epi8(15);
+  // software prefetch of the weight stream kPrefetch bytes ahead (into the next rows: rows are
+  // contiguous) and of the scales / zeros a few rows ahead
+  constexpr int64_t wb = Int4 ? 16 : 32;
+  const int64_t ng = K / G;
+  _mm_prefetch(reinterpret_cast<const char*>(s + 4 * ng), _MM_HINT_T0);
+  if constexpr (Int4) _mm_prefetch(reinterpret_cast<const char*>(z + 4 * ng), _MM_HINT_T0);
+  int64_t g = 0, left = bpg, b = 0;
+#if LMLAB_VNNI512
+  {
+    // blocks b and b + 1 in one 512-bit register each step: lanes 0-7 block b, 8-15 block b + 1
+    __m512 acc5[M];
+    for (int m = 0; m < M; ++m) acc5[m] = _mm512_setzero_ps();
+    const __m256i lo4x = _mm256_set1_epi8(15);
+    // the scale vector of a pair of blocks: lanes 0-7 from float 0 of a __m128, 8-15 from float 1
+    const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    auto two = [](const float* f) {  // 2 floats into lanes 0, 1
+      return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(f)));
+    };
+    if constexpr (Int4) {
+      if (G == 32) {
+        // llama.cpp's Q4_1 shape, one group per block: the two blocks' scales s * d and offset
+        // terms (z - 8 s) * xs come from 2-float loads, no group bookkeeping
+        const __m128 eight = _mm_set1_ps(8.0f);
+        __m128 offv[M];
+        for (int m = 0; m < M; ++m) offv[m] = _mm_setzero_ps();
+        for (; b + 2 <= nb; b += 2) {
+          if ((b * wb) % 64 == 0)
+            _mm_prefetch(reinterpret_cast<const char*>(w + b * wb + kPrefetch), _MM_HINT_T0);
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 16));
+          const __m256i lo = _mm256_and_si256(raw, lo4x);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4x);
+          const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+          const __m512i codes = _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0));
+          const __m128 s2 = two(s + b);
+          const __m128 zc2 = _mm_fnmadd_ps(eight, s2, two(z + b));  // z - 8 s
+          for (int m = 0; m < M; ++m) {
+            const __m512i xv = _mm512_loadu_si512(xa.q.data() + m * K + b * 32);
+            const __m512 dot =
+                _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, xv));
+            const __m128 sd = _mm_mul_ps(s2, two(xa.d.data() + m * nb + b));
+            const __m512 sc = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(sd));
+            acc5[m] = _mm512_fmadd_ps(dot, sc, acc5[m]);
+            offv[m] = _mm_fmadd_ps(zc2, two(xa.s.data() + m * nb + b), offv[m]);
+          }
+        }
+        for (int m = 0; m < M; ++m) {
+          alignas(16) float o[4];
+          _mm_store_ps(o, offv[m]);
+          off[m] += o[0] + o[1];
+        }
+        g = b;  // one block per group: the loops below take the odd last block, if any
+        left = 1;
+      }
+    }
+    for (; b + 2 <= nb; b += 2) {
+      if ((b * wb) % 64 == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(w + b * wb + kPrefetch), _MM_HINT_T0);
+      const int64_t g0 = g;
+      if (--left == 0) {
+        ++g;
+        left = bpg;
+      }
+      const int64_t g1 = g;
+      if (--left == 0) {
+        ++g;
+        left = bpg;
+      }
+      const float s0 = s[g0], s1 = s[g1];
+      const __m128 s01 = _mm_unpacklo_ps(_mm_set_ss(s0), _mm_set_ss(s1));
+      if constexpr (Int4) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 16));
+        const __m256i lo = _mm256_and_si256(raw, lo4x);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4x);
+        // 128-bit lanes [lo b, lo b+1, hi b, hi b+1] -> [lo b, hi b, lo b+1, hi b+1]
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        const __m512i codes = _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0));
+        const float z0 = z[g0] - 8.0f * s0, z1 = z[g1] - 8.0f * s1;
+        for (int m = 0; m < M; ++m) {
+          const __m512i xv = _mm512_loadu_si512(xa.q.data() + m * K + b * 32);
+          const __m512 dot =
+              _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, xv));
+          const __m128 sd = _mm_mul_ps(s01, two(xa.d.data() + m * nb + b));
+          const __m512 sc = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(sd));
+          acc5[m] = _mm512_fmadd_ps(dot, sc, acc5[m]);
+          const float* xs = xa.s.data() + m * nb + b;
+          off[m] += z0 * xs[0] + z1 * xs[1];
+        }
+      } else {
+        const __m512i wv = _mm512_loadu_si512(w + b * 32);
+        for (int m = 0; m < M; ++m) {
+          const __m512i xv = _mm512_loadu_si512(xa.q.data() + m * K + b * 32);
+          const __m512i ax = _mm512_loadu_si512(xa.a.data() + m * K + b * 32);
+          // q with xq's sign (0 where xq is 0: |xq| is 0 there anyway)
+          const __m512i sw =
+              _mm512_mask_sub_epi8(wv, _mm512_movepi8_mask(xv), _mm512_setzero_si512(), wv);
+          const __m512 dot =
+              _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ax, sw));
+          const __m128 sd = _mm_mul_ps(s01, two(xa.d.data() + m * nb + b));
+          const __m512 sc = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(sd));
+          acc5[m] = _mm512_fmadd_ps(dot, sc, acc5[m]);
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m) acc[m][0] = fold16(acc5[m]);
+  }
+#endif
+  for (; b < nb; ++b) {
+    if ((b * wb) % 64 == 0)
+      _mm_prefetch(reinterpret_cast<const char*>(w + b * wb + kPrefetch), _MM_HINT_T0);
+    const float sg = s[g];
+    const int par = static_cast<int>(b & 1);
+    if constexpr (Int4) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16));
+      const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), lo4),
+                                             _mm_and_si128(raw, lo4));
+      const float zg = z[g] - 8.0f * sg;
+      for (int m = 0; m < M; ++m) {
+        const __m256i xv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa.q.data() + m * K + b * 32));
+        const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(codes, xv));
+        if (par)
+          acc[m][1] = _mm256_fmadd_ps(dot, _mm256_set1_ps(sg * xa.d[m * nb + b]), acc[m][1]);
+        else
+          acc[m][0] = _mm256_fmadd_ps(dot, _mm256_set1_ps(sg * xa.d[m * nb + b]), acc[m][0]);
+        off[m] += zg * xa.s[m * nb + b];
+      }
+    } else {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 32));
+      for (int m = 0; m < M; ++m) {
+        const __m256i xv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa.q.data() + m * K + b * 32));
+        const __m256i ax =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa.a.data() + m * K + b * 32));
+        const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(ax, _mm256_sign_epi8(wv, xv)));
+        if (par)
+          acc[m][1] = _mm256_fmadd_ps(dot, _mm256_set1_ps(sg * xa.d[m * nb + b]), acc[m][1]);
+        else
+          acc[m][0] = _mm256_fmadd_ps(dot, _mm256_set1_ps(sg * xa.d[m * nb + b]), acc[m][0]);
+      }
+    }
+    if (--left == 0) {
+      ++g;
+      left = bpg;
+    }
+  }
+  for (int m = 0; m < M; ++m) out[m] = hsum(_mm256_add_ps(acc[m][0], acc[m][1])) + off[m];
+}
+#endif
+
+// The same sums, plain loops, any A (natural column order).
+template <int M, bool Int4>
+void a8_row_plain(const ActQ& xa, int64_t K, int64_t A, const uint8_t* w, const float* s,
+                  const float* z, int64_t G, float* out) {
+  const int64_t nb = K / A;
+  for (int m = 0; m < M; ++m) out[m] = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t g = b * A / G;
+    const float sg = s[g];
+    const float zg = Int4 ? z[g] - 8.0f * sg : 0.0f;
+    for (int m = 0; m < M; ++m) {
+      const int8_t* xq = xa.q.data() + m * K + b * A;
+      int32_t dot = 0;
+      for (int64_t i = 0; i < A; ++i) {
+        const int64_t k = b * A + i;
+        const int32_t c = Int4 ? ((k & 1) ? (w[k / 2] >> 4) : (w[k / 2] & 15))
+                               : static_cast<int32_t>(reinterpret_cast<const int8_t*>(w)[k]);
+        dot += c * xq[i];
+      }
+      out[m] += sg * xa.d[m * nb + b] * static_cast<float>(dot);
+      if (Int4) out[m] += zg * xa.s[m * nb + b];
+    }
+  }
+}
+
 template <int M, typename RowFn>
 void run_rows(int64_t N, int64_t K, float* y, RowFn row) {
   // At least 2^20 weights (~0.1-0.5 ms) per task: one parallel region ends in a barrier, and on
@@ -269,7 +547,45 @@ int lmlab_int8_mm(const float* x, int64_t M, int64_t K, const int8_t* q, const f
   return 0;
 }
 
+// x quantized to int8 per block (act_bits = 8, see ActQ above); same operands otherwise.
+int lmlab_a8_mm(int bits, const float* x, int64_t M, int64_t K, const uint8_t* w, const float* s,
+                const float* z, int64_t N, int64_t G, float* y) {
+  if (M < 1 || M > kMaxRows || N < 1 || K < 1 || G < 1 || K % G) return 1;  // refused
+  if ((bits != 4 && bits != 8) || (bits == 4 && G % 2)) return 1;
+  const int64_t A = G % 32 == 0 ? 32 : G, ng = K / G;
+  const bool simd = LMLAB_AVX2 && A == 32;
+  ActQ xa;
+  quantize_acts(x, M, K, A, simd && bits == 4, xa);
+  const int64_t row_bytes = bits == 4 ? K / 2 : K;
+#if LMLAB_AVX2
+  if (simd) {
+    if (bits == 4) {
+      LMLAB_DISPATCH_ROWS(M, run_rows<M>(N, K, y, [&](int64_t n, float* out) {
+        a8_row_simd<M, true>(xa, K, w + n * row_bytes, s + n * ng, z + n * ng, G, out);
+      }));
+    } else {
+      LMLAB_DISPATCH_ROWS(M, run_rows<M>(N, K, y, [&](int64_t n, float* out) {
+        a8_row_simd<M, false>(xa, K, w + n * row_bytes, s + n * ng, z, G, out);
+      }));
+    }
+    return 0;
+  }
+#endif
+  if (bits == 4) {
+    LMLAB_DISPATCH_ROWS(M, run_rows<M>(N, K, y, [&](int64_t n, float* out) {
+      a8_row_plain<M, true>(xa, K, A, w + n * row_bytes, s + n * ng, z + n * ng, G, out);
+    }));
+  } else {
+    LMLAB_DISPATCH_ROWS(M, run_rows<M>(N, K, y, [&](int64_t n, float* out) {
+      a8_row_plain<M, false>(xa, K, A, w + n * row_bytes, s + n * ng, z, G, out);
+    }));
+  }
+  return 0;
+}
+
 int lmlab_kernels_avx2() { return LMLAB_AVX2; }
+
+int lmlab_kernels_vnni() { return LMLAB_VNNI; }
 
 int lmlab_kernels_avx512() { return LMLAB_AVX512; }
 
