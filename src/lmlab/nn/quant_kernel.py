@@ -19,12 +19,14 @@ dot products per block: 256-bit AVX512-VNNI ``vpdpbusd`` (built with ``-mavx512v
 scale in float32. It equals x_hat @ w_hat.T with x_hat =
 :func:`lmlab.nn.quant.fake_quantize_activations` (tests/unit/test_quant_act8.py).
 
-It is compiled on first use by ``torch.utils.cpp_extension.load`` into torch's extension cache
-(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; about 10-30 s once, then a
-cached load) and called through ctypes with the tensors' data pointers (only ATen/Parallel.h is
-included, which keeps the compile short). When it cannot be used (``LMLAB_NO_CPP_KERNELS=1``, no
-C++ compiler, a failed build) :func:`available` is False, the reason is warned once and kept in
-:func:`status`, and QuantLinear uses torch's kernels / dequantize + matmul instead.
+It is compiled on first use by :func:`lmlab.nn.cpp_build.build` (``torch.utils.cpp_extension.
+load`` into a folder under torch's extension root, ``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``; a build killed half-way is not waited for forever; about 10-30 s
+once, then a cached load) and called through ctypes with the tensors' data pointers (only
+ATen/Parallel.h is included, which keeps the compile short). When it cannot be used
+(``LMLAB_NO_CPP_KERNELS=1``, no C++ compiler, a failed build) :func:`available` is False, the
+reason is warned once and kept in :func:`status`, and QuantLinear uses torch's kernels /
+dequantize + matmul instead.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from lmlab.nn import cpp_build
 
 SOURCE = Path(__file__).with_name("quant_kernels.cpp")
 MAX_ROWS = 8  # the C++ kernels' compile-time row counts are 1..8
@@ -82,12 +86,10 @@ def _cpu_flags() -> set[str]:
 
 
 def _build(limit: str | None = None) -> ctypes.CDLL:
-    """Compile (or load from torch's cache) quant_kernels.cpp; raises on any failure.
+    """Compile (or load from the cache) quant_kernels.cpp; raises on any failure.
     ``limit`` (tests: the other paths on a CPU that has more): ``generic`` builds without
     instruction-set flags, ``avx2`` with AVX2 + FMA only (no AVX-512, no VNNI), ``avxvnni``
     with AVX2 + FMA + AVX-VNNI (where the CPU lists avx_vnni)."""
-    from torch.utils.cpp_extension import load
-
     avx2 = _cpu_has_avx2_fma() and limit != "generic"
     avx512 = avx2 and _cpu_has_avx512f() and limit is None
     flags = ["-O3", "-fopenmp", *(["-mavx2", "-mfma"] if avx2 else [])]
@@ -102,14 +104,7 @@ def _build(limit: str | None = None) -> ctypes.CDLL:
     elif avx2 and "avx_vnni" in cpu and limit in (None, "avxvnni"):
         flags += ["-mavxvnni"]
         kind += "_avxvnni"
-    path = load(
-        name=f"lmlab_quant_kernels_{kind}",
-        sources=[str(SOURCE)],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-        verbose=False,
-    )
+    path = cpp_build.build(f"lmlab_quant_kernels_{kind}", [str(SOURCE)], flags, ["-fopenmp"])
     lib = ctypes.CDLL(str(path))
     i64, fp = ctypes.c_int64, ctypes.c_void_p
     lib.lmlab_int4_mm.argtypes = [fp, i64, i64, fp, fp, fp, i64, i64, fp]

@@ -8,8 +8,9 @@ one pass over the tensor where torch's eager formula makes four (three products 
 sum, each a full read and write). Bit-equal to the eager formula in float32 and bfloat16: the
 products and the sum round as torch's ops round them (see ``rope_kernels.cpp``).
 
-Compiled on first use by ``torch.utils.cpp_extension.load`` (torch's extension cache; a few
-seconds once, then a cached load) and called through ctypes with the tensors' data pointers, as
+Compiled on first use by :func:`lmlab.nn.cpp_build.build` (``torch.utils.cpp_extension.load``
+into torch's extension root, guarded against a killed build's stale lock; a few seconds once,
+then a cached load) and called through ctypes with the tensors' data pointers, as
 :mod:`lmlab.nn.quant_kernel` does. When it cannot be used (``LMLAB_NO_CPP_KERNELS=1``, no C++
 compiler, a failed build) :func:`available` is False, the reason is kept in :func:`status`, and
 RoPE runs as torch ops (the same values).
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from lmlab.nn import cpp_build
 from lmlab.nn.quant_kernel import ENV_OFF, OFF_VALUES
 
 SOURCE = Path(__file__).with_name("rope_kernels.cpp")
@@ -37,9 +39,7 @@ _off = False  # inside disabled()
 
 
 def _build() -> ctypes.CDLL:
-    """Compile (or load from torch's cache) rope_kernels.cpp; raises on any failure."""
-    from torch.utils.cpp_extension import load
-
+    """Compile (or load from the cache) rope_kernels.cpp; raises on any failure."""
     from lmlab.nn.quant_kernel import _cpu_has_avx2_fma, _cpu_has_avx512f
 
     avx2 = _cpu_has_avx2_fma()
@@ -48,14 +48,7 @@ def _build() -> ctypes.CDLL:
     flags = ["-O3", "-fopenmp", "-ffp-contract=off", *(["-mavx2"] if avx2 else [])]
     flags += ["-mavx512f"] if avx512 else []
     kind = "avx512" if avx512 else "avx2" if avx2 else "generic"
-    path = load(
-        name=f"lmlab_rope_kernels_{kind}",
-        sources=[str(SOURCE)],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-        verbose=False,
-    )
+    path = cpp_build.build(f"lmlab_rope_kernels_{kind}", [str(SOURCE)], flags, ["-fopenmp"])
     lib = ctypes.CDLL(str(path))
     i64, fp = ctypes.c_int64, ctypes.c_void_p
     lib.lmlab_rope.argtypes = [ctypes.c_int, fp, *[i64] * 7, fp, fp, fp, i64, i64, i64]
