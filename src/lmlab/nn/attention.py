@@ -36,7 +36,7 @@ from lmlab.nn.attention_core import (  # noqa: F401  (re-exported from their old
     attention_sdpa,
     repeat_kv,
 )
-from lmlab.nn.fused import _global_hooks, fusable_linears, fused_linear, linear
+from lmlab.nn.fused import fusable_linears, fused_linear, global_hooks, linear
 from lmlab.nn.hooks import HookPoint
 from lmlab.nn.kv_cache import LayerCache, LayerKVCache, LinearAttentionState, SlidingWindowKVCache
 from lmlab.nn.masks import MASKS, MaskFn
@@ -226,7 +226,7 @@ class Attention(nn.Module):
         if not (x.dtype in _LOW_PRECISION or torch.is_autocast_enabled(x.device.type)):
             return None  # float32 training: no casts to save, and its bits stay the unfused ones
         mods = [self._modules["q_proj"], self._modules["k_proj"], self._modules["v_proj"]]
-        if _global_hooks() or not fusable_linears(mods):  # type: ignore[arg-type]
+        if global_hooks() or not fusable_linears(mods):  # type: ignore[arg-type]
             return None
         weights = [m._parameters["weight"] for m in mods]  # type: ignore[union-attr]
         biases = [m._parameters["bias"] for m in mods]  # type: ignore[union-attr]

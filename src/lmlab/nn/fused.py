@@ -39,7 +39,7 @@ from torch.nn.modules import module as _module
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
-def _global_hooks() -> bool:
+def global_hooks() -> bool:
     """Whether any global module hook (``register_module_forward_hook`` ...) is registered."""
     return bool(
         _module._global_forward_hooks
@@ -65,7 +65,7 @@ def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``m(x)``: x (..., D) -> (..., N), through ``F.linear`` directly when ``m`` is a plain
     linear (:func:`plain_linear`; no global module hooks), which skips the microseconds of
     ``nn.Module.__call__`` (a decode step makes hundreds of these calls)."""
-    if plain_linear(m) and not _global_hooks():
+    if plain_linear(m) and not global_hooks():
         p = m._parameters  # the dict itself: no nn.Module.__getattr__ per parameter
         return F.linear(x, p["weight"], p["bias"])  # type: ignore[arg-type]
     return m(x)
@@ -135,7 +135,7 @@ class _Fused:
 def fusable_linears(modules: list[nn.Module]) -> bool:
     """Whether ``modules`` can run as one matmul over their weights concatenated: all plain
     linears (:func:`plain_linear`), biases on all or none, one dtype and device. Global module
-    hooks are the caller's to check (:func:`_global_hooks`)."""
+    hooks are the caller's to check (:func:`global_hooks`)."""
     if not all(plain_linear(m) for m in modules):
         return False
     params = [m._parameters[n] for m in modules for n in ("weight", "bias")]
@@ -169,7 +169,7 @@ def fused_weights(
     if torch.is_grad_enabled():  # even when off: copies made while on must not outlive this
         _bump()
         return None
-    if not ENABLED or _global_hooks():
+    if not ENABLED or global_hooks():
         return None
     modules = [owner._modules[n] for n in names]  # the dict: no nn.Module.__getattr__
     cache: dict[str, _Fused] = owner.__dict__.setdefault("_fused_linears", {})
