@@ -149,7 +149,7 @@ def test_builds_without_vnni_or_avx_give_the_same_numbers(limit, monkeypatch) ->
         pytest.skip(f"cannot build the {limit} variant: {e}")
     assert lib.lmlab_kernels_vnni() == (2 if limit == "avxvnni" else 0)
     assert lib.lmlab_kernels_avx2() == (limit != "generic" and quant_kernel._cpu_has_avx2_fma())
-    monkeypatch.setattr(quant_kernel, "_lib", lib)
+    monkeypatch.setattr(quant_kernel._kernels, "lib", lib)
     for bits, sym in MODES:
         for n, k, g in [(17, 576, 32), (9, 60, 6), (5, 256, 128)]:
             ql = _layer(n, k, g, bits, sym)

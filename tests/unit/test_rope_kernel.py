@@ -93,8 +93,8 @@ def test_a_training_step_with_the_kernel_has_the_same_loss_and_gradients(precisi
 
 
 def test_without_the_compiled_kernel_rope_runs_as_torch_ops(monkeypatch):
-    monkeypatch.setattr(rope_kernel, "_lib", None)
-    monkeypatch.setattr(rope_kernel, "_status", None)
+    monkeypatch.setattr(rope_kernel._kernel, "lib", None)
+    monkeypatch.setattr(rope_kernel._kernel, "_status", None)
     monkeypatch.setenv("LMLAB_NO_CPP_KERNELS", "1")
     assert not rope_kernel.available()
     assert "LMLAB_NO_CPP_KERNELS=1" in rope_kernel.status()

@@ -16,13 +16,19 @@ flag set (``name`` carries the flag set, as the callers choose it).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+ENV_OFF = "LMLAB_NO_CPP_KERNELS"
+OFF_VALUES = ("", "0", "false", "no", "off")  # LMLAB_NO_CPP_KERNELS values that keep the kernels
 WAIT_S = 600.0  # the longest wait for another process's build of the same kernels, seconds
 POLL_S = 0.2
 
@@ -73,3 +79,59 @@ def build(name: str, sources: list[str], cflags: list[str], ldflags: list[str]) 
             verbose=False,
         )
     return Path(path)
+
+
+class LazyLibrary:
+    """One compiled kernel library, built on first use: :meth:`load` returns it (or None with
+    the reason in :meth:`status`: ``LMLAB_NO_CPP_KERNELS`` set, no compiler, a failed build),
+    :meth:`available` says whether callers may use it now (False inside :meth:`disabled`).
+
+    ``build`` compiles and loads it (any exception = unavailable); ``describe`` names what was
+    built (the status text); ``fallback``, when given, is warned once (RuntimeWarning) with the
+    reason when the library cannot be used."""
+
+    def __init__(
+        self,
+        build: Callable[[], ctypes.CDLL],
+        describe: Callable[[ctypes.CDLL], str],
+        fallback: str | None = None,
+    ) -> None:
+        self._build, self._describe, self._fallback = build, describe, fallback
+        self.lib: ctypes.CDLL | None = None
+        self._status: str | None = None  # None: not tried yet
+        self._off = False  # inside disabled()
+
+    def load(self) -> ctypes.CDLL | None:
+        """The library (built or loaded on the first call), or None."""
+        if self._status is None:
+            if os.environ.get(ENV_OFF, "").strip().lower() not in OFF_VALUES:
+                self._status = f"disabled by {ENV_OFF}={os.environ[ENV_OFF]}"
+            else:
+                try:
+                    self.lib = self._build()
+                    self._status = self._describe(self.lib)
+                except Exception as e:  # no compiler, a failed build, an unloadable library
+                    self.lib = None
+                    reason = str(e).strip().splitlines()[-1:]
+                    self._status = f"unavailable: {type(e).__name__}: {reason}"
+            if self.lib is None and self._fallback:
+                warnings.warn(f"{self._fallback} ({self._status})", RuntimeWarning, stacklevel=4)
+        return self.lib
+
+    def available(self) -> bool:
+        return not self._off and self.load() is not None
+
+    @contextmanager
+    def disabled(self) -> Iterator[None]:
+        before, self._off = self._off, True
+        try:
+            yield
+        finally:
+            self._off = before
+
+    def status(self) -> str:
+        return self._status or "not loaded yet"
+
+    def reset(self) -> None:
+        """Forget the load result (tests)."""
+        self.lib, self._status = None, None

@@ -32,8 +32,6 @@ dequantize + matmul instead.
 from __future__ import annotations
 
 import ctypes
-import os
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,12 +42,7 @@ from lmlab.nn import cpp_build
 
 SOURCE = Path(__file__).with_name("quant_kernels.cpp")
 MAX_ROWS = 8  # the C++ kernels' compile-time row counts are 1..8
-ENV_OFF = "LMLAB_NO_CPP_KERNELS"
-OFF_VALUES = ("", "0", "false", "no", "off")  # LMLAB_NO_CPP_KERNELS values that keep the kernels
-
-_lib: ctypes.CDLL | None = None
-_status: str | None = None  # None: not tried yet
-_off = False  # inside disabled()
+ENV_OFF, OFF_VALUES = cpp_build.ENV_OFF, cpp_build.OFF_VALUES
 
 
 def _cpu_has_avx2_fma() -> bool:
@@ -116,64 +109,52 @@ def _build(limit: str | None = None) -> ctypes.CDLL:
     return lib
 
 
+def _describe(lib: ctypes.CDLL) -> str:
+    status = (
+        "avx512f+avx2+fma"
+        if lib.lmlab_kernels_avx512()
+        else "avx2+fma"
+        if lib.lmlab_kernels_avx2()
+        else "generic C++ (no AVX2)"
+    )
+    return status + {1: "+avx512vnni", 2: "+avxvnni"}.get(lib.lmlab_kernels_vnni(), "")
+
+
+_kernels = cpp_build.LazyLibrary(
+    lambda: _build(),  # looked up at call time (tests replace _build)
+    _describe,
+    "lmlab's C++ quantized kernels are not used; QuantLinear falls back to torch's int8/int4 "
+    "kernels or dequantize + matmul",
+)
+
+
 def _load() -> ctypes.CDLL | None:
-    global _lib, _status
-    if _status is None:
-        if os.environ.get(ENV_OFF, "").strip().lower() not in OFF_VALUES:
-            _status = f"disabled by {ENV_OFF}={os.environ[ENV_OFF]}"
-        else:
-            try:
-                _lib = _build()
-                _status = (
-                    "avx512f+avx2+fma"
-                    if _lib.lmlab_kernels_avx512()
-                    else "avx2+fma"
-                    if _lib.lmlab_kernels_avx2()
-                    else "generic C++ (no AVX2)"
-                )
-                vnni = _lib.lmlab_kernels_vnni()
-                _status += {1: "+avx512vnni", 2: "+avxvnni"}.get(vnni, "")
-            except Exception as e:  # no compiler, a failed build, an unloadable library
-                _lib = None
-                _status = f"unavailable: {type(e).__name__}: {str(e).strip().splitlines()[-1:]}"
-        if _lib is None:
-            warnings.warn(
-                f"lmlab's C++ quantized kernels are not used ({_status}); QuantLinear falls back "
-                "to torch's int8/int4 kernels or dequantize + matmul",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-    return _lib
+    return _kernels.load()
 
 
 def available() -> bool:
     """Whether the compiled kernels can be used (compiles them on the first call); False inside
     :func:`disabled`."""
-    return not _off and _load() is not None
+    return _kernels.available()
 
 
 @contextmanager
 def disabled() -> Iterator[None]:
     """Within the block QuantLinear does not use these kernels (A/B benchmarks, tests)."""
-    global _off
-    before, _off = _off, True
-    try:
+    with _kernels.disabled():
         yield
-    finally:
-        _off = before
 
 
 def status() -> str:
     """``avx512f+avx2+fma``, ``avx2+fma``, ``generic C++ (no AVX2)`` (with ``+avx512vnni`` or
     ``+avxvnni`` where the int8-activation kernels use VNNI), or why the kernels are not used
     (after :func:`available` has been asked; ``not loaded yet`` before)."""
-    return _status or "not loaded yet"
+    return _kernels.status()
 
 
 def _reset() -> None:
     """Forget the load result (tests)."""
-    global _lib, _status
-    _lib, _status = None, None
+    _kernels.reset()
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, k: int, g: int) -> None:
@@ -196,7 +177,7 @@ def int8_mm(
     operands the kernel does not take, RuntimeError if unavailable."""
     lib = _load()
     if lib is None:
-        raise RuntimeError(f"lmlab's C++ kernels are not available: {_status}")
+        raise RuntimeError(f"lmlab's C++ kernels are not available: {status()}")
     if q.dtype != torch.int8 or q.dim() != 2:
         raise ValueError("int8 weight must be (N, K) int8")
     _check(x, q, s, q.shape[1], g)
@@ -224,7 +205,7 @@ def int4_mm(
     unavailable."""
     lib = _load()
     if lib is None:
-        raise RuntimeError(f"lmlab's C++ kernels are not available: {_status}")
+        raise RuntimeError(f"lmlab's C++ kernels are not available: {status()}")
     if p.dtype != torch.uint8 or p.dim() != 2 or g % 2 or z.shape != s.shape:
         raise ValueError("int4 weight must be (N, K/2) uint8 with an even group and zeros = scales")
     if z.dtype != torch.float32 or not z.is_contiguous():
@@ -252,21 +233,22 @@ def run(
     """QuantLinear's call: :func:`int8_mm` / :func:`int4_mm` without their operand checks (the
     layer checked its buffers when it prepared them; x (M <= MAX_ROWS, K) contiguous float32).
     Requires :func:`available`."""
-    assert _lib is not None
+    lib = _kernels.lib
+    assert lib is not None
     m, k = x.shape
     n = qweight.shape[0]
     y = torch.empty(m, n)
     if act_bits == 8:
-        bad = _lib.lmlab_a8_mm(
+        bad = lib.lmlab_a8_mm(
             bits, x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n,
             g, y.data_ptr(),
         )  # fmt: skip
     elif bits == 8:
-        bad = _lib.lmlab_int8_mm(
+        bad = lib.lmlab_int8_mm(
             x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), n, g, y.data_ptr()
         )
     else:
-        bad = _lib.lmlab_int4_mm(
+        bad = lib.lmlab_int4_mm(
             x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, g,
             y.data_ptr(),
         )  # fmt: skip

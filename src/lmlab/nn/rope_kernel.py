@@ -19,7 +19,6 @@ RoPE runs as torch ops (the same values).
 from __future__ import annotations
 
 import ctypes
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,15 +26,10 @@ from pathlib import Path
 import torch
 
 from lmlab.nn import cpp_build
-from lmlab.nn.quant_kernel import ENV_OFF, OFF_VALUES
 
 SOURCE = Path(__file__).with_name("rope_kernels.cpp")
 MAX_HEAD_DIM = 1024  # the kernel's per-row buffers (rope_kernels.cpp kMaxHeadDim)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-
-_lib: ctypes.CDLL | None = None
-_status: str | None = None  # None: not tried yet
-_off = False  # inside disabled()
 
 
 def _build() -> ctypes.CDLL:
@@ -59,41 +53,29 @@ def _build() -> ctypes.CDLL:
     return lib
 
 
+_kernel = cpp_build.LazyLibrary(lambda: _build(), lambda lib: "compiled")
+
+
 def _load() -> ctypes.CDLL | None:
-    global _lib, _status
-    if _status is None:
-        if os.environ.get(ENV_OFF, "").strip().lower() not in OFF_VALUES:
-            _status = f"disabled by {ENV_OFF}={os.environ[ENV_OFF]}"
-        else:
-            try:
-                _lib = _build()
-                _status = "compiled"
-            except Exception as e:  # no compiler, a failed build, an unloadable library
-                _lib = None
-                _status = f"unavailable: {type(e).__name__}: {str(e).strip().splitlines()[-1:]}"
-    return _lib
+    return _kernel.load()
 
 
 def available() -> bool:
     """Whether the compiled kernel can be used (compiles it on the first call); False inside
     :func:`disabled`."""
-    return not _off and _load() is not None
+    return _kernel.available()
 
 
 @contextmanager
 def disabled() -> Iterator[None]:
     """Within the block RoPE runs as torch ops (A/B benchmarks, tests)."""
-    global _off
-    before, _off = _off, True
-    try:
+    with _kernel.disabled():
         yield
-    finally:
-        _off = before
 
 
 def status() -> str:
     """``compiled``, or why the kernel is not used (``not loaded yet`` before the first use)."""
-    return _status or "not loaded yet"
+    return _kernel.status()
 
 
 def applies(x: torch.Tensor, cos: torch.Tensor) -> bool:
@@ -121,7 +103,7 @@ def _into(
     of 1, not overlapping; ``inverse``: the gradient's rotation. Returns ``out``."""
     lib = _load()
     if lib is None:
-        raise RuntimeError(f"lmlab's RoPE kernel is not available: {_status}")
+        raise RuntimeError(f"lmlab's RoPE kernel is not available: {status()}")
     b, n, t, hd = x.shape
     if out.shape != x.shape or out.dtype != x.dtype or x.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("x and out must have one shape and dtype and a last stride of 1")
