@@ -11,6 +11,8 @@ out). ``--compile``: one layer's step as a pure function (static KV buffers of 5
 position mask, the weights as arguments, so one graph serves every layer and step), compiled with
 ``torch.compile(fullgraph=True, dynamic=False)``; its compile seconds and its largest logit
 difference from the forward are printed (float32, RMSNorm / SwiGLU / full RoPE models only).
+``--lean-from FILE``: another checkout's lean_step.py (say the main branch's) as one more
+contender, ``lean_base``, on its own cache (A/B of a change to the lean step in one process).
 
 Also printed: profiler events (aten ops, nested ones included) of one step of each lmlab path.
 
@@ -22,9 +24,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import statistics
 import time
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +108,16 @@ def compiled_step(model: DecoderLM, prompt: torch.Tensor) -> tuple[Callable, flo
     return step, took
 
 
+def load_lean_step(path: str) -> ModuleType:
+    """The module in ``path`` (a lean_step.py), imported beside lmlab's own one."""
+    spec = importlib.util.spec_from_file_location("lean_step_base", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"error: --lean-from {path}: not a Python file")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def events(fn: Callable[[], object]) -> int:
     from torch.profiler import ProfilerActivity, profile
 
@@ -126,6 +140,12 @@ def main() -> None:
         help="cached tokens before the first step (smollm2_decode.py decodes from 128 to 384)",
     )
     ap.add_argument("--no-fuse", action="store_true", help="lmlab.nn.fused.ENABLED = False")
+    ap.add_argument(
+        "--lean-from",
+        default=None,
+        metavar="FILE",
+        help="another checkout's lean_step.py (e.g. the main branch's), timed as 'lean_base'",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lmlab.nn.fused.ENABLED = not args.no_fuse
@@ -153,13 +173,22 @@ def main() -> None:
         lean = LeanStep(model, lean_cache, SLOTS)
         steps["forward"] = lambda: model(x, cache=ref_cache, last_only=True).logits
         steps["lean"] = lambda: lean(x)
+        if args.lean_from:
+            base_cache = model.new_cache()
+            model(prompt, cache=base_cache)
+            base = load_lean_step(args.lean_from).LeanStep(model, base_cache, SLOTS)
+            steps["lean_base"] = lambda: base(x)
         if hf is not None:
             pkv = hf(prompt, use_cache=True).past_key_values
             steps["transformers"] = lambda: (
                 hf(x, past_key_values=pkv, use_cache=True, logits_to_keep=1).logits
             )
-        diff = (steps["forward"]() - steps["lean"]()).abs().max().item()
+        got = steps["lean"]()  # every contender's first step, at the same position
+        diff = (steps["forward"]() - got).abs().max().item()
         print(f"lean vs forward, largest |logit difference|: {diff:.3g}")
+        if "lean_base" in steps:
+            bdiff = (steps["lean_base"]() - got).abs().max().item()
+            print(f"lean vs lean_base, largest |logit difference|: {bdiff:.3g}")
         if args.compile:
             cstep, took = compiled_step(model, prompt)
             check = model.new_cache()
@@ -168,7 +197,7 @@ def main() -> None:
             print(f"compiled layer step: {took:.1f} s to compile, largest |logit difference| "
                   f"from the forward {cdiff:.3g}")  # fmt: skip
             steps["compiled"] = lambda: cstep(x)
-        for name in ("forward", "lean", "compiled"):
+        for name in ("forward", "lean", "lean_base", "compiled"):
             if name in steps:
                 print(f"profiler events per step, {name}: {events(steps[name])}")
         times: dict[str, list[float]] = {name: [] for name in steps}
