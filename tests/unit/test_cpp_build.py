@@ -5,6 +5,7 @@ at most WAIT_S seconds."""
 from __future__ import annotations
 
 import fcntl
+import os
 import subprocess
 import sys
 import textwrap
@@ -41,7 +42,7 @@ def test_a_dead_builds_lock_file_is_not_waited_for(tmp_path: Path):
     assert done.stdout.strip().splitlines()[-1] == "42"
 
 
-def test_a_build_held_by_another_process_is_waited_for_only_so_long(tmp_path, monkeypatch):
+def test_a_build_held_by_another_process_is_waited_for_only_so_long(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(cpp_build, "WAIT_S", 0.5)
     folder = cpp_build.build_dir("lmlab_test_held")
@@ -50,3 +51,44 @@ def test_a_build_held_by_another_process_is_waited_for_only_so_long(tmp_path, mo
         fcntl.flock(other.fileno(), fcntl.LOCK_EX)  # another open file: a different holder
         with pytest.raises(TimeoutError, match="another process has been building"):
             cpp_build.build("lmlab_test_held", [str(tmp_path / "none.cpp")], [], [])
+    err = capsys.readouterr().err
+    assert err.count("lmlab: waiting for another process that is building lmlab_test_held") == 1
+
+
+def test_a_build_folder_others_can_write_is_refused_before_anything_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folder = cpp_build.build_dir("lmlab_test_open")
+    folder.mkdir(parents=True)
+    folder.chmod(0o777)  # anyone could plant a library here
+    with pytest.raises(PermissionError, match="not private to this user"):
+        cpp_build.build("lmlab_test_open", [str(tmp_path / "none.cpp")], [], [])
+
+
+def test_a_library_others_could_have_written_is_not_loaded(tmp_path, monkeypatch):
+    """ninja keeps a library newer than its sources, and torch's load() dlopens it: a planted
+    or group-writable one must be refused before that, not after its constructor ran."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folder = cpp_build.build_dir("lmlab_test_planted")
+    folder.mkdir(parents=True)
+    planted = folder / "lmlab_test_planted.so"
+    planted.write_bytes(b"not a library")
+    planted.chmod(0o666)
+    with pytest.raises(PermissionError, match="lmlab_test_planted.so is not private"):
+        cpp_build.build("lmlab_test_planted", [str(tmp_path / "none.cpp")], [], [])
+    if os.getuid() == 0:  # as root: a library owned by another user, mode 644
+        planted.chmod(0o644)
+        os.chown(planted, 12345, -1)
+        with pytest.raises(PermissionError, match="owner uid 12345"):
+            cpp_build.build("lmlab_test_planted", [str(tmp_path / "none.cpp")], [], [])
+
+
+def test_folders_are_made_private_whatever_the_umask(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "root"))
+    old = os.umask(0o002)  # a common user umask: group-writable by default
+    try:
+        with pytest.raises(OSError):  # the source does not exist: the build itself fails
+            cpp_build.build("lmlab_test_umask", [str(tmp_path / "none.cpp")], [], [])
+    finally:
+        os.umask(old)
+    folder = cpp_build.build_dir("lmlab_test_umask")
+    assert folder.stat().st_mode & 0o022 == 0 and folder.parent.stat().st_mode & 0o022 == 0

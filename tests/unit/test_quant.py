@@ -12,6 +12,7 @@ from lmlab.generation.generate import SamplingParams, generate_ids
 from lmlab.models.build import build_model
 from lmlab.nn.quant import (
     QuantLinear,
+    apply_quantization,
     dequantize_weight,
     pack_int4,
     parse_spec,
@@ -224,3 +225,27 @@ def test_variants_reading_a_weight_keep_it_float(model) -> None:
         for _ in range(6):
             ids.append(int(m(torch.tensor([ids])).logits[0, -1].argmax()))
     assert cached == ids[3:]
+
+
+@pytest.mark.parametrize("spec", [8, b"int4+a8", None, 4.0])
+def test_quantize_that_is_not_text_is_one_lmlab_error(tiny, spec) -> None:
+    with pytest.raises(LmlabError, match="quantize must be a string like 'int4'"):
+        apply_quantization(tiny, spec)
+
+
+def test_cli_shows_the_kernel_fallback_warning_as_one_line(tiny_run, capsys, monkeypatch) -> None:
+    from lmlab.nn import quant_kernel
+
+    quant_kernel._reset()
+    monkeypatch.setenv("LMLAB_NO_CPP_KERNELS", "1")
+    try:
+        code, _, err = run_cli(capsys, "generate", tiny_run, "--prompt", "ab",
+                               "--max-new-tokens", "3", "--quantize", "int4:16+a8")  # fmt: skip
+    finally:
+        monkeypatch.undo()
+        quant_kernel._reset()
+    assert code == 0, err
+    lines = [ln for ln in err.splitlines() if "C++ quantized kernels" in ln]
+    assert len(lines) == 1 and lines[0].startswith("warning: lmlab's C++ quantized kernels")
+    assert "LMLAB_NO_CPP_KERNELS=1" in lines[0]
+    assert "quant.py" not in err and "RuntimeWarning" not in err  # no file:line, no source line

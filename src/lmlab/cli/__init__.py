@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 
 from lmlab.cli import (
@@ -221,6 +222,11 @@ def _join_dash_values(argv: list[str]) -> list[str]:
     return out
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+    """warnings.showwarning for the CLI: ``warning: MESSAGE``, one line on stderr."""
+    print(f"warning: {one_line(str(message))}", file=sys.stderr if file is None else file)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -234,7 +240,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_text_args(args)
         _check_path_args(args)
         _check_numeric_args(args)
-        with plugins(getattr(args, "plugin", None)) as args.plugins:
+        with warnings.catch_warnings(), plugins(getattr(args, "plugin", None)) as args.plugins:
+            if not debug:  # a library's warning as one "warning:" line, not file:line + source
+                warnings.showwarning = _one_line_warning
             return COMMANDS[args.command].run(args)
     except Interrupted as e:
         print(str(e), file=sys.stderr)

@@ -31,7 +31,7 @@ COMMON_FLAGS: dict[str, dict[str, typing.Any]] = {
     "debug": {"action": "store_true", "help": "show Python tracebacks on errors"},
     "quantize": {
         "metavar": "int8|int4[:G][+a8]",
-        "help": "weight-only quantization of the linear layers after loading: int8 (one scale "
+        "help": "quantize the linear layers' weights after loading: int8 (one scale "
         "per output row), int4 (asymmetric, a scale and zero per 32 weights); int4:64 sets the "
         "group size; +a8 (int4+a8) also rounds each layer's input to int8 per 32 values, for "
         "integer dot products (faster decode, slightly different numbers; docs/quantization.md)",

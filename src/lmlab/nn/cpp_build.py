@@ -6,8 +6,11 @@ the first run, an OOM kill) leaves that file behind, and every later ``load`` of
 then waits for it forever, silently. :func:`build` runs ``load`` under a lock the kernel drops
 when its holder dies (``fcntl.flock`` on ``<folder>.flock``): whoever holds it is the only lmlab
 process building into that folder, so a ``lock`` file found there is a dead build's and is
-removed first. A build running in another process is waited for at most :data:`WAIT_S` seconds
-(then :class:`TimeoutError`, which the callers turn into their torch fallback with the reason).
+removed first. A build running in another process is waited for at most :data:`WAIT_S` seconds,
+saying so once on stderr (then :class:`TimeoutError`, which the callers turn into their torch
+fallback with the reason). The build folder, its parent and the library must belong to this
+user and be writable by nobody else (else PermissionError, the same fallback): ninja keeps a
+library newer than its sources, so a folder others can write would let them plant code.
 
 Folders: ``<torch's build root>/lmlab_py<major><minor>_torch<version>/<name>`` (the root is
 ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, as torch's own), one per source and
@@ -49,19 +52,34 @@ def build(name: str, sources: list[str], cflags: list[str], ldflags: list[str]) 
     from torch.utils.cpp_extension import load
 
     folder = build_dir(name)
-    folder.mkdir(parents=True, exist_ok=True)
+    old_umask = os.umask(0o022)  # our folders and files writable by us only, whatever the umask
+    try:
+        folder.parent.parent.mkdir(parents=True, exist_ok=True)
+        folder.parent.mkdir(mode=0o755, exist_ok=True)
+        folder.mkdir(mode=0o755, exist_ok=True)
+    finally:
+        os.umask(old_umask)
+    _check_private(folder.parent)
+    _check_private(folder)
     try:
         import fcntl
     except ImportError:  # no flock (Windows): torch's own baton only
         fcntl = None  # type: ignore[assignment]
     with open(folder.with_name(name + ".flock"), "a+b") as held:
         if fcntl is not None:
-            deadline = time.monotonic() + WAIT_S
+            deadline, told = time.monotonic() + WAIT_S, False
             while True:
                 try:
                     fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
+                    if not told:
+                        told = True
+                        print(
+                            f"lmlab: waiting for another process that is building {name} in "
+                            f"{folder} (at most {WAIT_S:.0f} s)",
+                            file=sys.stderr,
+                        )
                     if time.monotonic() > deadline:
                         raise TimeoutError(
                             f"another process has been building {name} in {folder} for over "
@@ -69,16 +87,37 @@ def build(name: str, sources: list[str], cflags: list[str], ldflags: list[str]) 
                         ) from None
                     time.sleep(POLL_S)
             (folder / "lock").unlink(missing_ok=True)  # a killed build's baton: nobody holds it
-        path = load(
-            name=name,
-            sources=sources,
-            extra_cflags=cflags,
-            extra_ldflags=ldflags,
-            build_directory=str(folder),
-            is_python_module=False,
-            verbose=False,
-        )
+        for old in folder.glob(name + ".*"):  # a library load() would dlopen without rebuilding
+            _check_private(old)
+        old_umask = os.umask(0o022)
+        try:
+            path = load(
+                name=name,
+                sources=sources,
+                extra_cflags=cflags,
+                extra_ldflags=ldflags,
+                build_directory=str(folder),
+                is_python_module=False,
+                verbose=False,
+            )
+        finally:
+            os.umask(old_umask)
     return Path(path)
+
+
+def _check_private(path: Path) -> None:
+    """Refuse (PermissionError) a build folder or library that another user owns or that group
+    or others may write: ninja does not rebuild a library newer than its inputs, so whoever
+    can write there could plant code that lmlab would load (TORCH_EXTENSIONS_DIR on a shared
+    disk)."""
+    if not hasattr(os, "getuid"):
+        return
+    st = path.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise PermissionError(
+            f"{path} is not private to this user (owner uid {st.st_uid}, mode "
+            f"{st.st_mode & 0o777:o}): lmlab does not load compiled kernels others could write"
+        )
 
 
 class LazyLibrary:

@@ -404,7 +404,13 @@ def quantized_weight_bytes(model: nn.Module) -> int:
 
 def apply_quantization(model: nn.Module, spec: str | QuantSpec) -> nn.Module:
     """:func:`quantize_model` with ``spec`` a :class:`QuantSpec` or its text form (``int8``,
-    ``int4``, ``int4:64``: :func:`parse_spec`)."""
+    ``int4``, ``int4:64``, ``int4+a8``: :func:`parse_spec`). Raises LmlabError for anything
+    else (a number, bytes, None)."""
+    if not isinstance(spec, str | QuantSpec):
+        raise LmlabError(
+            f"quantize must be a string like 'int4' or 'int4+a8' (or a QuantSpec), got "
+            f"{type(spec).__name__} {spec!r:.40}"
+        )
     s = parse_spec(spec) if isinstance(spec, str) else spec
     s.check()
     return quantize_model(model, s.bits, s.group_size, s.symmetric, s.head, s.pad, s.act_bits)
