@@ -7,8 +7,6 @@ activation rounding allows of the float-activation product."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
@@ -26,6 +24,7 @@ from lmlab.nn.quant import (
     unpack_int4,
 )
 from tests.helpers import tiny_model_config
+from tests.helpers.kernels import require_quant_kernels
 
 # (N, K, G): several 32-blocks per group (64, 128, whole row 96 / 576: the SIMD path), G not a
 # multiple of 32 (6, 10, 26, 13: one block per group, the plain loops), odd N
@@ -36,12 +35,7 @@ MODES = [(8, True), (4, True), (4, False)]
 
 @pytest.fixture(scope="module", autouse=True)
 def compiled(request: pytest.FixtureRequest) -> None:
-    quant_kernel._reset()
-    ok = quant_kernel.available()
-    if not ok and shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip(f"no C++ compiler: {quant_kernel.status()}")
-    assert ok, quant_kernel.status()
-    request.addfinalizer(quant_kernel._reset)
+    require_quant_kernels(request)
 
 
 def _layer(n: int, k: int, g: int, bits: int, sym: bool, act_bits: int | None = 8) -> QuantLinear:

@@ -5,7 +5,6 @@ LMLAB_NO_CPP_KERNELS or a failed build) gives the same numbers with its reason w
 
 from __future__ import annotations
 
-import shutil
 import warnings
 
 import pytest
@@ -16,6 +15,7 @@ from lmlab.models.build import build_model
 from lmlab.nn import quant_kernel
 from lmlab.nn.quant import QuantLinear, dequantize_weight, quantize_model, unpack_int4
 from tests.helpers import tiny_model_config
+from tests.helpers.kernels import require_quant_kernels
 
 # (N, K, group_size): N = 1; K % 8 != 0 (int8 13, int4 26); G % 8 != 0 (6, 10: chunks end inside
 # a group), several groups per row (32 of 96), a SmolLM2-like K (576, G 32); G 48 and 26 take
@@ -27,14 +27,7 @@ MODES = [(8, True), (4, True), (4, False)]  # (bits, symmetric); int8 is always 
 
 @pytest.fixture(scope="module", autouse=True)
 def compiled(request: pytest.FixtureRequest) -> None:
-    """Compile (or load from torch's extension cache) once for the module; where a C++ compiler
-    exists the kernels must be available (a silent fallback would make these tests vacuous)."""
-    quant_kernel._reset()
-    ok = quant_kernel.available()
-    if not ok and shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip(f"no C++ compiler: {quant_kernel.status()}")
-    assert ok, quant_kernel.status()
-    request.addfinalizer(quant_kernel._reset)
+    require_quant_kernels(request)
 
 
 def _assert_close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> None:
