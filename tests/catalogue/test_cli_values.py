@@ -19,6 +19,7 @@ BAD_SAMPLING_VALUES = [
     ("--temperature", "-1", "--temperature must be >= 0, got -1.0"),
     ("--temperature", "nan", "--temperature must be a finite number"),
     ("--temperature", "inf", "--temperature must be a finite number"),
+    ("--temperature", "1e308", "--temperature must be at most 3.403e+38 (float32's largest"),
     ("--top-p", "0", "--top-p must be in (0, 1], got 0.0"),
     ("--top-p", "1.5", "--top-p must be in (0, 1], got 1.5"),
     ("--top-p", "nan", "--top-p must be a finite number"),

@@ -459,3 +459,13 @@ def test_the_overflow_test_picks_what_gathering_the_finite_logits_picked(dtype):
                 want = [_next_token_gathering_finite(logits, temperature, top_k, top_p, g2)
                         for _ in range(3)]  # fmt: skip
                 assert got == want, (case, temperature, top_k, top_p)
+
+
+def test_a_temperature_float32_cannot_hold_is_refused_like_inf():
+    from lmlab.errors import LmlabError
+    from lmlab.generation.sampling import check_temperature
+
+    check_temperature(3e38)  # still a float32 number: a very flat but proper distribution
+    for t in (1e39, 1e308, float("inf")):
+        with pytest.raises(LmlabError, match="--temperature must be"):
+            check_temperature(t)

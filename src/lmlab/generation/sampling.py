@@ -18,6 +18,8 @@ import torch
 
 from lmlab.errors import LmlabError
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
 
 def _finite_number(value: object, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
@@ -26,9 +28,17 @@ def _finite_number(value: object, name: str) -> float:
 
 
 def check_temperature(temperature: float) -> None:
-    """LmlabError unless ``temperature`` is a finite number >= 0 (0 = greedy)."""
-    if _finite_number(temperature, "--temperature") < 0:
+    """LmlabError unless ``temperature`` is a number in [0, float32's largest] (0 = greedy; a
+    larger one is inf once the logits divide by it in float32: every logit 0, uniform sampling,
+    what ``inf`` would mean and is refused for)."""
+    t = _finite_number(temperature, "--temperature")
+    if t < 0:
         raise LmlabError(f"--temperature must be >= 0, got {temperature}")
+    if t > _FLOAT32_MAX:
+        raise LmlabError(
+            f"--temperature must be at most {_FLOAT32_MAX:.4g} (float32's largest number), got "
+            f"{temperature}"
+        )
 
 
 def check_top_k(top_k: int) -> None:
