@@ -302,15 +302,13 @@ class QuantLinear(nn.Module):
             x2 = F.pad(x2, (0, kp - self.in_features))  # zeros meet the padding columns
         on_cpu = x2.device.type == "cpu" and x2.dtype == torch.float32 and not x2.requires_grad
         few = 1 <= x2.shape[0] <= quant_kernel.MAX_ROWS  # an MoE expert may get 0 rows
-        if on_cpu and few and self._cpp_ok and quant_kernel.available():  # compiles once
+        cpp = on_cpu and few and self._cpp_ok and quant_kernel.available()  # compiles once
+        if self.act_bits == 8 and not cpp:  # the C++ kernels round the activations themselves
+            x2 = fake_quantize_activations(x2, act_block(self.group_size))
+        if cpp:
             y = quant_kernel.run(x2.contiguous(), self.qweight, self.scales, self.zeros,
                                  self.group_size, self.bits, self.act_bits)  # fmt: skip
-            if self.bias is not None:
-                y = y + self.bias.to(y.dtype)
-            return y.view(*lead, self.out_features)
-        if self.act_bits == 8:
-            x2 = fake_quantize_activations(x2, act_block(self.group_size))
-        if on_cpu and x2.shape[0] <= KERNEL_MAX_ROWS and self.kernel == "int8pack":
+        elif on_cpu and x2.shape[0] <= KERNEL_MAX_ROWS and self.kernel == "int8pack":
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scales[:, 0])
         elif on_cpu and x2.shape[0] <= KERNEL_MAX_ROWS and self._packed is not None:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
