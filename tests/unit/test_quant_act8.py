@@ -23,6 +23,7 @@ from lmlab.nn.quant import (
     quantize_model,
     unpack_int4,
 )
+from lmlab.training.hardware import cpu_flags
 from tests.helpers import tiny_model_config
 from tests.helpers.kernels import require_quant_kernels
 
@@ -135,7 +136,7 @@ def test_builds_without_vnni_or_avx_give_the_same_numbers(limit, monkeypatch) ->
     """The AVX2-only build (maddubs instead of VNNI), the plain-loop build and the AVX-VNNI
     build (256-bit, where the CPU has it) agree with the float64 reference as tightly as the
     full build."""
-    if limit == "avxvnni" and "avx_vnni" not in quant_kernel._cpu_flags():
+    if limit == "avxvnni" and "avx_vnni" not in cpu_flags():
         pytest.skip("the CPU has no AVX-VNNI")
     try:
         lib = quant_kernel._build(limit)

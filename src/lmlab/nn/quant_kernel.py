@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from lmlab.nn import cpp_build
+from lmlab.training.hardware import cpu_flags
 
 SOURCE = Path(__file__).with_name("quant_kernels.cpp")
 MAX_ROWS = 8  # the C++ kernels' compile-time row counts are 1..8
@@ -46,36 +47,15 @@ ENV_OFF, OFF_VALUES = cpp_build.ENV_OFF, cpp_build.OFF_VALUES
 
 
 def _cpu_has_avx2_fma() -> bool:
-    """True when torch reports AVX2 (or better) and /proc/cpuinfo lists fma."""
+    """True when torch reports AVX2 (or better) and /proc/cpuinfo lists avx2 and fma."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return False
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " fma" in flags and " avx2" in flags
+    return {"avx2", "fma"} <= cpu_flags()
 
 
 def _cpu_has_avx512f() -> bool:
     """True when torch reports AVX512 and /proc/cpuinfo lists avx512f."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return False
-    try:
-        return " avx512f" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-def _cpu_flags() -> set[str]:
-    """The ``flags`` of /proc/cpuinfo's first processor (empty where it cannot be read)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512f" in cpu_flags()
 
 
 def _build(limit: str | None = None) -> ctypes.CDLL:
@@ -90,7 +70,7 @@ def _build(limit: str | None = None) -> ctypes.CDLL:
     kind = "avx512" if avx512 else "avx2" if avx2 else "generic"
     # the int8-activation kernels' dot product: AVX512-VNNI (256-bit, needs VL), else AVX-VNNI,
     # else AVX2's maddubs; each flag set gets its own extension name (torch's cache key)
-    cpu = _cpu_flags()
+    cpu = cpu_flags()
     if avx512 and {"avx512_vnni", "avx512vl", "avx512bw"} <= cpu:
         flags += ["-mavx512vnni", "-mavx512vl", "-mavx512bw"]
         kind += "_vnni512"
