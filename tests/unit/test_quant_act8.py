@@ -12,7 +12,7 @@ import torch
 
 from lmlab.errors import LmlabError
 from lmlab.models.build import build_model
-from lmlab.nn import quant_kernel
+from lmlab.nn import cpp_build, quant_kernel
 from lmlab.nn.quant import (
     QuantLinear,
     QuantSpec,
@@ -143,7 +143,7 @@ def test_builds_without_vnni_or_avx_give_the_same_numbers(limit, monkeypatch) ->
     except Exception as e:  # pragma: no cover - no compiler for this variant
         pytest.skip(f"cannot build the {limit} variant: {e}")
     assert lib.lmlab_kernels_vnni() == (2 if limit == "avxvnni" else 0)
-    assert lib.lmlab_kernels_avx2() == (limit != "generic" and quant_kernel._cpu_has_avx2_fma())
+    assert lib.lmlab_kernels_avx2() == (limit != "generic" and cpp_build.cpu_has_avx2_fma())
     monkeypatch.setattr(quant_kernel._kernels, "lib", lib)
     for bits, sym in MODES:
         for n, k, g in [(17, 576, 32), (9, 60, 6), (5, 256, 128)]:

@@ -30,10 +30,24 @@ from pathlib import Path
 
 import torch
 
+from lmlab.training.hardware import cpu_flags
+
 ENV_OFF = "LMLAB_NO_CPP_KERNELS"
 OFF_VALUES = ("", "0", "false", "no", "off")  # LMLAB_NO_CPP_KERNELS values that keep the kernels
 WAIT_S = 600.0  # the longest wait for another process's build of the same kernels, seconds
 POLL_S = 0.2
+
+
+def cpu_has_avx2_fma() -> bool:
+    """True when torch reports AVX2 (or better) and /proc/cpuinfo lists avx2 and fma."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return False
+    return {"avx2", "fma"} <= cpu_flags()
+
+
+def cpu_has_avx512f() -> bool:
+    """True when torch reports AVX512 and /proc/cpuinfo lists avx512f."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512f" in cpu_flags()
 
 
 def build_dir(name: str) -> Path:

@@ -46,25 +46,13 @@ MAX_ROWS = 8  # the C++ kernels' compile-time row counts are 1..8
 ENV_OFF, OFF_VALUES = cpp_build.ENV_OFF, cpp_build.OFF_VALUES
 
 
-def _cpu_has_avx2_fma() -> bool:
-    """True when torch reports AVX2 (or better) and /proc/cpuinfo lists avx2 and fma."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return False
-    return {"avx2", "fma"} <= cpu_flags()
-
-
-def _cpu_has_avx512f() -> bool:
-    """True when torch reports AVX512 and /proc/cpuinfo lists avx512f."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512f" in cpu_flags()
-
-
 def _build(limit: str | None = None) -> ctypes.CDLL:
     """Compile (or load from the cache) quant_kernels.cpp; raises on any failure.
     ``limit`` (tests: the other paths on a CPU that has more): ``generic`` builds without
     instruction-set flags, ``avx2`` with AVX2 + FMA only (no AVX-512, no VNNI), ``avxvnni``
     with AVX2 + FMA + AVX-VNNI (where the CPU lists avx_vnni)."""
-    avx2 = _cpu_has_avx2_fma() and limit != "generic"
-    avx512 = avx2 and _cpu_has_avx512f() and limit is None
+    avx2 = cpp_build.cpu_has_avx2_fma() and limit != "generic"
+    avx512 = avx2 and cpp_build.cpu_has_avx512f() and limit is None
     flags = ["-O3", "-fopenmp", *(["-mavx2", "-mfma"] if avx2 else [])]
     flags += ["-mavx512f"] if avx512 else []
     kind = "avx512" if avx512 else "avx2" if avx2 else "generic"

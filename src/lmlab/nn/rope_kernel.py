@@ -34,10 +34,8 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 def _build() -> ctypes.CDLL:
     """Compile (or load from the cache) rope_kernels.cpp; raises on any failure."""
-    from lmlab.nn.quant_kernel import _cpu_has_avx2_fma, _cpu_has_avx512f
-
-    avx2 = _cpu_has_avx2_fma()
-    avx512 = avx2 and _cpu_has_avx512f()
+    avx2 = cpp_build.cpu_has_avx2_fma()
+    avx512 = avx2 and cpp_build.cpu_has_avx512f()
     # no fused multiply-add (-ffp-contract=off): each product rounds as torch's eager mul does
     flags = ["-O3", "-fopenmp", "-ffp-contract=off", *(["-mavx2"] if avx2 else [])]
     flags += ["-mavx512f"] if avx512 else []
