@@ -252,6 +252,12 @@ void int8_row(const float* x, int64_t K, const int8_t* q, const float* s, int64_
 // take llama.cpp's sign trick: |xq| unsigned times q carrying xq's sign.
 
 constexpr int64_t kPrefetch = 1024;
+#ifndef LMLAB_PFSZ
+#define LMLAB_PFSZ 4
+#endif
+#ifndef LMLAB_PF
+#define LMLAB_PF 1024
+#endif
 
 struct ActQ {
   std::vector<int8_t> q;   // (M, K), per block in the kernel's column order
@@ -467,6 +473,182 @@ void a8_row_simd(const ActQ& xa, int64_t K, const uint8_t* w, const float* s, co
 }
 #endif
 
+#if LMLAB_VNNI512
+// ---- int4 weights x int8 activations, 4 blocks per 512-bit step (AVX512-VNNI + AVX512BW) ----
+// For groups with 128 % G == 0 or G % 128 == 0 (G a multiple of 32: SmolLM2's 32 included).
+// A quad is 4 blocks of 32 columns = 64 code bytes of a row: one 512-bit load; its low nibbles
+// are the even columns of the 4 blocks (bytes 16j..16j+15 = block j), its high nibbles the odd
+// ones, so two dpbusd against the activations stored per quad as [64 even | 64 odd] bytes give
+// each block's dot product in the 4 int32 lanes of its 128-bit lane (no shuffles). Each block's
+// scale s[g] d_b is applied to its 4 lanes in float32 (s from one short load and a lane permute,
+// d from a replicated copy made once per call); the offset term sum_g (z - 8 s)[g] xs[g]
+// (xs[g] = sum of d_b sum(xq) over g's blocks) is a separate 16-groups-at-a-time dot product;
+// each output row is reduced horizontally once.
+
+struct ActQuads {
+  int64_t nq = 0;            // quads per row (the last may have 1..3 blocks: zero-padded)
+  std::vector<int8_t> q;     // (M, nq, 128): per quad 64 even-column then 64 odd-column bytes
+  std::vector<float> dv;     // (M, nq, 16): block j's d in lanes 4j..4j+3 (0 past the row)
+  std::vector<float> xs;     // (M, ng): per weight group, sum over its blocks of d * sum(xq)
+};
+
+inline bool quad_groups(int64_t G) { return G % 32 == 0 && (128 % G == 0 || G % 128 == 0); }
+
+// x (M, K) -> ActQuads, the same d and xq as quantize_acts (A = 32), in the quad layout.
+void quantize_quads(const float* x, int64_t M, int64_t K, int64_t G, ActQuads& out) {
+  const int64_t nb = K / 32, nq = (nb + 3) / 4, ng = K / G, bpg = G / 32;
+  out.nq = nq;
+  out.q.assign(M * nq * 128, 0);
+  out.dv.assign(M * nq * 16, 0.0f);
+  out.xs.assign(M * ng, 0.0f);
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * 32;
+      const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+      // x - x is NaN exactly where x is NaN or inf
+      const __mmask16 bad = _mm512_cmp_ps_mask(_mm512_sub_ps(v0, v0), _mm512_setzero_ps(),
+                                               _CMP_NEQ_UQ) |
+                            _mm512_cmp_ps_mask(_mm512_sub_ps(v1, v1), _mm512_setzero_ps(),
+                                               _CMP_NEQ_UQ);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float d = bad ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
+      int8_t* qq = out.q.data() + (m * nq + b / 4) * 128 + 16 * (b % 4);
+      int32_t sum = 0;
+      if (d > 0.0f) {  // else the block's codes stay 0 (d == 0: all zero; NaN: NaN anyway)
+        const __m512 vd = _mm512_set1_ps(d);
+        constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_div_ps(v0, vd), kRound);
+        __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_div_ps(v1, vd), kRound);
+        q0 = _mm512_min_epi32(_mm512_max_epi32(q0, lo), hi);
+        q1 = _mm512_min_epi32(_mm512_max_epi32(q1, lo), hi);
+        sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qq),
+                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(q0, even, q1)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qq + 64),
+                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(q0, odd, q1)));
+      }
+      float* dv = out.dv.data() + (m * nq + b / 4) * 16 + 4 * (b % 4);
+      dv[0] = dv[1] = dv[2] = dv[3] = d;
+      out.xs[m * ng + b / bpg] += d * static_cast<float>(sum);
+    }
+  }
+}
+
+// The 4 horizontal sums of a[0..3] in lanes 0..3.
+inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 x01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 x23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  // each 128-bit lane of x01: (r0, r1, r0, r1); of x23: (r2, r3, r2, r3)
+  const __m512 y = _mm512_add_ps(
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23))),
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23))));
+  const __m256 h = fold16(y);
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// R consecutive output rows (codes w, K/2 bytes a row; s, z their K/G scales and zeros, row after
+// row) for M rows of x: out[r * M + m]. The activation loads are shared by the R rows.
+template <int M, int R>
+void a8_quad_rows(const ActQuads& xa, int64_t K, const uint8_t* w, const float* s, const float* z,
+                  int64_t G, float* out) {
+  const int64_t nb = K / 32, nq = xa.nq, ng = K / G, rb = K / 2;
+  const __m512i lo4 = _mm512_set1_epi8(15);
+  // which of the 4 loaded scales each lane takes: block j's group within the quad
+  const __m512i sidx = G == 32   ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                       : G == 64 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+                                 : _mm512_setzero_si512();
+  const int64_t spq = G >= 128 ? 1 : 128 / G;  // groups per full quad
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+#if LMLAB_PFSZ > 0
+  for (int r = 0; r < R; ++r) {  // the scales and zeros of rows a few rows ahead
+    _mm_prefetch(reinterpret_cast<const char*>(s + (r + LMLAB_PFSZ) * ng), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(z + (r + LMLAB_PFSZ) * ng), _MM_HINT_T0);
+  }
+#endif
+  for (int64_t q = 0; q < nq; ++q) {
+    const int64_t left = nb - 4 * q;
+    const int64_t sbase = G >= 128 ? q * 128 / G : q * spq;
+    const bool full = left >= 4;
+    const __mmask64 wmask = full ? ~__mmask64{0} : (__mmask64{1} << (16 * left)) - 1;
+    const __mmask8 smask =
+        static_cast<__mmask8>((1u << (G >= 128 ? 1 : full ? spq : (left * 32 + G - 1) / G)) - 1);
+    __m512i xe[M], xo[M];
+    __m512 dv[M];
+    for (int m = 0; m < M; ++m) {
+      const int8_t* xq = xa.q.data() + (m * nq + q) * 128;
+      xe[m] = _mm512_loadu_si512(xq);
+      xo[m] = _mm512_loadu_si512(xq + 64);
+      dv[m] = _mm512_loadu_ps(xa.dv.data() + (m * nq + q) * 16);
+    }
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* wr = w + r * rb + 64 * q;
+      _mm_prefetch(reinterpret_cast<const char*>(wr + LMLAB_PF), _MM_HINT_T0);
+      const __m512i raw = full ? _mm512_loadu_si512(wr) : _mm512_maskz_loadu_epi8(wmask, wr);
+      const __m128 s4 = _mm_maskz_loadu_ps(smask, s + r * ng + sbase);
+      const __m512i lo = _mm512_and_si512(raw, lo4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4);
+      const __m512 srep = _mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(s4));
+      for (int m = 0; m < M; ++m) {
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe[m]);
+        dot = _mm512_dpbusd_epi32(dot, hi, xo[m]);
+        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(srep, dv[m]),
+                                    acc[r][m]);
+      }
+    }
+  }
+  // offset term, 16 groups at a time
+  const __m512 eight = _mm512_set1_ps(8.0f);
+  for (int64_t g = 0; g < ng; g += 16) {
+    const __mmask16 k = ng - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (ng - g)) - 1);
+    __m512 xs[M];
+    for (int m = 0; m < M; ++m) xs[m] = _mm512_maskz_loadu_ps(k, xa.xs.data() + m * ng + g);
+    for (int r = 0; r < R; ++r) {
+      const __m512 zc = _mm512_fnmadd_ps(eight, _mm512_maskz_loadu_ps(k, s + r * ng + g),
+                                         _mm512_maskz_loadu_ps(k, z + r * ng + g));
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(zc, xs[m], acc[r][m]);
+    }
+  }
+  if constexpr (R == 4) {
+    for (int m = 0; m < M; ++m) {
+      alignas(16) float t[4];
+      _mm_store_ps(t, hsum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
+      for (int r = 0; r < 4; ++r) out[r * M + m] = t[r];
+    }
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) out[r * M + m] = _mm512_reduce_add_ps(acc[r][m]);
+  }
+}
+
+// Output rows [begin, end) of the quad kernel: R = 4 rows at a time (2 from M = 3, 1 from M = 5:
+// the accumulators stay in registers), the rest one by one.
+template <int M>
+void a8_quad_range(const ActQuads& xa, int64_t K, int64_t N, const uint8_t* w, const float* s,
+                   const float* z, int64_t G, int64_t begin, int64_t end, float* y) {
+  constexpr int R = M <= 2 ? 4 : M <= 4 ? 2 : 1;
+  const int64_t rb = K / 2, ng = K / G;
+  float out[R * M];
+  int64_t n = begin;
+  auto put = [&](int rows) {
+    for (int r = 0; r < rows; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = out[r * M + m];
+  };
+  for (; n + R <= end; n += R) {
+    a8_quad_rows<M, R>(xa, K, w + n * rb, s + n * ng, z + n * ng, G, out);
+    put(R);
+  }
+  for (; n < end; ++n) {
+    a8_quad_rows<M, 1>(xa, K, w + n * rb, s + n * ng, z + n * ng, G, out);
+    put(1);
+  }
+}
+#endif
+
 // The same sums, plain loops, any A (natural column order).
 template <int M, bool Int4>
 void a8_row_plain(const ActQ& xa, int64_t K, int64_t A, const uint8_t* w, const float* s,
@@ -492,13 +674,19 @@ void a8_row_plain(const ActQ& xa, int64_t K, int64_t A, const uint8_t* w, const 
   }
 }
 
+// Output rows split over threads: at least LMLAB_MIN_TASK weights per task.
+#ifndef LMLAB_MIN_TASK
+#define LMLAB_MIN_TASK (int64_t{1} << 16)
+#endif
+template <typename RangeFn>
+void run_ranges(int64_t N, int64_t K, RangeFn range) {
+  const int64_t grain = std::max<int64_t>(1, LMLAB_MIN_TASK / std::max<int64_t>(K, 1));
+  at::parallel_for(0, N, grain, range);
+}
+
 template <int M, typename RowFn>
 void run_rows(int64_t N, int64_t K, float* y, RowFn row) {
-  // At least 2^20 weights (~0.1-0.5 ms) per task: one parallel region ends in a barrier, and on
-  // a machine with more busy threads than cores a descheduled thread stalls the others for a time
-  // slice. Measured here (2 cores, load 8): 16K-weight tasks made the 576 x 576 layer 4x slower
-  // on 2 threads than on 1. So decode's small layers run on one thread and the LM head on all.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(K, 1));
+  const int64_t grain = std::max<int64_t>(1, LMLAB_MIN_TASK / std::max<int64_t>(K, 1));
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     float out[M];
     for (int64_t n = begin; n < end; ++n) {
@@ -554,6 +742,17 @@ int lmlab_a8_mm(int bits, const float* x, int64_t M, int64_t K, const uint8_t* w
   if ((bits != 4 && bits != 8) || (bits == 4 && G % 2)) return 1;
   const int64_t A = G % 32 == 0 ? 32 : G, ng = K / G;
   const bool simd = LMLAB_AVX2 && A == 32;
+#if LMLAB_VNNI512
+  if (bits == 4 && quad_groups(G)) {
+    thread_local ActQuads buf;  // reused by this caller's thread (workers get it by reference)
+    const ActQuads& xq = buf;
+    quantize_quads(x, M, K, G, buf);
+    LMLAB_DISPATCH_ROWS(M, run_ranges(N, K, [&](int64_t begin, int64_t end) {
+      a8_quad_range<M>(xq, K, N, w, s, z, G, begin, end, y);
+    }));
+    return 0;
+  }
+#endif
   ActQ xa;
   quantize_acts(x, M, K, A, simd && bits == 4, xa);
   const int64_t row_bytes = bits == 4 ? K / 2 : K;
