@@ -138,6 +138,18 @@ inline __m256 fold16(__m512 v) {
   return _mm256_add_ps(_mm512_castps512_ps256(v),
                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
+
+// The 4 horizontal sums of a[0..3] in lanes 0..3.
+inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 x01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 x23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  // each 128-bit lane of x01: (r0, r1, r0, r1); of x23: (r2, r3, r2, r3)
+  const __m512 y = _mm512_add_ps(
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23))),
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23))));
+  const __m256 h = fold16(y);
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
 #endif
 
 // One output row n of the int4 product for M (compile-time) rows of x.
@@ -256,7 +268,7 @@ constexpr int64_t kPrefetch = 1024;
 #define LMLAB_PFSZ 4
 #endif
 #ifndef LMLAB_PF
-#define LMLAB_PF 1024
+#define LMLAB_PF 4096
 #endif
 
 struct ActQ {
@@ -537,18 +549,6 @@ void quantize_quads(const float* x, int64_t M, int64_t K, int64_t G, ActQuads& o
   }
 }
 
-// The 4 horizontal sums of a[0..3] in lanes 0..3.
-inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-  const __m512 x01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-  const __m512 x23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-  // each 128-bit lane of x01: (r0, r1, r0, r1); of x23: (r2, r3, r2, r3)
-  const __m512 y = _mm512_add_ps(
-      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23))),
-      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23))));
-  const __m256 h = fold16(y);
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
 // R consecutive output rows (codes w, K/2 bytes a row; s, z their K/G scales and zeros, row after
 // row) for M rows of x: out[r * M + m]. The activation loads are shared by the R rows.
 template <int M, int R>
@@ -649,6 +649,111 @@ void a8_quad_range(const ActQuads& xa, int64_t K, int64_t N, const uint8_t* w, c
 }
 #endif
 
+#if LMLAB_AVX512
+// ---- int4 weights x float32 activations, G % 32 == 0, AVX-512 ----
+// Per 32-column block of a row (16 code bytes): vpmovzxbd spreads the bytes to 16 int32 lanes,
+// & 15 gives the even columns, >> 4 the odd ones; x is stored once per call per block as
+// [16 even | 16 odd] floats, so a block is 2 converts, a multiply and an FMA, and its group's
+// scale is applied once per block: y = sum_g s[g] sum_k code x + sum_g (z - 8 s)[g] xsum[g]
+// (xsum[g]: the sum of x over the group, once per call). R output rows share the x loads.
+struct ActSplit {
+  std::vector<float> x;     // (M, K): per 32-block 16 even-column then 16 odd-column values
+  std::vector<float> xsum;  // (M, ng)
+};
+
+void split_acts(const float* x, int64_t M, int64_t K, int64_t G, ActSplit& out) {
+  const int64_t nb = K / 32, ng = K / G;
+  out.x.resize(M * K);
+  out.xsum.assign(M * ng, 0.0f);
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * 32;
+      const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+      _mm512_storeu_ps(out.x.data() + m * K + b * 32, _mm512_permutex2var_ps(v0, even, v1));
+      _mm512_storeu_ps(out.x.data() + m * K + b * 32 + 16, _mm512_permutex2var_ps(v0, odd, v1));
+      out.xsum[m * ng + b * 32 / G] += _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+    }
+}
+
+template <int M, int R>
+void int4_split_rows(const ActSplit& xa, int64_t K, const uint8_t* w, const float* s,
+                     const float* z, int64_t G, float* out) {
+  const int64_t nb = K / 32, ng = K / G, rb = K / 2, bpg = G / 32;
+  const __m512i lo4 = _mm512_set1_epi32(15);
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    _mm_prefetch(reinterpret_cast<const char*>(s + (r + LMLAB_PFSZ) * ng), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(z + (r + LMLAB_PFSZ) * ng), _MM_HINT_T0);
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 xe[M], xo[M];
+    for (int m = 0; m < M; ++m) {
+      xe[m] = _mm512_loadu_ps(xa.x.data() + m * K + b * 32);
+      xo[m] = _mm512_loadu_ps(xa.x.data() + m * K + b * 32 + 16);
+    }
+    const int64_t g = b / bpg;
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* wr = w + r * rb + 16 * b;
+      if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(wr + LMLAB_PF), _MM_HINT_T0);
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr)));
+      const __m512 ce = _mm512_cvtepi32_ps(_mm512_and_si512(v, lo4));
+      const __m512 co = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+      const __m512 sv = _mm512_set1_ps(s[r * ng + g]);
+      for (int m = 0; m < M; ++m) {
+        const __m512 part = _mm512_fmadd_ps(ce, xe[m], _mm512_mul_ps(co, xo[m]));
+        acc[r][m] = _mm512_fmadd_ps(part, sv, acc[r][m]);
+      }
+    }
+  }
+  const __m512 eight = _mm512_set1_ps(8.0f);
+  for (int64_t g = 0; g < ng; g += 16) {
+    const __mmask16 k = ng - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (ng - g)) - 1);
+    __m512 xs[M];
+    for (int m = 0; m < M; ++m) xs[m] = _mm512_maskz_loadu_ps(k, xa.xsum.data() + m * ng + g);
+    for (int r = 0; r < R; ++r) {
+      const __m512 zc = _mm512_fnmadd_ps(eight, _mm512_maskz_loadu_ps(k, s + r * ng + g),
+                                         _mm512_maskz_loadu_ps(k, z + r * ng + g));
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(zc, xs[m], acc[r][m]);
+    }
+  }
+  if constexpr (R == 4) {
+    for (int m = 0; m < M; ++m) {
+      alignas(16) float t[4];
+      _mm_store_ps(t, hsum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
+      for (int r = 0; r < 4; ++r) out[r * M + m] = t[r];
+    }
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) out[r * M + m] = _mm512_reduce_add_ps(acc[r][m]);
+  }
+}
+
+template <int M>
+void int4_split_range(const ActSplit& xa, int64_t K, int64_t N, const uint8_t* w, const float* s,
+                      const float* z, int64_t G, int64_t begin, int64_t end, float* y) {
+  constexpr int R = M <= 2 ? 4 : M <= 4 ? 2 : 1;
+  const int64_t rb = K / 2, ng = K / G;
+  float out[R * M];
+  int64_t n = begin;
+  auto put = [&](int rows) {
+    for (int r = 0; r < rows; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = out[r * M + m];
+  };
+  for (; n + R <= end; n += R) {
+    int4_split_rows<M, R>(xa, K, w + n * rb, s + n * ng, z + n * ng, G, out);
+    put(R);
+  }
+  for (; n < end; ++n) {
+    int4_split_rows<M, 1>(xa, K, w + n * rb, s + n * ng, z + n * ng, G, out);
+    put(1);
+  }
+}
+#endif
+
 // The same sums, plain loops, any A (natural column order).
 template <int M, bool Int4>
 void a8_row_plain(const ActQ& xa, int64_t K, int64_t A, const uint8_t* w, const float* s,
@@ -719,6 +824,17 @@ int lmlab_int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* p, const 
                    const float* z, int64_t N, int64_t G, float* y) {
   if (M < 1 || M > kMaxRows || N < 1 || K < 1 || G < 1 || K % G || G % 2) return 1;  // refused
   const int64_t ng = K / G;
+#if LMLAB_AVX512
+  if (G % 32 == 0) {
+    thread_local ActSplit buf;  // reused by this caller's thread (workers get it by reference)
+    const ActSplit& xa = buf;
+    split_acts(x, M, K, G, buf);
+    LMLAB_DISPATCH_ROWS(M, run_ranges(N, K, [&](int64_t begin, int64_t end) {
+      int4_split_range<M>(xa, K, N, p, s, z, G, begin, end, y);
+    }));
+    return 0;
+  }
+#endif
   LMLAB_DISPATCH_ROWS(M, run_rows<M>(N, K, y, [&](int64_t n, float* out) {
     int4_row<M>(x, K, p + n * (K / 2), s + n * ng, z + n * ng, G, out);
   }));
