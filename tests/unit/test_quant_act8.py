@@ -201,6 +201,7 @@ def test_rows_split_over_two_threads_equal_one_thread(act_bits) -> None:
     each row is computed the same way whatever range holds it (4 rows per pass, the rest one by
     one), so 2 threads give exactly the 1-thread result, with ranges of odd lengths."""
     ql = _layer(301, 576, 32, 4, False, act_bits=act_bits)
+    torch.manual_seed(1)
     before = torch.get_num_threads()
     for m in (1, 3, quant_kernel.MAX_ROWS):
         x = torch.randn(m, 576)

@@ -150,6 +150,10 @@ inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   const __m256 h = fold16(y);
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
+
+// The sum of a's lanes in hsum4's order: a row gets the same float32 total whether it is reduced
+// alone or with 3 others (threads' row ranges do not change the numbers).
+inline float hsum16(__m512 a) { return _mm_cvtss_f32(hsum4(a, a, a, a)); }
 #endif
 
 // One output row n of the int4 product for M (compile-time) rows of x.
@@ -621,7 +625,7 @@ void a8_quad_rows(const ActQuads& xa, int64_t K, const uint8_t* w, const float* 
     }
   } else {
     for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) out[r * M + m] = _mm512_reduce_add_ps(acc[r][m]);
+      for (int m = 0; m < M; ++m) out[r * M + m] = hsum16(acc[r][m]);
   }
 }
 
@@ -728,7 +732,7 @@ void int4_split_rows(const ActSplit& xa, int64_t K, const uint8_t* w, const floa
     }
   } else {
     for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) out[r * M + m] = _mm512_reduce_add_ps(acc[r][m]);
+      for (int m = 0; m < M; ++m) out[r * M + m] = hsum16(acc[r][m]);
   }
 }
 
@@ -749,6 +753,71 @@ void int4_split_range(const ActSplit& xa, int64_t K, int64_t N, const uint8_t* w
   }
   for (; n < end; ++n) {
     int4_split_rows<M, 1>(xa, K, w + n * rb, s + n * ng, z + n * ng, G, out);
+    put(1);
+  }
+}
+#endif
+
+#if LMLAB_AVX512
+// ---- int8 weights x float32 activations, G % 16 == 0, AVX-512 ----
+// 16 codes per step (vpmovsxbd + convert + one FMA per row of x) summed per group, the group's
+// scale applied once per group; R output rows share the x loads.
+template <int M, int R>
+void int8_wide_rows(const float* x, int64_t K, const int8_t* q, const float* s, int64_t G,
+                    float* out) {
+  const int64_t ng = K / G;
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512 part[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) part[r][m] = _mm512_setzero_ps();
+    for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+      __m512 xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* qr = q + r * K + k;
+        if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(qr + LMLAB_PF), _MM_HINT_T0);
+        const __m512 w = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr))));
+        for (int m = 0; m < M; ++m) part[r][m] = _mm512_fmadd_ps(w, xv[m], part[r][m]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 sv = _mm512_set1_ps(s[r * ng + g]);
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(part[r][m], sv, acc[r][m]);
+    }
+  }
+  if constexpr (R == 4) {
+    for (int m = 0; m < M; ++m) {
+      alignas(16) float t[4];
+      _mm_store_ps(t, hsum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
+      for (int r = 0; r < 4; ++r) out[r * M + m] = t[r];
+    }
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) out[r * M + m] = hsum16(acc[r][m]);
+  }
+}
+
+template <int M>
+void int8_wide_range(const float* x, int64_t K, int64_t N, const int8_t* q, const float* s,
+                     int64_t G, int64_t begin, int64_t end, float* y) {
+  constexpr int R = M <= 2 ? 4 : M <= 4 ? 2 : 1;
+  const int64_t ng = K / G;
+  float out[R * M];
+  int64_t n = begin;
+  auto put = [&](int rows) {
+    for (int r = 0; r < rows; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = out[r * M + m];
+  };
+  for (; n + R <= end; n += R) {
+    int8_wide_rows<M, R>(x, K, q + n * K, s + n * ng, G, out);
+    put(R);
+  }
+  for (; n < end; ++n) {
+    int8_wide_rows<M, 1>(x, K, q + n * K, s + n * ng, G, out);
     put(1);
   }
 }
@@ -845,6 +914,14 @@ int lmlab_int8_mm(const float* x, int64_t M, int64_t K, const int8_t* q, const f
                    int64_t N, int64_t G, float* y) {
   if (M < 1 || M > kMaxRows || N < 1 || K < 1 || G < 1 || K % G) return 1;  // refused
   const int64_t ng = K / G;
+#if LMLAB_AVX512
+  if (G % 16 == 0) {
+    LMLAB_DISPATCH_ROWS(M, run_ranges(N, K, [&](int64_t begin, int64_t end) {
+      int8_wide_range<M>(x, K, N, q, s, G, begin, end, y);
+    }));
+    return 0;
+  }
+#endif
   LMLAB_DISPATCH_ROWS(M, run_rows<M>(N, K, y, [&](int64_t n, float* out) {
     int8_row<M>(x, K, q + n * K, s + n * ng, G, out);
   }));
