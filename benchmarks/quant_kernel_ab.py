@@ -1,15 +1,22 @@
 """Batch-1 linear layers of SmolLM2-135M's shapes: float32 ``F.linear`` vs lmlab's C++ int8/int4
 kernels (lmlab.nn.quant_kernel) vs PyTorch's CPU kernels, interleaved in one process.
 
-Each shape (N out, K in: 576x576 q/o, 192x576 k/v, 1536x576 gate/up, 576x1536 down, 49152x576
-head) gets enough independent copies that one pass over them reads at least ``--mib`` MiB of
-quantized weights, more than the last-level cache, so every call reads its weight from memory as
-in decode (``--hot``: one copy, from cache). Each round times every method once (best of
-``--repeats`` passes over the copies, the order rotated per round); the best round is reported as
-microseconds per call, GB/s of weight bytes read (codes + scales + zeros; float32: 4 bytes per
-weight) and the speed-up over float32.
+Each shape (N out, K in: 576x576 q/o, 192x576 k/v, 960x576 the lean step's fused q/k/v, 1536x576
+gate/up, 3072x576 fused gate/up, 576x1536 down, 49152x576 head) gets enough independent copies
+that one pass over them reads at least ``--mib`` MiB of quantized weights, more than the cores'
+L2, so every call reads its weight from L3 or memory as in decode (``--hot``: one copy, from
+cache). Each round times every method once (best of ``--repeats`` passes over the copies, the
+order rotated per round); the best round is reported as microseconds per call, GB/s of weight
+bytes read (codes + scales + zeros; float32: 4 bytes per weight) and the speed-up over float32.
+lmlab's kernels are called through ctypes with their arguments bound once (the output
+preallocated): the kernel's own time plus ~1 us of ctypes per call, what a C++ caller pays
+(Python's ``quant_kernel.run`` adds several us per call on top). The
+default 96 MiB of copies is less than this VM's 480 MiB L3, as decode's ~101 MB of int4 weights
+is, so these rates can exceed the 512 MiB ``torch.sum`` of benchmarks/quantized_decode.py's read
+bandwidth; ``--mib 512`` reads from DRAM.
 
-    OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python benchmarks/quant_kernel_ab.py --threads 1
+    OMP_NUM_THREADS=2 nice -n 10 .venv/bin/python benchmarks/quant_kernel_ab.py --threads 2 \
+        --only "lmlab int4+a8" "lmlab int4" "lmlab int8"
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import torch.nn.functional as F
 from lmlab.nn import quant_kernel
 from lmlab.nn.quant import QuantLinear
 
-SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
+SHAPES = [(576, 576), (192, 576), (960, 576), (1536, 576), (3072, 576), (576, 1536), (49152, 576)]
 
 
 def methods(n: int, k: int, copies: int) -> dict[str, tuple[Callable[[], object], int]]:
@@ -40,23 +47,23 @@ def methods(n: int, k: int, copies: int) -> dict[str, tuple[Callable[[], object]
         "float32": (lambda: [F.linear(x, w) for w in ws], sum(w.nbytes for w in ws)),
     }
     b8, b4 = sum(q.weight_bytes() for q in q8), sum(q.weight_bytes() for q in q4)
-    if quant_kernel.available():
-        out["lmlab int8"] = (
-            lambda: [quant_kernel.int8_mm(x, q.qweight, q.scales, k) for q in q8],
-            b8,
-        )
-        out["lmlab int4"] = (
-            lambda: [quant_kernel.int4_mm(x, q.qweight, q.scales, q.zeros, 32) for q in q4],
-            b4,
-        )
-        out["lmlab int8+a8"] = (
-            lambda: [quant_kernel.int8_mm(x, q.qweight, q.scales, k, act_bits=8) for q in q8],
-            b8,
-        )
+    lib = quant_kernel._kernels.lib
+    if quant_kernel.available() and lib is not None:
+        y = torch.empty(1, n)
+        a8, i4, i8 = lib.lmlab_a8_mm, lib.lmlab_int4_mm, lib.lmlab_int8_mm
+        xp, yp = x.data_ptr(), y.data_ptr()
+
+        def bound(fn: Callable[..., int], calls: list[tuple]) -> Callable[[], object]:
+            held = (x, y, q8, q4)  # the tensors behind the bound pointers stay alive
+            return lambda: [fn(*c) for c in calls] and held
+
+        p8 = [(q.qweight.data_ptr(), q.scales.data_ptr()) for q in q8]
+        p4 = [(q.qweight.data_ptr(), q.scales.data_ptr(), q.zeros.data_ptr()) for q in q4]
+        out["lmlab int8"] = (bound(i8, [(xp, 1, k, w, s, n, k, yp) for w, s in p8]), b8)
+        out["lmlab int4"] = (bound(i4, [(xp, 1, k, w, s, z, n, 32, yp) for w, s, z in p4]), b4)
+        out["lmlab int8+a8"] = (bound(a8, [(8, xp, 1, k, w, s, s, n, k, yp) for w, s in p8]), b8)
         out["lmlab int4+a8"] = (
-            lambda: [
-                quant_kernel.int4_mm(x, q.qweight, q.scales, q.zeros, 32, act_bits=8) for q in q4
-            ],
+            bound(a8, [(4, xp, 1, k, w, s, z, n, 32, yp) for w, s, z in p4]),
             b4,
         )
     mm8, mm4 = torch.ops.aten._weight_int8pack_mm, torch.ops.aten._weight_int4pack_mm_for_cpu
@@ -72,6 +79,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mib", type=int, default=96, help="quantized MiB per pass (> the LLC)")
     ap.add_argument("--hot", action="store_true", help="one copy: weights from cache")
+    ap.add_argument(
+        "--only", nargs="*", help="methods to time (float32 always runs: the ratios' base)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -82,6 +92,8 @@ def main() -> None:
         int4_bytes = n * k // 2 + 8 * n * k // 32
         copies = 1 if args.hot else max(1, -(-args.mib * 2**20 // int4_bytes))
         ms = methods(n, k, copies)
+        if args.only:
+            ms = {name: v for name, v in ms.items() if name == "float32" or name in args.only}
         best = {name: float("inf") for name in ms}
         names = list(ms)
         with torch.no_grad():
