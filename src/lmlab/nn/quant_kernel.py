@@ -6,17 +6,19 @@ x @ w_hat.T for the formats of :mod:`lmlab.nn.quant` (int8: w_hat = q s; int4, p
 :func:`~lmlab.nn.quant.pack_int4` bytes: w_hat = (code - 8) s + z), reading the stored buffers as
 they are (no second copy of the weight). The loop is in ``quant_kernels.cpp`` next to this file:
 each output row's codes are dequantized 8 at a time to float32 (AVX2 + FMA where the CPU has them;
-int4 16 at a time with AVX-512F where it has that)
+with AVX-512F, int4 groups of a multiple of 32 and int8 groups of a multiple of 16 take wider
+paths: 16-32 codes per step, 4 output rows per pass sharing the loads of x)
 and multiply-added into M float32 accumulators, output rows split over threads by
-``at::parallel_for`` (``torch.set_num_threads``).
+``at::parallel_for`` (``torch.set_num_threads``; ranges of at least 64K weights, so decode's
+layers use both threads of a 2-core machine; the numbers do not depend on the thread count).
 
 With ``act_bits=8`` (``QuantLinear(act_bits=8)``, ``--quantize int4+a8``) the kernels first
 quantize each row of x to int8 per block of 32 columns (one float32 scale per block, and the
 block's sum for int4's offset term, as llama.cpp's Q8_0 / Q8_1 activations), then take integer
-dot products per block: 256-bit AVX512-VNNI ``vpdpbusd`` (built with ``-mavx512vnni
--mavx512vl`` where /proc/cpuinfo lists avx512_vnni), else AVX-VNNI (``-mavxvnni``), else AVX2's
-``maddubs`` + ``madd``, else plain loops; the result is scaled by weight scale x activation
-scale in float32. It equals x_hat @ w_hat.T with x_hat =
+dot products per block: AVX512-VNNI ``vpdpbusd`` (built with ``-mavx512vnni -mavx512vl
+-mavx512bw`` where /proc/cpuinfo lists them; int4 weights 4 blocks of 32 per 512-bit step), else
+AVX-VNNI (``-mavxvnni``), else AVX2's ``maddubs`` + ``madd``, else plain loops; the result is
+scaled by weight scale x activation scale in float32. It equals x_hat @ w_hat.T with x_hat =
 :func:`lmlab.nn.quant.fake_quantize_activations` (tests/unit/test_quant_act8.py).
 
 It is compiled on first use by :func:`lmlab.nn.cpp_build.build` (``torch.utils.cpp_extension.

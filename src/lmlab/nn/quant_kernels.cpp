@@ -15,12 +15,23 @@
 // with -mavx512f too where it has AVX-512, int4 groups are read 16 codes at a time (32 per step,
 // two accumulator chains) before the AVX2 loop takes what is left: 1.07-1.27x the AVX2 path
 // per layer at batch 1-2 (SmolLM2's shapes, one thread, loaded Xeon; docs/quantization.md).
+// With AVX-512 the common groups have wider paths, 4 output rows per pass sharing the loads of x
+// and one 4-row horizontal sum: int4 with G % 32 == 0 ("int4 x float32" below) and int8 with
+// G % 16 == 0 ("int8 x float32"), 2.3-3.2x the paths above per layer.
 //
 // lmlab_a8_mm (act_bits = 8, llama.cpp's Q8_0 x Q4_1 / Q8_0 idea): x is quantized to int8 per
 // block of 32 columns first and each block's product is an integer dot product (AVX512-VNNI or
 // AVX-VNNI dpbusd where the CPU has it, AVX2 maddubs + madd otherwise, plain loops without AVX2),
 // scaled by weight scale x activation scale in float32; the weight stream is software-prefetched.
-// See "int8 activations" below.
+// See "int8 activations" below; int4 with AVX512-VNNI + AVX512BW and the usual groups takes the
+// "4 blocks per 512-bit step" path.
+//
+// Threads: output rows in contiguous ranges of at least LMLAB_MIN_TASK weights (64K: decode's
+// 576 x 576 layer is split in two halves on 2 threads, 1.5-1.7x one thread from memory on a
+// quiet machine; on a machine with more busy threads than cores a descheduled worker stalls the
+// call for a time slice, which 1M-weight tasks, the earlier setting, avoided for small layers).
+// Every row's float32 sum is computed in the same order whatever range holds it, so the results
+// do not depend on the thread count.
 
 #include <ATen/Parallel.h>
 
@@ -268,11 +279,17 @@ void int8_row(const float* x, int64_t K, const int8_t* q, const float* s, int64_
 // take llama.cpp's sign trick: |xq| unsigned times q carrying xq's sign.
 
 constexpr int64_t kPrefetch = 1024;
+// Tunables of the AVX-512 paths (-D to A/B them; benchmarks/quant_kernel_ab.py, docs):
+// LMLAB_PF: weight bytes prefetched ahead (4 KiB: 1.03-1.14x 1 KiB at 2 threads, K 576 / 1536);
+// LMLAB_PFSZ: rows ahead for the scales / zeros; LMLAB_MIN_TASK: weights per thread task at least.
+#ifndef LMLAB_PF
+#define LMLAB_PF 4096
+#endif
 #ifndef LMLAB_PFSZ
 #define LMLAB_PFSZ 4
 #endif
-#ifndef LMLAB_PF
-#define LMLAB_PF 4096
+#ifndef LMLAB_MIN_TASK
+#define LMLAB_MIN_TASK (int64_t{1} << 16)
 #endif
 
 struct ActQ {
@@ -848,10 +865,7 @@ void a8_row_plain(const ActQ& xa, int64_t K, int64_t A, const uint8_t* w, const 
   }
 }
 
-// Output rows split over threads: at least LMLAB_MIN_TASK weights per task.
-#ifndef LMLAB_MIN_TASK
-#define LMLAB_MIN_TASK (int64_t{1} << 16)
-#endif
+// Output rows split over threads in contiguous ranges, at least LMLAB_MIN_TASK weights each.
 template <typename RangeFn>
 void run_ranges(int64_t N, int64_t K, RangeFn range) {
   const int64_t grain = std::max<int64_t>(1, LMLAB_MIN_TASK / std::max<int64_t>(K, 1));
