@@ -13,7 +13,10 @@ preallocated): the kernel's own time plus ~1 us of ctypes per call, what a C++ c
 (Python's ``quant_kernel.run`` adds several us per call on top). The
 default 96 MiB of copies is less than this VM's 480 MiB L3, as decode's ~101 MB of int4 weights
 is, so these rates can exceed the 512 MiB ``torch.sum`` of benchmarks/quantized_decode.py's read
-bandwidth; ``--mib 512`` reads from DRAM.
+bandwidth; ``--mib 512`` reads from DRAM. ``--baseline FILE``: another version of
+quant_kernels.cpp (``git show main:src/lmlab/nn/quant_kernels.cpp > /tmp/base.cpp``) built with the
+same flags, its methods (``base int4+a8`` ...) timed in the same rounds: a before/after A/B in one
+process.
 
     OMP_NUM_THREADS=2 nice -n 10 .venv/bin/python benchmarks/quant_kernel_ab.py --threads 2 \
         --only "lmlab int4+a8" "lmlab int4" "lmlab int8"
@@ -22,9 +25,11 @@ bandwidth; ``--mib 512`` reads from DRAM.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +40,9 @@ from lmlab.nn.quant import QuantLinear
 SHAPES = [(576, 576), (192, 576), (960, 576), (1536, 576), (3072, 576), (576, 1536), (49152, 576)]
 
 
-def methods(n: int, k: int, copies: int) -> dict[str, tuple[Callable[[], object], int]]:
+def methods(
+    n: int, k: int, copies: int, libs: dict[str, ctypes.CDLL]
+) -> dict[str, tuple[Callable[[], object], int]]:
     """name -> (one pass over the copies, weight bytes that pass reads)."""
     torch.manual_seed(0)
     x = torch.randn(1, k)
@@ -47,22 +54,21 @@ def methods(n: int, k: int, copies: int) -> dict[str, tuple[Callable[[], object]
         "float32": (lambda: [F.linear(x, w) for w in ws], sum(w.nbytes for w in ws)),
     }
     b8, b4 = sum(q.weight_bytes() for q in q8), sum(q.weight_bytes() for q in q4)
-    lib = quant_kernel._kernels.lib
-    if quant_kernel.available() and lib is not None:
-        y = torch.empty(1, n)
+    y = torch.empty(1, n)
+    xp, yp = x.data_ptr(), y.data_ptr()
+
+    def bound(fn: Callable[..., int], calls: list[tuple]) -> Callable[[], object]:
+        held = (x, y, q8, q4)  # the tensors behind the bound pointers stay alive
+        return lambda: [fn(*c) for c in calls] and held
+
+    for label, lib in libs.items():
         a8, i4, i8 = lib.lmlab_a8_mm, lib.lmlab_int4_mm, lib.lmlab_int8_mm
-        xp, yp = x.data_ptr(), y.data_ptr()
-
-        def bound(fn: Callable[..., int], calls: list[tuple]) -> Callable[[], object]:
-            held = (x, y, q8, q4)  # the tensors behind the bound pointers stay alive
-            return lambda: [fn(*c) for c in calls] and held
-
         p8 = [(q.qweight.data_ptr(), q.scales.data_ptr()) for q in q8]
         p4 = [(q.qweight.data_ptr(), q.scales.data_ptr(), q.zeros.data_ptr()) for q in q4]
-        out["lmlab int8"] = (bound(i8, [(xp, 1, k, w, s, n, k, yp) for w, s in p8]), b8)
-        out["lmlab int4"] = (bound(i4, [(xp, 1, k, w, s, z, n, 32, yp) for w, s, z in p4]), b4)
-        out["lmlab int8+a8"] = (bound(a8, [(8, xp, 1, k, w, s, s, n, k, yp) for w, s in p8]), b8)
-        out["lmlab int4+a8"] = (
+        out[f"{label} int8"] = (bound(i8, [(xp, 1, k, w, s, n, k, yp) for w, s in p8]), b8)
+        out[f"{label} int4"] = (bound(i4, [(xp, 1, k, w, s, z, n, 32, yp) for w, s, z in p4]), b4)
+        out[f"{label} int8+a8"] = (bound(a8, [(8, xp, 1, k, w, s, s, n, k, yp) for w, s in p8]), b8)
+        out[f"{label} int4+a8"] = (
             bound(a8, [(4, xp, 1, k, w, s, z, n, 32, yp) for w, s, z in p4]),
             b4,
         )
@@ -80,6 +86,12 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=96, help="quantized MiB per pass (> the LLC)")
     ap.add_argument("--hot", action="store_true", help="one copy: weights from cache")
     ap.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="FILE",
+        help="another quant_kernels.cpp: its kernels timed in the same rounds (base ...)",
+    )
+    ap.add_argument(
         "--only", nargs="*", help="methods to time (float32 always runs: the ratios' base)"
     )
     args = ap.parse_args()
@@ -87,13 +99,18 @@ def main() -> None:
     t0 = time.perf_counter()
     ok = quant_kernel.available()
     print(f"lmlab C++ kernels: {quant_kernel.status()} ({time.perf_counter() - t0:.1f} s to load)")
+    libs = {"lmlab": quant_kernel._kernels.lib} if ok and quant_kernel._kernels.lib else {}
+    if args.baseline and ok:
+        libs["base"] = quant_kernel._build(source=args.baseline)
+        print(f"baseline kernels: {args.baseline}")
     report = []
     for n, k in SHAPES:
         int4_bytes = n * k // 2 + 8 * n * k // 32
         copies = 1 if args.hot else max(1, -(-args.mib * 2**20 // int4_bytes))
-        ms = methods(n, k, copies)
-        if args.only:
-            ms = {name: v for name, v in ms.items() if name == "float32" or name in args.only}
+        ms = methods(n, k, copies, libs)
+        if args.only:  # "lmlab int4+a8" keeps "base int4+a8" too
+            keep = {"float32", *args.only, *(f"base {o.removeprefix('lmlab ')}" for o in args.only)}
+            ms = {name: v for name, v in ms.items() if name in keep}
         best = {name: float("inf") for name in ms}
         names = list(ms)
         with torch.no_grad():

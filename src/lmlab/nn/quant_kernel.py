@@ -34,6 +34,7 @@ dequantize + matmul instead.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,8 +49,10 @@ MAX_ROWS = 8  # the C++ kernels' compile-time row counts are 1..8
 ENV_OFF, OFF_VALUES = cpp_build.ENV_OFF, cpp_build.OFF_VALUES
 
 
-def _build(limit: str | None = None) -> ctypes.CDLL:
+def _build(limit: str | None = None, source: Path | None = None) -> ctypes.CDLL:
     """Compile (or load from the cache) quant_kernels.cpp; raises on any failure.
+    ``source``: another version of that file (benchmarks/quant_kernel_ab.py ``--baseline``),
+    built with the same flags under a name of its own (its content's hash).
     ``limit`` (tests: the other paths on a CPU that has more): ``generic`` builds without
     instruction-set flags, ``avx2`` with AVX2 + FMA only (no AVX-512, no VNNI), ``avxvnni``
     with AVX2 + FMA + AVX-VNNI (where the CPU lists avx_vnni)."""
@@ -67,7 +70,10 @@ def _build(limit: str | None = None) -> ctypes.CDLL:
     elif avx2 and "avx_vnni" in cpu and limit in (None, "avxvnni"):
         flags += ["-mavxvnni"]
         kind += "_avxvnni"
-    path = cpp_build.build(f"lmlab_quant_kernels_{kind}", [str(SOURCE)], flags, ["-fopenmp"])
+    if source is not None:
+        kind += "_" + hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+    src = str(source or SOURCE)
+    path = cpp_build.build(f"lmlab_quant_kernels_{kind}", [src], flags, ["-fopenmp"])
     lib = ctypes.CDLL(str(path))
     i64, fp = ctypes.c_int64, ctypes.c_void_p
     lib.lmlab_int4_mm.argtypes = [fp, i64, i64, fp, fp, fp, i64, i64, fp]
