@@ -195,21 +195,23 @@ def test_quantized_model_records_and_applies_the_setting() -> None:
     assert "act_bits=8" in repr(layers[0])
 
 
-@pytest.mark.parametrize("act_bits", [8, None])
-def test_rows_split_over_two_threads_equal_one_thread(act_bits) -> None:
+@pytest.mark.parametrize(("bits", "g", "act_bits"), [(4, 32, 8), (4, 32, None), (8, 576, 8),
+                                                    (8, 64, 8), (8, 576, None)])  # fmt: skip
+def test_rows_split_over_two_threads_equal_one_thread(bits, g, act_bits) -> None:
     """Decode's layers are split over threads by output rows (64K weights per task at least);
     each row is computed the same way whatever range holds it (4 rows per pass, the rest one by
     one), so 2 threads give exactly the 1-thread result, with ranges of odd lengths."""
-    ql = _layer(301, 576, 32, 4, False, act_bits=act_bits)
+    ql = _layer(301, 576, g, bits, bits == 8, act_bits=act_bits)
     torch.manual_seed(1)
     before = torch.get_num_threads()
     for m in (1, 3, quant_kernel.MAX_ROWS):
         x = torch.randn(m, 576)
-        direct = (
-            (lambda x: _kernel(ql, x))
-            if act_bits
-            else (lambda x: quant_kernel.int4_mm(x, ql.qweight, ql.scales, ql.zeros, 32))
-        )
+        if act_bits:
+            direct = lambda x: _kernel(ql, x)  # noqa: E731
+        elif bits == 4:
+            direct = lambda x: quant_kernel.int4_mm(x, ql.qweight, ql.scales, ql.zeros, g)  # noqa: E731
+        else:
+            direct = lambda x: quant_kernel.int8_mm(x, ql.qweight, ql.scales, g)  # noqa: E731
         torch.set_num_threads(1)
         one = direct(x)
         torch.set_num_threads(2)

@@ -668,6 +668,133 @@ void a8_quad_range(const ActQuads& xa, int64_t K, int64_t N, const uint8_t* w, c
     put(1);
   }
 }
+// ---- int8 weights x int8 activations, 2 blocks per 512-bit step (AVX512-VNNI + AVX512BW) ----
+// G % 32 == 0. x quantized once per call (the same d and xq as quantize_acts) in natural column
+// order with |xq| beside it; per pair of blocks and output row: one 64-byte load of codes, the
+// codes given xq's sign (llama.cpp's trick: |xq| is the unsigned operand), one dpbusd, and the
+// scale s[g] d_b per 8-lane half (d from a copy replicated once per call). With one group per
+// row (int8's default) s is applied once per row at the end. R output rows share the x loads.
+struct ActPairs {
+  int64_t np = 0;          // pairs of blocks per row (the last may hold one block: zero-padded)
+  std::vector<int8_t> q;   // (M, np * 64) xq, natural column order
+  std::vector<uint8_t> a;  // (M, np * 64) |xq|
+  std::vector<float> dv;   // (M, np, 16): block 2p's d in lanes 0-7, 2p + 1's in 8-15
+};
+
+void quantize_pairs(const float* x, int64_t M, int64_t K, ActPairs& out) {
+  const int64_t nb = K / 32, np = (nb + 1) / 2;
+  out.np = np;
+  out.q.assign(M * np * 64, 0);
+  out.a.assign(M * np * 64, 0);
+  out.dv.assign(M * np * 16, 0.0f);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * 32;
+      const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+      const __mmask16 bad = _mm512_cmp_ps_mask(_mm512_sub_ps(v0, v0), _mm512_setzero_ps(),
+                                               _CMP_NEQ_UQ) |
+                            _mm512_cmp_ps_mask(_mm512_sub_ps(v1, v1), _mm512_setzero_ps(),
+                                               _CMP_NEQ_UQ);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float d = bad ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
+      if (d > 0.0f) {
+        const __m512 vd = _mm512_set1_ps(d);
+        constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_div_ps(v0, vd), kRound);
+        __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_div_ps(v1, vd), kRound);
+        q0 = _mm512_min_epi32(_mm512_max_epi32(q0, lo), hi);
+        q1 = _mm512_min_epi32(_mm512_max_epi32(q1, lo), hi);
+        int8_t* qb = out.q.data() + m * np * 64 + b * 32;
+        uint8_t* ab = out.a.data() + m * np * 64 + b * 32;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(q1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(ab), _mm512_cvtepi32_epi8(_mm512_abs_epi32(q0)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(ab + 16),
+                         _mm512_cvtepi32_epi8(_mm512_abs_epi32(q1)));
+      }
+      float* dv = out.dv.data() + (m * np + b / 2) * 16 + 8 * (b % 2);
+      for (int i = 0; i < 8; ++i) dv[i] = d;
+    }
+}
+
+template <int M, int R>
+void a8_pair_rows(const ActPairs& xa, int64_t K, const int8_t* w, const float* s, int64_t G,
+                  float* out) {
+  const int64_t nb = K / 32, np = xa.np, ng = K / G;
+  const bool row_scale = ng == 1;
+  const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r)
+    _mm_prefetch(reinterpret_cast<const char*>(s + (r + LMLAB_PFSZ) * ng), _MM_HINT_T0);
+  for (int64_t p = 0; p < np; ++p) {
+    const bool full = 2 * p + 2 <= nb;
+    __m512i xq[M], xabs[M];
+    __mmask64 neg[M];
+    __m512 dv[M];
+    for (int m = 0; m < M; ++m) {
+      xq[m] = _mm512_loadu_si512(xa.q.data() + m * np * 64 + p * 64);
+      xabs[m] = _mm512_loadu_si512(xa.a.data() + m * np * 64 + p * 64);
+      neg[m] = _mm512_movepi8_mask(xq[m]);
+      dv[m] = _mm512_loadu_ps(xa.dv.data() + (m * np + p) * 16);
+    }
+    const int64_t g0 = 64 * p / G, g1 = full ? (64 * p + 32) / G : g0;
+    for (int r = 0; r < R; ++r) {
+      const int8_t* wr = w + r * K + 64 * p;
+      _mm_prefetch(reinterpret_cast<const char*>(wr + LMLAB_PF), _MM_HINT_T0);
+      const __m512i wv = full ? _mm512_loadu_si512(wr)
+                              : _mm512_maskz_loadu_epi8(~__mmask64{0} >> 32, wr);
+      __m512 srep = _mm512_setzero_ps();
+      if (!row_scale) {
+        const __m128 s2 = _mm_unpacklo_ps(_mm_set_ss(s[r * ng + g0]), _mm_set_ss(s[r * ng + g1]));
+        srep = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(s2));
+      }
+      for (int m = 0; m < M; ++m) {
+        const __m512i sw = _mm512_mask_sub_epi8(wv, neg[m], _mm512_setzero_si512(), wv);
+        const __m512 dot =
+            _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xabs[m], sw));
+        acc[r][m] = _mm512_fmadd_ps(dot, row_scale ? dv[m] : _mm512_mul_ps(srep, dv[m]),
+                                    acc[r][m]);
+      }
+    }
+  }
+  float t[4][M];
+  if constexpr (R == 4) {
+    for (int m = 0; m < M; ++m) {
+      alignas(16) float h[4];
+      _mm_store_ps(h, hsum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
+      for (int r = 0; r < 4; ++r) t[r][m] = h[r];
+    }
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) t[r][m] = hsum16(acc[r][m]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) out[r * M + m] = row_scale ? t[r][m] * s[r] : t[r][m];
+}
+
+template <int M>
+void a8_pair_range(const ActPairs& xa, int64_t K, int64_t N, const int8_t* w, const float* s,
+                   int64_t G, int64_t begin, int64_t end, float* y) {
+  constexpr int R = M <= 2 ? 4 : M <= 4 ? 2 : 1;
+  const int64_t ng = K / G;
+  float out[R * M];
+  int64_t n = begin;
+  auto put = [&](int rows) {
+    for (int r = 0; r < rows; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = out[r * M + m];
+  };
+  for (; n + R <= end; n += R) {
+    a8_pair_rows<M, R>(xa, K, w + n * K, s + n * ng, G, out);
+    put(R);
+  }
+  for (; n < end; ++n) {
+    a8_pair_rows<M, 1>(xa, K, w + n * K, s + n * ng, G, out);
+    put(1);
+  }
+}
 #endif
 
 #if LMLAB_AVX512
@@ -956,6 +1083,16 @@ int lmlab_a8_mm(int bits, const float* x, int64_t M, int64_t K, const uint8_t* w
     quantize_quads(x, M, K, G, buf);
     LMLAB_DISPATCH_ROWS(M, run_ranges(N, K, [&](int64_t begin, int64_t end) {
       a8_quad_range<M>(xq, K, N, w, s, z, G, begin, end, y);
+    }));
+    return 0;
+  }
+  if (bits == 8 && G % 32 == 0) {
+    thread_local ActPairs buf;
+    const ActPairs& xp = buf;
+    quantize_pairs(x, M, K, buf);
+    const int8_t* q = reinterpret_cast<const int8_t*>(w);
+    LMLAB_DISPATCH_ROWS(M, run_ranges(N, K, [&](int64_t begin, int64_t end) {
+      a8_pair_range<M>(xp, K, N, q, s, G, begin, end, y);
     }));
     return 0;
   }
