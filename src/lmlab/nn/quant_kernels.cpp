@@ -23,8 +23,9 @@
 // block of 32 columns first and each block's product is an integer dot product (AVX512-VNNI or
 // AVX-VNNI dpbusd where the CPU has it, AVX2 maddubs + madd otherwise, plain loops without AVX2),
 // scaled by weight scale x activation scale in float32; the weight stream is software-prefetched.
-// See "int8 activations" below; int4 with AVX512-VNNI + AVX512BW and the usual groups takes the
-// "4 blocks per 512-bit step" path.
+// See "int8 activations" below; with AVX512-VNNI + AVX512BW, int4 and the usual groups take the
+// "4 blocks per 512-bit step" path and int8 with G % 32 == 0 the "2 blocks per 512-bit step" one
+// (4 output rows per pass each, x quantized with AVX-512).
 //
 // Threads: output rows in contiguous ranges of at least LMLAB_MIN_TASK weights (64K: decode's
 // 576 x 576 layer is split in two halves on 2 threads, 1.5-1.7x one thread from memory on a
