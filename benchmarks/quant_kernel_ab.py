@@ -13,10 +13,11 @@ preallocated): the kernel's own time plus ~1 us of ctypes per call, what a C++ c
 (Python's ``quant_kernel.run`` adds several us per call on top). The
 default 96 MiB of copies is less than this VM's 480 MiB L3, as decode's ~101 MB of int4 weights
 is, so these rates can exceed the 512 MiB ``torch.sum`` of benchmarks/quantized_decode.py's read
-bandwidth; ``--mib 512`` reads from DRAM. ``--baseline FILE``: another version of
-quant_kernels.cpp (``git show main:src/lmlab/nn/quant_kernels.cpp > /tmp/base.cpp``) built with the
-same flags, its methods (``base int4+a8`` ...) timed in the same rounds: a before/after A/B in one
-process.
+bandwidth; ``--mib 512`` reads from DRAM. That bandwidth is measured before and after the shapes
+(the better of the two, same threads) and each lmlab method's rates are printed as a fraction of
+it at the end. ``--baseline FILE``: another version of quant_kernels.cpp (``git show
+main:src/lmlab/nn/quant_kernels.cpp > /tmp/base.cpp``) built with the same flags, its methods
+(``base int4+a8`` ...) timed in the same rounds: a before/after A/B in one process.
 
     OMP_NUM_THREADS=2 nice -n 10 .venv/bin/python benchmarks/quant_kernel_ab.py --threads 2 \
         --only "lmlab int4+a8" "lmlab int4" "lmlab int8"
@@ -103,6 +104,9 @@ def main() -> None:
     if args.baseline and ok:
         libs["base"] = quant_kernel._build(source=args.baseline)
         print(f"baseline kernels: {args.baseline}")
+    from quantized_decode import read_bandwidth  # benchmarks/ is on sys.path
+
+    bandwidth = read_bandwidth()
     report = []
     for n, k in SHAPES:
         int4_bytes = n * k // 2 + 8 * n * k // 32
@@ -131,7 +135,17 @@ def main() -> None:
             parts.append(f"{name} {best[name] * 1e6:,.0f} us {gbs:.1f} GB/s {ratio:.2f}x")
         print(f"{n:>5}x{k:<5} ({copies} copies): " + " | ".join(parts))
         report.append(row)
-    print(json.dumps({"threads": args.threads, "hot": args.hot, "kernels": ok, "rows": report}))
+    bandwidth = max(bandwidth, read_bandwidth())
+    for row in report:
+        for name in row:
+            if isinstance(row[name], dict):
+                row[name]["bandwidth_fraction"] = row[name]["gb_s"] * 1e9 / bandwidth
+    print(f"read bandwidth ({args.threads} threads, 512 MiB torch.sum): {bandwidth / 1e9:.1f} GB/s")
+    for name in (m for m in report[0] if m.startswith(("lmlab", "base"))):
+        fr = ", ".join(f"{r['shape']} {100 * r[name]['bandwidth_fraction']:.0f}%" for r in report)
+        print(f"{name} as a fraction of it: {fr}")
+    print(json.dumps({"threads": args.threads, "hot": args.hot, "kernels": ok,
+                      "bandwidth_gb_s": bandwidth / 1e9, "rows": report}))  # fmt: skip
 
 
 if __name__ == "__main__":
