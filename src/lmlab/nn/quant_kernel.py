@@ -55,16 +55,17 @@ def _build(limit: str | None = None, source: Path | None = None) -> ctypes.CDLL:
     built with the same flags under a name of its own (its content's hash).
     ``limit`` (tests: the other paths on a CPU that has more): ``generic`` builds without
     instruction-set flags, ``avx2`` with AVX2 + FMA only (no AVX-512, no VNNI), ``avxvnni``
-    with AVX2 + FMA + AVX-VNNI (where the CPU lists avx_vnni)."""
+    with AVX2 + FMA + AVX-VNNI (where the CPU lists avx_vnni), ``avx512`` with AVX-512F but no
+    VNNI (where the CPU has AVX-512F)."""
     avx2 = cpp_build.cpu_has_avx2_fma() and limit != "generic"
-    avx512 = avx2 and cpp_build.cpu_has_avx512f() and limit is None
+    avx512 = avx2 and cpp_build.cpu_has_avx512f() and limit in (None, "avx512")
     flags = ["-O3", "-fopenmp", *(["-mavx2", "-mfma"] if avx2 else [])]
     flags += ["-mavx512f"] if avx512 else []
     kind = "avx512" if avx512 else "avx2" if avx2 else "generic"
     # the int8-activation kernels' dot product: AVX512-VNNI (256-bit, needs VL), else AVX-VNNI,
     # else AVX2's maddubs; each flag set gets its own extension name (torch's cache key)
     cpu = cpu_flags()
-    if avx512 and {"avx512_vnni", "avx512vl", "avx512bw"} <= cpu:
+    if avx512 and limit is None and {"avx512_vnni", "avx512vl", "avx512bw"} <= cpu:
         flags += ["-mavx512vnni", "-mavx512vl", "-mavx512bw"]
         kind += "_vnni512"
     elif avx2 and "avx_vnni" in cpu and limit in (None, "avxvnni"):
