@@ -19,7 +19,14 @@ the LM head counted, tied or not) - the KV cache and activations are left out (a
 lengths). Bandwidth: the best of 5 ``torch.sum`` passes over a 512 MiB float32 tensor with the
 same threads, so "% of bandwidth" = tok/s x bytes/token / that rate.
 
-    nice -n 10 .venv/bin/python benchmarks/quantized_decode.py --rounds 3
+llama.cpp as the peer (``--llama-bench PATH``, default ``$LLAMA_BENCH``; benchmarks/llama_bench.py):
+the same GGUF decoded by ``llama-bench -p 0 -n NEW_TOKENS -t THREADS`` as one more entry of each
+round's rotation (its tokens/s: the median of ``--llama-reps`` repetitions); each setting's
+median is printed as ``SETTING decode lmlab/llama.cpp = N.NNx``. A missing or failing binary is
+reported in one line and the rest of the benchmark runs without it.
+
+    nice -n 10 .venv/bin/python benchmarks/quantized_decode.py --rounds 3 \
+        --llama-bench /path/to/llama.cpp/build/bin/llama-bench
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import json
 import statistics
 import time
 
+import llama_bench
 import torch
 from smollm2_decode import CORPUS, run_lmlab  # the same timing (benchmarks/ is on sys.path)
 
@@ -69,6 +77,14 @@ def main() -> None:
         action="store_true",
         help="decode every token through the model's forward (lmlab.generation.lean_step off)",
     )
+    ap.add_argument(
+        "--llama-bench",
+        default=llama_bench.default_path(),
+        metavar="PATH",
+        help="llama.cpp's llama-bench binary: its decode tok/s on the same GGUF, interleaved with "
+        f"the rounds (default: ${llama_bench.ENV}; absent: no comparison)",
+    )
+    ap.add_argument("--llama-reps", type=int, default=3, help="llama-bench -r per round")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lean_step.ENABLED = not args.no_lean
@@ -94,9 +110,30 @@ def main() -> None:
     for name, m in models.items():
         with path(name):
             run_lmlab(m, prompt[:8], 4)  # warm-up
+    peer = "llama.cpp"
+    llama: list[float] = []
+
+    def run_llama() -> float | None:
+        try:
+            return llama_bench.run(args.llama_bench, str(smollm2_path()), args.threads,
+                                   args.new_tokens, args.llama_reps)  # fmt: skip
+        except llama_bench.LlamaBenchError as e:
+            print(f"llama.cpp not compared: {e}")
+            return None
+
     names = list(models)
+    rotation = names + ([peer] if args.llama_bench and run_llama() is not None else [])  # warm-up
     for r in range(args.rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        for name in rotation[r % len(rotation) :] + rotation[: r % len(rotation)]:
+            if name == peer:
+                tps = run_llama()
+                if tps is None:  # failed after working: leave it out of the later rounds
+                    rotation.remove(peer)
+                    llama.clear()
+                    continue
+                llama.append(tps)
+                print(f"round {r} {peer:>8}: decode_tok_s {tps:,.1f} (llama-bench)")
+                continue
             with path(name):
                 res, outs[name] = run_lmlab(models[name], prompt, args.new_tokens)
             results[name].append(res)
@@ -122,9 +159,21 @@ def main() -> None:
             f"{med[name]['prefill_tok_s']:.0f} tok/s; greedy equal {same}/{args.new_tokens}; "
             f"{1e3 / tps:.1f} ms/token)"
         )
+    peer_tps = statistics.median(llama) if llama else None
+    if peer_tps is not None:
+        each = ", ".join(f"{v:.1f}" for v in llama)
+        print(f"llama.cpp llama-bench ({args.llama_bench}): {peer_tps:.1f} tok/s (median of "
+              f"{len(llama)} rounds: {each})")  # fmt: skip
+        for name in names:
+            tps = med[name]["decode_tok_s"]
+            summary[name]["vs_llama_cpp"] = tps / peer_tps
+            if name != "float32":
+                print(f"{name} decode lmlab/llama.cpp = {tps / peer_tps:.2f}x (lmlab {tps:.1f} "
+                      f"tok/s, llama.cpp {peer_tps:.1f} tok/s)")  # fmt: skip
     print(json.dumps({"threads": args.threads, "rounds": args.rounds, "lean_step":
                       lean_step.ENABLED, "bandwidth_gb_s":
                       bandwidth / 1e9, "cpp_kernels": quant_kernel.status(),
+                      "llama_cpp_tok_s": peer_tps, "llama_cpp_rounds": llama,
                       "settings": summary}))  # fmt: skip
 
 

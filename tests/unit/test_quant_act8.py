@@ -131,24 +131,39 @@ def test_quantize_activations_is_round_to_nearest_per_block() -> None:
     assert act_block(32) == act_block(576) == 32 and act_block(26) == 26
 
 
-@pytest.mark.parametrize("limit", ["avx2", "generic", "avxvnni"])
+@pytest.mark.parametrize("limit", ["avx2", "generic", "avxvnni", "avx512"])
 def test_builds_without_vnni_or_avx_give_the_same_numbers(limit, monkeypatch) -> None:
-    """The AVX2-only build (maddubs instead of VNNI), the plain-loop build and the AVX-VNNI
-    build (256-bit, where the CPU has it) agree with the float64 reference as tightly as the
-    full build."""
+    """The AVX2-only build (maddubs instead of VNNI), the plain-loop build, the AVX-VNNI
+    build (256-bit, where the CPU has it) and the AVX-512F build without VNNI (its wide
+    float-activation paths, where the CPU has AVX-512F) agree with the float64 reference as
+    tightly as the full build, with float activations too."""
     if limit == "avxvnni" and "avx_vnni" not in cpu_flags():
         pytest.skip("the CPU has no AVX-VNNI")
+    if limit == "avx512" and not cpp_build.cpu_has_avx512f():
+        pytest.skip("the CPU has no AVX-512F")
     try:
         lib = quant_kernel._build(limit)
     except Exception as e:  # pragma: no cover - no compiler for this variant
         pytest.skip(f"cannot build the {limit} variant: {e}")
     assert lib.lmlab_kernels_vnni() == (2 if limit == "avxvnni" else 0)
     assert lib.lmlab_kernels_avx2() == (limit != "generic" and cpp_build.cpu_has_avx2_fma())
+    assert lib.lmlab_kernels_avx512() == (limit == "avx512")
     monkeypatch.setattr(quant_kernel._kernels, "lib", lib)
     for bits, sym in MODES:
         for n, k, g in [(17, 576, 32), (9, 60, 6), (5, 256, 128)]:
             ql = _layer(n, k, g, bits, sym)
             _check_layer(ql, lambda x, ql=ql: _kernel(ql, x), rows=(1, 4, 8))
+    for bits, sym in MODES:  # float activations: int4_mm / int8_mm against float64 x @ w.T
+        for n, k, g in [(17, 576, 32), (4, 96, 48), (10, 256, 128), (9, 60, 6)]:
+            ql = _layer(n, k, g, bits, sym, act_bits=None)
+            w = _weight(ql)
+            for m in (1, 4, 8):
+                x = torch.randn(m, k)
+                if bits == 8:
+                    y = quant_kernel.int8_mm(x, ql.qweight, ql.scales, g)
+                else:
+                    y = quant_kernel.int4_mm(x, ql.qweight, ql.scales, ql.zeros, g)
+                assert _rel(y, x.double() @ w.T) <= 1e-5
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -193,3 +208,30 @@ def test_quantized_model_records_and_applies_the_setting() -> None:
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert layers and all(m.act_bits == 8 for m in layers)
     assert "act_bits=8" in repr(layers[0])
+
+
+@pytest.mark.parametrize(("bits", "g", "act_bits"), [(4, 32, 8), (4, 32, None), (8, 576, 8),
+                                                    (8, 64, 8), (8, 576, None)])  # fmt: skip
+def test_rows_split_over_two_threads_equal_one_thread(bits, g, act_bits) -> None:
+    """Decode's layers are split over threads by output rows (64K weights per task at least);
+    each row is computed the same way whatever range holds it (4 rows per pass, the rest one by
+    one), so 2 threads give exactly the 1-thread result, with ranges of odd lengths."""
+    ql = _layer(301, 576, g, bits, bits == 8, act_bits=act_bits)
+    torch.manual_seed(1)
+    before = torch.get_num_threads()
+    for m in (1, 3, quant_kernel.MAX_ROWS):
+        x = torch.randn(m, 576)
+        if act_bits:
+            direct = lambda x: _kernel(ql, x)  # noqa: E731
+        elif bits == 4:
+            direct = lambda x: quant_kernel.int4_mm(x, ql.qweight, ql.scales, ql.zeros, g)  # noqa: E731
+        else:
+            direct = lambda x: quant_kernel.int8_mm(x, ql.qweight, ql.scales, g)  # noqa: E731
+        torch.set_num_threads(1)
+        one = direct(x)
+        torch.set_num_threads(2)
+        try:
+            two = direct(x)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(one, two)

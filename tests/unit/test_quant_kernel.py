@@ -19,9 +19,10 @@ from tests.helpers.kernels import require_quant_kernels
 
 # (N, K, group_size): N = 1; K % 8 != 0 (int8 13, int4 26); G % 8 != 0 (6, 10: chunks end inside
 # a group), several groups per row (32 of 96), a SmolLM2-like K (576, G 32); G 48 and 26 take
-# the AVX-512 int4 path's 32- and 16-code steps and leave the rest to the AVX2 loop and the tail
+# the AVX-512 int4 path's 32- and 16-code steps and leave the rest to the AVX2 loop and the tail;
+# G % 32 == 0 (32, 64, 128: 4 blocks per group) takes the AVX-512 split-block int4 path
 SHAPES = [(1, 64, 64), (5, 13, 13), (7, 26, 26), (9, 60, 6), (11, 40, 10), (3, 96, 32),
-          (17, 576, 32), (4, 96, 48)]  # fmt: skip
+          (17, 576, 32), (4, 96, 48), (10, 256, 128)]  # fmt: skip
 MODES = [(8, True), (4, True), (4, False)]  # (bits, symmetric); int8 is always symmetric
 
 

@@ -6,17 +6,19 @@ x @ w_hat.T for the formats of :mod:`lmlab.nn.quant` (int8: w_hat = q s; int4, p
 :func:`~lmlab.nn.quant.pack_int4` bytes: w_hat = (code - 8) s + z), reading the stored buffers as
 they are (no second copy of the weight). The loop is in ``quant_kernels.cpp`` next to this file:
 each output row's codes are dequantized 8 at a time to float32 (AVX2 + FMA where the CPU has them;
-int4 16 at a time with AVX-512F where it has that)
+with AVX-512F, int4 groups of a multiple of 32 and int8 groups of a multiple of 16 take wider
+paths: 16-32 codes per step, 4 output rows per pass sharing the loads of x)
 and multiply-added into M float32 accumulators, output rows split over threads by
-``at::parallel_for`` (``torch.set_num_threads``).
+``at::parallel_for`` (``torch.set_num_threads``; ranges of at least 64K weights, so decode's
+layers use both threads of a 2-core machine; the numbers do not depend on the thread count).
 
 With ``act_bits=8`` (``QuantLinear(act_bits=8)``, ``--quantize int4+a8``) the kernels first
 quantize each row of x to int8 per block of 32 columns (one float32 scale per block, and the
 block's sum for int4's offset term, as llama.cpp's Q8_0 / Q8_1 activations), then take integer
-dot products per block: 256-bit AVX512-VNNI ``vpdpbusd`` (built with ``-mavx512vnni
--mavx512vl`` where /proc/cpuinfo lists avx512_vnni), else AVX-VNNI (``-mavxvnni``), else AVX2's
-``maddubs`` + ``madd``, else plain loops; the result is scaled by weight scale x activation
-scale in float32. It equals x_hat @ w_hat.T with x_hat =
+dot products per block: AVX512-VNNI ``vpdpbusd`` (built with ``-mavx512vnni -mavx512vl
+-mavx512bw`` where /proc/cpuinfo lists them; int4 weights 4 blocks of 32 per 512-bit step), else
+AVX-VNNI (``-mavxvnni``), else AVX2's ``maddubs`` + ``madd``, else plain loops; the result is
+scaled by weight scale x activation scale in float32. It equals x_hat @ w_hat.T with x_hat =
 :func:`lmlab.nn.quant.fake_quantize_activations` (tests/unit/test_quant_act8.py).
 
 It is compiled on first use by :func:`lmlab.nn.cpp_build.build` (``torch.utils.cpp_extension.
@@ -32,6 +34,7 @@ dequantize + matmul instead.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,26 +49,32 @@ MAX_ROWS = 8  # the C++ kernels' compile-time row counts are 1..8
 ENV_OFF, OFF_VALUES = cpp_build.ENV_OFF, cpp_build.OFF_VALUES
 
 
-def _build(limit: str | None = None) -> ctypes.CDLL:
+def _build(limit: str | None = None, source: Path | None = None) -> ctypes.CDLL:
     """Compile (or load from the cache) quant_kernels.cpp; raises on any failure.
+    ``source``: another version of that file (benchmarks/quant_kernel_ab.py ``--baseline``),
+    built with the same flags under a name of its own (its content's hash).
     ``limit`` (tests: the other paths on a CPU that has more): ``generic`` builds without
     instruction-set flags, ``avx2`` with AVX2 + FMA only (no AVX-512, no VNNI), ``avxvnni``
-    with AVX2 + FMA + AVX-VNNI (where the CPU lists avx_vnni)."""
+    with AVX2 + FMA + AVX-VNNI (where the CPU lists avx_vnni), ``avx512`` with AVX-512F but no
+    VNNI (where the CPU has AVX-512F)."""
     avx2 = cpp_build.cpu_has_avx2_fma() and limit != "generic"
-    avx512 = avx2 and cpp_build.cpu_has_avx512f() and limit is None
+    avx512 = avx2 and cpp_build.cpu_has_avx512f() and limit in (None, "avx512")
     flags = ["-O3", "-fopenmp", *(["-mavx2", "-mfma"] if avx2 else [])]
     flags += ["-mavx512f"] if avx512 else []
     kind = "avx512" if avx512 else "avx2" if avx2 else "generic"
     # the int8-activation kernels' dot product: AVX512-VNNI (256-bit, needs VL), else AVX-VNNI,
     # else AVX2's maddubs; each flag set gets its own extension name (torch's cache key)
     cpu = cpu_flags()
-    if avx512 and {"avx512_vnni", "avx512vl", "avx512bw"} <= cpu:
+    if avx512 and limit is None and {"avx512_vnni", "avx512vl", "avx512bw"} <= cpu:
         flags += ["-mavx512vnni", "-mavx512vl", "-mavx512bw"]
         kind += "_vnni512"
     elif avx2 and "avx_vnni" in cpu and limit in (None, "avxvnni"):
         flags += ["-mavxvnni"]
         kind += "_avxvnni"
-    path = cpp_build.build(f"lmlab_quant_kernels_{kind}", [str(SOURCE)], flags, ["-fopenmp"])
+    if source is not None:
+        kind += "_" + hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+    src = str(source or SOURCE)
+    path = cpp_build.build(f"lmlab_quant_kernels_{kind}", [src], flags, ["-fopenmp"])
     lib = ctypes.CDLL(str(path))
     i64, fp = ctypes.c_int64, ctypes.c_void_p
     lib.lmlab_int4_mm.argtypes = [fp, i64, i64, fp, fp, fp, i64, i64, fp]

@@ -15,12 +15,24 @@
 // with -mavx512f too where it has AVX-512, int4 groups are read 16 codes at a time (32 per step,
 // two accumulator chains) before the AVX2 loop takes what is left: 1.07-1.27x the AVX2 path
 // per layer at batch 1-2 (SmolLM2's shapes, one thread, loaded Xeon; docs/quantization.md).
+// With AVX-512 the common groups have wider paths, 4 output rows per pass sharing the loads of x
+// and one 4-row horizontal sum: int4 with G % 32 == 0 ("int4 x float32" below) and int8 with
+// G % 16 == 0 ("int8 x float32"), 2.3-3.2x the paths above per layer.
 //
 // lmlab_a8_mm (act_bits = 8, llama.cpp's Q8_0 x Q4_1 / Q8_0 idea): x is quantized to int8 per
 // block of 32 columns first and each block's product is an integer dot product (AVX512-VNNI or
 // AVX-VNNI dpbusd where the CPU has it, AVX2 maddubs + madd otherwise, plain loops without AVX2),
 // scaled by weight scale x activation scale in float32; the weight stream is software-prefetched.
-// See "int8 activations" below.
+// See "int8 activations" below; with AVX512-VNNI + AVX512BW, int4 and the usual groups take the
+// "4 blocks per 512-bit step" path and int8 with G % 32 == 0 the "2 blocks per 512-bit step" one
+// (4 output rows per pass each, x quantized with AVX-512).
+//
+// Threads: output rows in contiguous ranges of at least LMLAB_MIN_TASK weights (64K: decode's
+// 576 x 576 layer is split in two halves on 2 threads, 1.5-1.7x one thread from memory on a
+// quiet machine; on a machine with more busy threads than cores a descheduled worker stalls the
+// call for a time slice, which 1M-weight tasks, the earlier setting, avoided for small layers).
+// Every row's float32 sum is computed in the same order whatever range holds it, so the results
+// do not depend on the thread count.
 
 #include <ATen/Parallel.h>
 
@@ -138,6 +150,22 @@ inline __m256 fold16(__m512 v) {
   return _mm256_add_ps(_mm512_castps512_ps256(v),
                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
+
+// The 4 horizontal sums of a[0..3] in lanes 0..3.
+inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 x01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 x23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  // each 128-bit lane of x01: (r0, r1, r0, r1); of x23: (r2, r3, r2, r3)
+  const __m512 y = _mm512_add_ps(
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23))),
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23))));
+  const __m256 h = fold16(y);
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// The sum of a's lanes in hsum4's order: a row gets the same float32 total whether it is reduced
+// alone or with 3 others (threads' row ranges do not change the numbers).
+inline float hsum16(__m512 a) { return _mm_cvtss_f32(hsum4(a, a, a, a)); }
 #endif
 
 // One output row n of the int4 product for M (compile-time) rows of x.
@@ -252,6 +280,18 @@ void int8_row(const float* x, int64_t K, const int8_t* q, const float* s, int64_
 // take llama.cpp's sign trick: |xq| unsigned times q carrying xq's sign.
 
 constexpr int64_t kPrefetch = 1024;
+// Tunables of the AVX-512 paths (-D to A/B them; benchmarks/quant_kernel_ab.py, docs):
+// LMLAB_PF: weight bytes prefetched ahead (4 KiB: 1.03-1.14x 1 KiB at 2 threads, K 576 / 1536);
+// LMLAB_PFSZ: rows ahead for the scales / zeros; LMLAB_MIN_TASK: weights per thread task at least.
+#ifndef LMLAB_PF
+#define LMLAB_PF 4096
+#endif
+#ifndef LMLAB_PFSZ
+#define LMLAB_PFSZ 4
+#endif
+#ifndef LMLAB_MIN_TASK
+#define LMLAB_MIN_TASK (int64_t{1} << 16)
+#endif
 
 struct ActQ {
   std::vector<int8_t> q;   // (M, K), per block in the kernel's column order
@@ -467,6 +507,467 @@ void a8_row_simd(const ActQ& xa, int64_t K, const uint8_t* w, const float* s, co
 }
 #endif
 
+#if LMLAB_VNNI512
+// ---- int4 weights x int8 activations, 4 blocks per 512-bit step (AVX512-VNNI + AVX512BW) ----
+// For groups with 128 % G == 0 or G % 128 == 0 (G a multiple of 32: SmolLM2's 32 included).
+// A quad is 4 blocks of 32 columns = 64 code bytes of a row: one 512-bit load; its low nibbles
+// are the even columns of the 4 blocks (bytes 16j..16j+15 = block j), its high nibbles the odd
+// ones, so two dpbusd against the activations stored per quad as [64 even | 64 odd] bytes give
+// each block's dot product in the 4 int32 lanes of its 128-bit lane (no shuffles). Each block's
+// scale s[g] d_b is applied to its 4 lanes in float32 (s from one short load and a lane permute,
+// d from a replicated copy made once per call); the offset term sum_g (z - 8 s)[g] xs[g]
+// (xs[g] = sum of d_b sum(xq) over g's blocks) is a separate 16-groups-at-a-time dot product;
+// each output row is reduced horizontally once.
+
+struct ActQuads {
+  int64_t nq = 0;            // quads per row (the last may have 1..3 blocks: zero-padded)
+  std::vector<int8_t> q;     // (M, nq, 128): per quad 64 even-column then 64 odd-column bytes
+  std::vector<float> dv;     // (M, nq, 16): block j's d in lanes 4j..4j+3 (0 past the row)
+  std::vector<float> xs;     // (M, ng): per weight group, sum over its blocks of d * sum(xq)
+};
+
+inline bool quad_groups(int64_t G) { return G % 32 == 0 && (128 % G == 0 || G % 128 == 0); }
+
+// x (M, K) -> ActQuads, the same d and xq as quantize_acts (A = 32), in the quad layout.
+void quantize_quads(const float* x, int64_t M, int64_t K, int64_t G, ActQuads& out) {
+  const int64_t nb = K / 32, nq = (nb + 3) / 4, ng = K / G, bpg = G / 32;
+  out.nq = nq;
+  out.q.assign(M * nq * 128, 0);
+  out.dv.assign(M * nq * 16, 0.0f);
+  out.xs.assign(M * ng, 0.0f);
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * 32;
+      const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+      // x - x is NaN exactly where x is NaN or inf
+      const __mmask16 bad = _mm512_cmp_ps_mask(_mm512_sub_ps(v0, v0), _mm512_setzero_ps(),
+                                               _CMP_NEQ_UQ) |
+                            _mm512_cmp_ps_mask(_mm512_sub_ps(v1, v1), _mm512_setzero_ps(),
+                                               _CMP_NEQ_UQ);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float d = bad ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
+      int8_t* qq = out.q.data() + (m * nq + b / 4) * 128 + 16 * (b % 4);
+      int32_t sum = 0;
+      if (d > 0.0f) {  // else the block's codes stay 0 (d == 0: all zero; NaN: NaN anyway)
+        const __m512 vd = _mm512_set1_ps(d);
+        constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_div_ps(v0, vd), kRound);
+        __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_div_ps(v1, vd), kRound);
+        q0 = _mm512_min_epi32(_mm512_max_epi32(q0, lo), hi);
+        q1 = _mm512_min_epi32(_mm512_max_epi32(q1, lo), hi);
+        sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qq),
+                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(q0, even, q1)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qq + 64),
+                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(q0, odd, q1)));
+      }
+      float* dv = out.dv.data() + (m * nq + b / 4) * 16 + 4 * (b % 4);
+      dv[0] = dv[1] = dv[2] = dv[3] = d;
+      out.xs[m * ng + b / bpg] += d * static_cast<float>(sum);
+    }
+  }
+}
+
+// R consecutive output rows (codes w, K/2 bytes a row; s, z their K/G scales and zeros, row after
+// row) for M rows of x: out[r * M + m]. The activation loads are shared by the R rows.
+template <int M, int R>
+void a8_quad_rows(const ActQuads& xa, int64_t K, const uint8_t* w, const float* s, const float* z,
+                  int64_t G, float* out) {
+  const int64_t nb = K / 32, nq = xa.nq, ng = K / G, rb = K / 2;
+  const __m512i lo4 = _mm512_set1_epi8(15);
+  // which of the 4 loaded scales each lane takes: block j's group within the quad
+  const __m512i sidx = G == 32   ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                       : G == 64 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+                                 : _mm512_setzero_si512();
+  const int64_t spq = G >= 128 ? 1 : 128 / G;  // groups per full quad
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+#if LMLAB_PFSZ > 0
+  for (int r = 0; r < R; ++r) {  // the scales and zeros of rows a few rows ahead
+    _mm_prefetch(reinterpret_cast<const char*>(s + (r + LMLAB_PFSZ) * ng), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(z + (r + LMLAB_PFSZ) * ng), _MM_HINT_T0);
+  }
+#endif
+  for (int64_t q = 0; q < nq; ++q) {
+    const int64_t left = nb - 4 * q;
+    const int64_t sbase = G >= 128 ? q * 128 / G : q * spq;
+    const bool full = left >= 4;
+    const __mmask64 wmask = full ? ~__mmask64{0} : (__mmask64{1} << (16 * left)) - 1;
+    const __mmask8 smask =
+        static_cast<__mmask8>((1u << (G >= 128 ? 1 : full ? spq : (left * 32 + G - 1) / G)) - 1);
+    __m512i xe[M], xo[M];
+    __m512 dv[M];
+    for (int m = 0; m < M; ++m) {
+      const int8_t* xq = xa.q.data() + (m * nq + q) * 128;
+      xe[m] = _mm512_loadu_si512(xq);
+      xo[m] = _mm512_loadu_si512(xq + 64);
+      dv[m] = _mm512_loadu_ps(xa.dv.data() + (m * nq + q) * 16);
+    }
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* wr = w + r * rb + 64 * q;
+      _mm_prefetch(reinterpret_cast<const char*>(wr + LMLAB_PF), _MM_HINT_T0);
+      const __m512i raw = full ? _mm512_loadu_si512(wr) : _mm512_maskz_loadu_epi8(wmask, wr);
+      const __m128 s4 = _mm_maskz_loadu_ps(smask, s + r * ng + sbase);
+      const __m512i lo = _mm512_and_si512(raw, lo4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo4);
+      const __m512 srep = _mm512_permutexvar_ps(sidx, _mm512_castps128_ps512(s4));
+      for (int m = 0; m < M; ++m) {
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe[m]);
+        dot = _mm512_dpbusd_epi32(dot, hi, xo[m]);
+        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(srep, dv[m]),
+                                    acc[r][m]);
+      }
+    }
+  }
+  // offset term, 16 groups at a time
+  const __m512 eight = _mm512_set1_ps(8.0f);
+  for (int64_t g = 0; g < ng; g += 16) {
+    const __mmask16 k = ng - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (ng - g)) - 1);
+    __m512 xs[M];
+    for (int m = 0; m < M; ++m) xs[m] = _mm512_maskz_loadu_ps(k, xa.xs.data() + m * ng + g);
+    for (int r = 0; r < R; ++r) {
+      const __m512 zc = _mm512_fnmadd_ps(eight, _mm512_maskz_loadu_ps(k, s + r * ng + g),
+                                         _mm512_maskz_loadu_ps(k, z + r * ng + g));
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(zc, xs[m], acc[r][m]);
+    }
+  }
+  if constexpr (R == 4) {
+    for (int m = 0; m < M; ++m) {
+      alignas(16) float t[4];
+      _mm_store_ps(t, hsum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
+      for (int r = 0; r < 4; ++r) out[r * M + m] = t[r];
+    }
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) out[r * M + m] = hsum16(acc[r][m]);
+  }
+}
+
+// Output rows [begin, end) of the quad kernel: R = 4 rows at a time (2 from M = 3, 1 from M = 5:
+// the accumulators stay in registers), the rest one by one.
+template <int M>
+void a8_quad_range(const ActQuads& xa, int64_t K, int64_t N, const uint8_t* w, const float* s,
+                   const float* z, int64_t G, int64_t begin, int64_t end, float* y) {
+  constexpr int R = M <= 2 ? 4 : M <= 4 ? 2 : 1;
+  const int64_t rb = K / 2, ng = K / G;
+  float out[R * M];
+  int64_t n = begin;
+  auto put = [&](int rows) {
+    for (int r = 0; r < rows; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = out[r * M + m];
+  };
+  for (; n + R <= end; n += R) {
+    a8_quad_rows<M, R>(xa, K, w + n * rb, s + n * ng, z + n * ng, G, out);
+    put(R);
+  }
+  for (; n < end; ++n) {
+    a8_quad_rows<M, 1>(xa, K, w + n * rb, s + n * ng, z + n * ng, G, out);
+    put(1);
+  }
+}
+// ---- int8 weights x int8 activations, 2 blocks per 512-bit step (AVX512-VNNI + AVX512BW) ----
+// G % 32 == 0. x quantized once per call (the same d and xq as quantize_acts) in natural column
+// order with |xq| beside it; per pair of blocks and output row: one 64-byte load of codes, the
+// codes given xq's sign (llama.cpp's trick: |xq| is the unsigned operand), one dpbusd, and the
+// scale s[g] d_b per 8-lane half (d from a copy replicated once per call). With one group per
+// row (int8's default) s is applied once per row at the end. R output rows share the x loads.
+struct ActPairs {
+  int64_t np = 0;          // pairs of blocks per row (the last may hold one block: zero-padded)
+  std::vector<int8_t> q;   // (M, np * 64) xq, natural column order
+  std::vector<uint8_t> a;  // (M, np * 64) |xq|
+  std::vector<float> dv;   // (M, np, 16): block 2p's d in lanes 0-7, 2p + 1's in 8-15
+};
+
+void quantize_pairs(const float* x, int64_t M, int64_t K, ActPairs& out) {
+  const int64_t nb = K / 32, np = (nb + 1) / 2;
+  out.np = np;
+  out.q.assign(M * np * 64, 0);
+  out.a.assign(M * np * 64, 0);
+  out.dv.assign(M * np * 16, 0.0f);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * 32;
+      const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+      const __mmask16 bad = _mm512_cmp_ps_mask(_mm512_sub_ps(v0, v0), _mm512_setzero_ps(),
+                                               _CMP_NEQ_UQ) |
+                            _mm512_cmp_ps_mask(_mm512_sub_ps(v1, v1), _mm512_setzero_ps(),
+                                               _CMP_NEQ_UQ);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float d = bad ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
+      if (d > 0.0f) {
+        const __m512 vd = _mm512_set1_ps(d);
+        constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_div_ps(v0, vd), kRound);
+        __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_div_ps(v1, vd), kRound);
+        q0 = _mm512_min_epi32(_mm512_max_epi32(q0, lo), hi);
+        q1 = _mm512_min_epi32(_mm512_max_epi32(q1, lo), hi);
+        int8_t* qb = out.q.data() + m * np * 64 + b * 32;
+        uint8_t* ab = out.a.data() + m * np * 64 + b * 32;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(q1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(ab), _mm512_cvtepi32_epi8(_mm512_abs_epi32(q0)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(ab + 16),
+                         _mm512_cvtepi32_epi8(_mm512_abs_epi32(q1)));
+      }
+      float* dv = out.dv.data() + (m * np + b / 2) * 16 + 8 * (b % 2);
+      for (int i = 0; i < 8; ++i) dv[i] = d;
+    }
+}
+
+template <int M, int R>
+void a8_pair_rows(const ActPairs& xa, int64_t K, const int8_t* w, const float* s, int64_t G,
+                  float* out) {
+  const int64_t nb = K / 32, np = xa.np, ng = K / G;
+  const bool row_scale = ng == 1;
+  const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r)
+    _mm_prefetch(reinterpret_cast<const char*>(s + (r + LMLAB_PFSZ) * ng), _MM_HINT_T0);
+  for (int64_t p = 0; p < np; ++p) {
+    const bool full = 2 * p + 2 <= nb;
+    __m512i xq[M], xabs[M];
+    __mmask64 neg[M];
+    __m512 dv[M];
+    for (int m = 0; m < M; ++m) {
+      xq[m] = _mm512_loadu_si512(xa.q.data() + m * np * 64 + p * 64);
+      xabs[m] = _mm512_loadu_si512(xa.a.data() + m * np * 64 + p * 64);
+      neg[m] = _mm512_movepi8_mask(xq[m]);
+      dv[m] = _mm512_loadu_ps(xa.dv.data() + (m * np + p) * 16);
+    }
+    const int64_t g0 = 64 * p / G, g1 = full ? (64 * p + 32) / G : g0;
+    for (int r = 0; r < R; ++r) {
+      const int8_t* wr = w + r * K + 64 * p;
+      _mm_prefetch(reinterpret_cast<const char*>(wr + LMLAB_PF), _MM_HINT_T0);
+      const __m512i wv = full ? _mm512_loadu_si512(wr)
+                              : _mm512_maskz_loadu_epi8(~__mmask64{0} >> 32, wr);
+      __m512 srep = _mm512_setzero_ps();
+      if (!row_scale) {
+        const __m128 s2 = _mm_unpacklo_ps(_mm_set_ss(s[r * ng + g0]), _mm_set_ss(s[r * ng + g1]));
+        srep = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(s2));
+      }
+      for (int m = 0; m < M; ++m) {
+        const __m512i sw = _mm512_mask_sub_epi8(wv, neg[m], _mm512_setzero_si512(), wv);
+        const __m512 dot =
+            _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xabs[m], sw));
+        acc[r][m] = _mm512_fmadd_ps(dot, row_scale ? dv[m] : _mm512_mul_ps(srep, dv[m]),
+                                    acc[r][m]);
+      }
+    }
+  }
+  float t[4][M];
+  if constexpr (R == 4) {
+    for (int m = 0; m < M; ++m) {
+      alignas(16) float h[4];
+      _mm_store_ps(h, hsum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
+      for (int r = 0; r < 4; ++r) t[r][m] = h[r];
+    }
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) t[r][m] = hsum16(acc[r][m]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) out[r * M + m] = row_scale ? t[r][m] * s[r] : t[r][m];
+}
+
+template <int M>
+void a8_pair_range(const ActPairs& xa, int64_t K, int64_t N, const int8_t* w, const float* s,
+                   int64_t G, int64_t begin, int64_t end, float* y) {
+  constexpr int R = M <= 2 ? 4 : M <= 4 ? 2 : 1;
+  const int64_t ng = K / G;
+  float out[R * M];
+  int64_t n = begin;
+  auto put = [&](int rows) {
+    for (int r = 0; r < rows; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = out[r * M + m];
+  };
+  for (; n + R <= end; n += R) {
+    a8_pair_rows<M, R>(xa, K, w + n * K, s + n * ng, G, out);
+    put(R);
+  }
+  for (; n < end; ++n) {
+    a8_pair_rows<M, 1>(xa, K, w + n * K, s + n * ng, G, out);
+    put(1);
+  }
+}
+#endif
+
+#if LMLAB_AVX512
+// ---- int4 weights x float32 activations, G % 32 == 0, AVX-512 ----
+// Per 32-column block of a row (16 code bytes): vpmovzxbd spreads the bytes to 16 int32 lanes,
+// & 15 gives the even columns, >> 4 the odd ones; x is stored once per call per block as
+// [16 even | 16 odd] floats, so a block is 2 converts, a multiply and an FMA, and its group's
+// scale is applied once per block: y = sum_g s[g] sum_k code x + sum_g (z - 8 s)[g] xsum[g]
+// (xsum[g]: the sum of x over the group, once per call). R output rows share the x loads.
+struct ActSplit {
+  std::vector<float> x;     // (M, K): per 32-block 16 even-column then 16 odd-column values
+  std::vector<float> xsum;  // (M, ng)
+};
+
+void split_acts(const float* x, int64_t M, int64_t K, int64_t G, ActSplit& out) {
+  const int64_t nb = K / 32, ng = K / G;
+  out.x.resize(M * K);
+  out.xsum.assign(M * ng, 0.0f);
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * 32;
+      const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+      _mm512_storeu_ps(out.x.data() + m * K + b * 32, _mm512_permutex2var_ps(v0, even, v1));
+      _mm512_storeu_ps(out.x.data() + m * K + b * 32 + 16, _mm512_permutex2var_ps(v0, odd, v1));
+      out.xsum[m * ng + b * 32 / G] += _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+    }
+}
+
+template <int M, int R>
+void int4_split_rows(const ActSplit& xa, int64_t K, const uint8_t* w, const float* s,
+                     const float* z, int64_t G, float* out) {
+  const int64_t nb = K / 32, ng = K / G, rb = K / 2, bpg = G / 32;
+  const __m512i lo4 = _mm512_set1_epi32(15);
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    _mm_prefetch(reinterpret_cast<const char*>(s + (r + LMLAB_PFSZ) * ng), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(z + (r + LMLAB_PFSZ) * ng), _MM_HINT_T0);
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 xe[M], xo[M];
+    for (int m = 0; m < M; ++m) {
+      xe[m] = _mm512_loadu_ps(xa.x.data() + m * K + b * 32);
+      xo[m] = _mm512_loadu_ps(xa.x.data() + m * K + b * 32 + 16);
+    }
+    const int64_t g = b / bpg;
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* wr = w + r * rb + 16 * b;
+      if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(wr + LMLAB_PF), _MM_HINT_T0);
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr)));
+      const __m512 ce = _mm512_cvtepi32_ps(_mm512_and_si512(v, lo4));
+      const __m512 co = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+      const __m512 sv = _mm512_set1_ps(s[r * ng + g]);
+      for (int m = 0; m < M; ++m) {
+        const __m512 part = _mm512_fmadd_ps(ce, xe[m], _mm512_mul_ps(co, xo[m]));
+        acc[r][m] = _mm512_fmadd_ps(part, sv, acc[r][m]);
+      }
+    }
+  }
+  const __m512 eight = _mm512_set1_ps(8.0f);
+  for (int64_t g = 0; g < ng; g += 16) {
+    const __mmask16 k = ng - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (ng - g)) - 1);
+    __m512 xs[M];
+    for (int m = 0; m < M; ++m) xs[m] = _mm512_maskz_loadu_ps(k, xa.xsum.data() + m * ng + g);
+    for (int r = 0; r < R; ++r) {
+      const __m512 zc = _mm512_fnmadd_ps(eight, _mm512_maskz_loadu_ps(k, s + r * ng + g),
+                                         _mm512_maskz_loadu_ps(k, z + r * ng + g));
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(zc, xs[m], acc[r][m]);
+    }
+  }
+  if constexpr (R == 4) {
+    for (int m = 0; m < M; ++m) {
+      alignas(16) float t[4];
+      _mm_store_ps(t, hsum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
+      for (int r = 0; r < 4; ++r) out[r * M + m] = t[r];
+    }
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) out[r * M + m] = hsum16(acc[r][m]);
+  }
+}
+
+template <int M>
+void int4_split_range(const ActSplit& xa, int64_t K, int64_t N, const uint8_t* w, const float* s,
+                      const float* z, int64_t G, int64_t begin, int64_t end, float* y) {
+  constexpr int R = M <= 2 ? 4 : M <= 4 ? 2 : 1;
+  const int64_t rb = K / 2, ng = K / G;
+  float out[R * M];
+  int64_t n = begin;
+  auto put = [&](int rows) {
+    for (int r = 0; r < rows; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = out[r * M + m];
+  };
+  for (; n + R <= end; n += R) {
+    int4_split_rows<M, R>(xa, K, w + n * rb, s + n * ng, z + n * ng, G, out);
+    put(R);
+  }
+  for (; n < end; ++n) {
+    int4_split_rows<M, 1>(xa, K, w + n * rb, s + n * ng, z + n * ng, G, out);
+    put(1);
+  }
+}
+#endif
+
+#if LMLAB_AVX512
+// ---- int8 weights x float32 activations, G % 16 == 0, AVX-512 ----
+// 16 codes per step (vpmovsxbd + convert + one FMA per row of x) summed per group, the group's
+// scale applied once per group; R output rows share the x loads.
+template <int M, int R>
+void int8_wide_rows(const float* x, int64_t K, const int8_t* q, const float* s, int64_t G,
+                    float* out) {
+  const int64_t ng = K / G;
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512 part[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) part[r][m] = _mm512_setzero_ps();
+    for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+      __m512 xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* qr = q + r * K + k;
+        if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(qr + LMLAB_PF), _MM_HINT_T0);
+        const __m512 w = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr))));
+        for (int m = 0; m < M; ++m) part[r][m] = _mm512_fmadd_ps(w, xv[m], part[r][m]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 sv = _mm512_set1_ps(s[r * ng + g]);
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(part[r][m], sv, acc[r][m]);
+    }
+  }
+  if constexpr (R == 4) {
+    for (int m = 0; m < M; ++m) {
+      alignas(16) float t[4];
+      _mm_store_ps(t, hsum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
+      for (int r = 0; r < 4; ++r) out[r * M + m] = t[r];
+    }
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) out[r * M + m] = hsum16(acc[r][m]);
+  }
+}
+
+template <int M>
+void int8_wide_range(const float* x, int64_t K, int64_t N, const int8_t* q, const float* s,
+                     int64_t G, int64_t begin, int64_t end, float* y) {
+  constexpr int R = M <= 2 ? 4 : M <= 4 ? 2 : 1;
+  const int64_t ng = K / G;
+  float out[R * M];
+  int64_t n = begin;
+  auto put = [&](int rows) {
+    for (int r = 0; r < rows; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = out[r * M + m];
+  };
+  for (; n + R <= end; n += R) {
+    int8_wide_rows<M, R>(x, K, q + n * K, s + n * ng, G, out);
+    put(R);
+  }
+  for (; n < end; ++n) {
+    int8_wide_rows<M, 1>(x, K, q + n * K, s + n * ng, G, out);
+    put(1);
+  }
+}
+#endif
+
 // The same sums, plain loops, any A (natural column order).
 template <int M, bool Int4>
 void a8_row_plain(const ActQ& xa, int64_t K, int64_t A, const uint8_t* w, const float* s,
@@ -492,13 +993,16 @@ void a8_row_plain(const ActQ& xa, int64_t K, int64_t A, const uint8_t* w, const 
   }
 }
 
+// Output rows split over threads in contiguous ranges, at least LMLAB_MIN_TASK weights each.
+template <typename RangeFn>
+void run_ranges(int64_t N, int64_t K, RangeFn range) {
+  const int64_t grain = std::max<int64_t>(1, LMLAB_MIN_TASK / std::max<int64_t>(K, 1));
+  at::parallel_for(0, N, grain, range);
+}
+
 template <int M, typename RowFn>
 void run_rows(int64_t N, int64_t K, float* y, RowFn row) {
-  // At least 2^20 weights (~0.1-0.5 ms) per task: one parallel region ends in a barrier, and on
-  // a machine with more busy threads than cores a descheduled thread stalls the others for a time
-  // slice. Measured here (2 cores, load 8): 16K-weight tasks made the 576 x 576 layer 4x slower
-  // on 2 threads than on 1. So decode's small layers run on one thread and the LM head on all.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(K, 1));
+  const int64_t grain = std::max<int64_t>(1, LMLAB_MIN_TASK / std::max<int64_t>(K, 1));
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     float out[M];
     for (int64_t n = begin; n < end; ++n) {
@@ -531,6 +1035,17 @@ int lmlab_int4_mm(const float* x, int64_t M, int64_t K, const uint8_t* p, const 
                    const float* z, int64_t N, int64_t G, float* y) {
   if (M < 1 || M > kMaxRows || N < 1 || K < 1 || G < 1 || K % G || G % 2) return 1;  // refused
   const int64_t ng = K / G;
+#if LMLAB_AVX512
+  if (G % 32 == 0) {
+    thread_local ActSplit buf;  // reused by this caller's thread (workers get it by reference)
+    const ActSplit& xa = buf;
+    split_acts(x, M, K, G, buf);
+    LMLAB_DISPATCH_ROWS(M, run_ranges(N, K, [&](int64_t begin, int64_t end) {
+      int4_split_range<M>(xa, K, N, p, s, z, G, begin, end, y);
+    }));
+    return 0;
+  }
+#endif
   LMLAB_DISPATCH_ROWS(M, run_rows<M>(N, K, y, [&](int64_t n, float* out) {
     int4_row<M>(x, K, p + n * (K / 2), s + n * ng, z + n * ng, G, out);
   }));
@@ -541,6 +1056,14 @@ int lmlab_int8_mm(const float* x, int64_t M, int64_t K, const int8_t* q, const f
                    int64_t N, int64_t G, float* y) {
   if (M < 1 || M > kMaxRows || N < 1 || K < 1 || G < 1 || K % G) return 1;  // refused
   const int64_t ng = K / G;
+#if LMLAB_AVX512
+  if (G % 16 == 0) {
+    LMLAB_DISPATCH_ROWS(M, run_ranges(N, K, [&](int64_t begin, int64_t end) {
+      int8_wide_range<M>(x, K, N, q, s, G, begin, end, y);
+    }));
+    return 0;
+  }
+#endif
   LMLAB_DISPATCH_ROWS(M, run_rows<M>(N, K, y, [&](int64_t n, float* out) {
     int8_row<M>(x, K, q + n * K, s + n * ng, G, out);
   }));
@@ -554,6 +1077,27 @@ int lmlab_a8_mm(int bits, const float* x, int64_t M, int64_t K, const uint8_t* w
   if ((bits != 4 && bits != 8) || (bits == 4 && G % 2)) return 1;
   const int64_t A = G % 32 == 0 ? 32 : G, ng = K / G;
   const bool simd = LMLAB_AVX2 && A == 32;
+#if LMLAB_VNNI512
+  if (bits == 4 && quad_groups(G)) {
+    thread_local ActQuads buf;  // reused by this caller's thread (workers get it by reference)
+    const ActQuads& xq = buf;
+    quantize_quads(x, M, K, G, buf);
+    LMLAB_DISPATCH_ROWS(M, run_ranges(N, K, [&](int64_t begin, int64_t end) {
+      a8_quad_range<M>(xq, K, N, w, s, z, G, begin, end, y);
+    }));
+    return 0;
+  }
+  if (bits == 8 && G % 32 == 0) {
+    thread_local ActPairs buf;
+    const ActPairs& xp = buf;
+    quantize_pairs(x, M, K, buf);
+    const int8_t* q = reinterpret_cast<const int8_t*>(w);
+    LMLAB_DISPATCH_ROWS(M, run_ranges(N, K, [&](int64_t begin, int64_t end) {
+      a8_pair_range<M>(xp, K, N, q, s, G, begin, end, y);
+    }));
+    return 0;
+  }
+#endif
   ActQ xa;
   quantize_acts(x, M, K, A, simd && bits == 4, xa);
   const int64_t row_bytes = bits == 4 ? K / 2 : K;
