@@ -46,11 +46,11 @@ MAX_ROWS = 8  # the C++ kernels' compile-time row counts are 1..8
 ENV_OFF, OFF_VALUES = cpp_build.ENV_OFF, cpp_build.OFF_VALUES
 
 
-def _build(limit: str | None = None) -> ctypes.CDLL:
-    """Compile (or load from the cache) quant_kernels.cpp; raises on any failure.
-    ``limit`` (tests: the other paths on a CPU that has more): ``generic`` builds without
-    instruction-set flags, ``avx2`` with AVX2 + FMA only (no AVX-512, no VNNI), ``avxvnni``
-    with AVX2 + FMA + AVX-VNNI (where the CPU lists avx_vnni)."""
+def build_flags(limit: str | None = None) -> tuple[list[str], str]:
+    """(compiler flags, kind) for quant_kernels.cpp on this CPU: the instruction sets the
+    kernels use, and a name for that set (``avx512_vnni512``, ``avx2``, ``generic`` ...; part
+    of the extension's name, torch's cache key). ``limit`` as in :func:`_build`. Also the
+    flags of :mod:`lmlab.nn.decode_kernel`, which compiles this source into its library."""
     avx2 = cpp_build.cpu_has_avx2_fma() and limit != "generic"
     avx512 = avx2 and cpp_build.cpu_has_avx512f() and limit is None
     flags = ["-O3", "-fopenmp", *(["-mavx2", "-mfma"] if avx2 else [])]
@@ -65,6 +65,15 @@ def _build(limit: str | None = None) -> ctypes.CDLL:
     elif avx2 and "avx_vnni" in cpu and limit in (None, "avxvnni"):
         flags += ["-mavxvnni"]
         kind += "_avxvnni"
+    return flags, kind
+
+
+def _build(limit: str | None = None) -> ctypes.CDLL:
+    """Compile (or load from the cache) quant_kernels.cpp; raises on any failure.
+    ``limit`` (tests: the other paths on a CPU that has more): ``generic`` builds without
+    instruction-set flags, ``avx2`` with AVX2 + FMA only (no AVX-512, no VNNI), ``avxvnni``
+    with AVX2 + FMA + AVX-VNNI (where the CPU lists avx_vnni)."""
+    flags, kind = build_flags(limit)
     path = cpp_build.build(f"lmlab_quant_kernels_{kind}", [str(SOURCE)], flags, ["-fopenmp"])
     lib = ctypes.CDLL(str(path))
     i64, fp = ctypes.c_int64, ctypes.c_void_p
