@@ -95,6 +95,15 @@ struct Model {
 
 // ---- float32 matrix-vector product: y (M, N) = x (M, K) @ w.T, w (N, K) row-major ----
 
+#if LMLAB_D_AVX2
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 // Output rows per step for M rows of x: enough independent accumulator chains to hide the FMA
 // latency (M R chains), few enough to stay in registers. Measured on SmolLM2's shapes (2
 // threads, AVX-512): 8 rows at M = 1 beat 4 by 11%; a software prefetch of the next rows and
@@ -130,12 +139,6 @@ inline void dot_rows(const float* x, int64_t K, const float* w, float* out /* [M
     for (int r = 0; r < R; ++r) out[m * R + r] = _mm512_reduce_add_ps(acc[m][r]);
 }
 #elif LMLAB_D_AVX2
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 template <int M, int R>
 inline void dot_rows(const float* x, int64_t K, const float* w, float* out) {
@@ -216,6 +219,53 @@ void gemv(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float
   }
 }
 
+// sum a[i] b[i], vectorised (the attention scores, the norms' sums)
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float t = 0.0f;
+#if LMLAB_D_AVX512
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  for (; i + 32 <= n; i += 32) {
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), a0);
+    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), a1);
+  }
+  if (i + 16 <= n) {
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), a0);
+    i += 16;
+  }
+  if (i < n) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, a + i), _mm512_maskz_loadu_ps(mask, b + i),
+                         a1);
+    i = n;
+  }
+  t = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+#elif LMLAB_D_AVX2
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
+  }
+  if (i + 8 <= n) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+    i += 8;
+  }
+  t = hsum8(_mm256_add_ps(a0, a1));
+#else
+  float p[4] = {};
+  for (; i + 4 <= n; i += 4)
+    for (int j = 0; j < 4; ++j) p[j] += a[i + j] * b[i + j];
+  t = (p[0] + p[1]) + (p[2] + p[3]);
+#endif
+  for (; i < n; ++i) t += a[i] * b[i];
+  return t;
+}
+
+// y[i] += a x[i]
+inline void axpy(float a, const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
 // y (B, N) = x (B, K) through one linear layer; returns nonzero if a kernel refused it.
 int linear(const Lin& l, const float* x, int64_t B, float* y) {
   int bad = 0;
@@ -265,20 +315,18 @@ void norm(const Norm& nm, const float* x, int64_t B, int64_t D, float* y) {
     const float* xr = x + b * D;
     float* yr = y + b * D;
     if (nm.kind == kRMS) {
-      float ss = 0.0f;
-      for (int64_t i = 0; i < D; ++i) ss += xr[i] * xr[i];
+      const float ss = dot(xr, xr, D);
       const float r = 1.0f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(nm.eps));
       for (int64_t i = 0; i < D; ++i) yr[i] = xr[i] * r * (nm.w ? nm.w[i] : 1.0f);
     } else if (nm.kind == kLayer) {
       float mean = 0.0f;
       for (int64_t i = 0; i < D; ++i) mean += xr[i];
       mean /= static_cast<float>(D);
-      float var = 0.0f;
-      for (int64_t i = 0; i < D; ++i) var += (xr[i] - mean) * (xr[i] - mean);
-      var /= static_cast<float>(D);
+      for (int64_t i = 0; i < D; ++i) yr[i] = xr[i] - mean;  // centred first: a stable variance
+      const float var = dot(yr, yr, D) / static_cast<float>(D);
       const float r = 1.0f / std::sqrt(var + static_cast<float>(nm.eps));
       for (int64_t i = 0; i < D; ++i) {
-        float v = (xr[i] - mean) * r;
+        float v = yr[i] * r;
         if (nm.w) v *= nm.w[i];
         if (nm.b) v += nm.b[i];
         yr[i] = v;
@@ -324,10 +372,7 @@ void attend(const float* q, const float* kb, int64_t kstride, const float* vb, i
             int64_t T, int64_t hd, float scale, float* scores, float* out) {
   float mx = -INFINITY;
   for (int64_t t = 0; t < T; ++t) {
-    const float* kt = kb + t * kstride;
-    float d = 0.0f;
-    for (int64_t i = 0; i < hd; ++i) d += q[i] * kt[i];
-    d *= scale;
+    const float d = dot(q, kb + t * kstride, hd) * scale;
     scores[t] = d;
     mx = std::max(mx, d);
   }
@@ -339,11 +384,7 @@ void attend(const float* q, const float* kb, int64_t kstride, const float* vb, i
   }
   const float inv = 1.0f / sum;
   for (int64_t i = 0; i < hd; ++i) out[i] = 0.0f;
-  for (int64_t t = 0; t < T; ++t) {
-    const float p = scores[t] * inv;
-    const float* vt = vb + t * vstride;
-    for (int64_t i = 0; i < hd; ++i) out[i] += p * vt[i];
-  }
+  for (int64_t t = 0; t < T; ++t) axpy(scores[t] * inv, vb + t * vstride, out, hd);
 }
 
 int layer_step(const Layer& L, float* x, int64_t B, int64_t D, int64_t S, const float* cos,
@@ -370,7 +411,8 @@ int layer_step(const Layer& L, float* x, int64_t B, int64_t D, int64_t S, const 
   // attention, one (row, head) per task; the work grows with S, so long caches use the threads
   const int64_t T = S + 1, rep = H / KV;
   const float scale = static_cast<float>(L.scale);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(T * hd, 1));
+  // at least 2^18 multiply-adds of q . k per task (SmolLM2: one thread below ~450 tokens)
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(T * hd, 1));
   at::parallel_for(0, B * H, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(static_cast<size_t>(T));
     for (int64_t i = i0; i < i1; ++i) {
