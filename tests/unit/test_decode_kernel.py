@@ -59,6 +59,7 @@ CONFIGS = {
         "ffn": {"kind": "mlp", "activation": "relu"},
         "position": {"kind": "learned"},
     },  # fmt: skip
+    "silu_mlp": {"ffn": {"kind": "mlp", "activation": "silu"}, "position": {"kind": "rope"}},
     "geglu_mqa": {**LLAMA, "ffn": {"kind": "geglu"}, "attention": {"n_heads": 6, "n_kv_heads": 1}},
 }
 ATOL = 1e-4
@@ -131,6 +132,19 @@ def test_gemv_equals_torch_for_every_row_count_and_ragged_widths() -> None:
             torch.testing.assert_close(decode_kernel.gemv(x, w), x @ w.T, rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError):
         decode_kernel.gemv(torch.randn(9, 4), torch.randn(3, 4))  # more than 8 rows
+
+
+def test_the_steps_silu_matches_torch_across_the_range_and_keeps_nan() -> None:
+    g = torch.cat([torch.linspace(-120, 120, 2001), torch.randn(1000) * 4, torch.zeros(3)])
+    u = torch.randn_like(g)
+    torch.testing.assert_close(decode_kernel.silu_mul(g), torch.nn.functional.silu(g),
+                               rtol=2e-6, atol=1e-30)  # fmt: skip
+    torch.testing.assert_close(decode_kernel.silu_mul(g, u), torch.nn.functional.silu(g) * u,
+                               rtol=2e-6, atol=1e-30)  # fmt: skip
+    odd = torch.tensor([float("nan"), 1.0, -1.0, float("inf"), 3.0, 0.5, 2.0, 7.0, float("nan")])
+    got = decode_kernel.silu_mul(odd)  # the vector lanes and the scalar tail
+    assert torch.isnan(got[0]) and torch.isnan(got[8]) and got[3] == float("inf")
+    torch.testing.assert_close(got[1:8], torch.nn.functional.silu(odd[1:8]), rtol=2e-6, atol=0)
 
 
 @pytest.mark.parametrize("b", [1, 3])

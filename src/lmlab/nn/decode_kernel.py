@@ -86,6 +86,8 @@ def _build() -> ctypes.CDLL:
     lib.lmlab_decode_step.restype = ctypes.c_int
     lib.lmlab_gemv.argtypes = [vp, i64, i64, vp, i64, vp]
     lib.lmlab_gemv.restype = ctypes.c_int
+    lib.lmlab_silu_mul.argtypes = [vp, vp, vp, i64]
+    lib.lmlab_silu_mul.restype = None
     if lib.lmlab_decode_max_rows() != MAX_ROWS:
         raise RuntimeError("decode_kernels.cpp and decode_kernel.py disagree on MAX_ROWS")
     return lib
@@ -113,6 +115,21 @@ def disabled() -> Iterator[None]:
 def status() -> str:
     """``avx512f``, ``avx2+fma``, ``generic C++``, or why the library is not used."""
     return _lib.status()
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(g) * u (or silu(g)) for contiguous float32 (n,) CPU tensors as the step computes it
+    (its own vectorised exp; tests). Raises RuntimeError when unavailable."""
+    lib = _lib.load()
+    if lib is None:
+        raise RuntimeError(f"lmlab's decode kernels are not available: {status()}")
+    if g.dtype != torch.float32 or g.dim() != 1 or not g.is_contiguous():
+        raise ValueError("silu_mul takes contiguous float32 (n,) tensors")
+    if u is not None and (u.shape != g.shape or u.dtype != g.dtype or not u.is_contiguous()):
+        raise ValueError("u must be like g")
+    out = torch.empty_like(g)
+    lib.lmlab_silu_mul(g.data_ptr(), None if u is None else u.data_ptr(), out.data_ptr(), len(g))
+    return out
 
 
 def _reset() -> None:

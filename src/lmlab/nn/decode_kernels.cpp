@@ -353,6 +353,39 @@ inline float activate(int64_t act, float v) {
   }
 }
 
+// out[i] = silu(g[i]) (* u[i] when u is given) = g / (1 + exp(-g)), exp vectorised (Cephes'
+// expf polynomial on the range-reduced argument, ~2 ulp), the scalar formula for the tail.
+void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+  int64_t i = 0;
+#if LMLAB_D_AVX2
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f), c1 = _mm256_set1_ps(0.693359375f),
+               c2 = _mm256_set1_ps(-2.12194440e-4f), one = _mm256_set1_ps(1.0f),
+               lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(87.0f);
+  const float pc[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                       4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 z = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_sub_ps(_mm256_setzero_ps(), x)));
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(z, log2e),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_fnmadd_ps(k, c2, _mm256_fnmadd_ps(k, c1, z));
+    __m256 p = _mm256_set1_ps(pc[0]);
+    for (int j = 1; j < 6; ++j) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(pc[j]));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, one));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    const __m256 ex = _mm256_mul_ps(p, _mm256_castsi256_ps(e));  // exp(-x)
+    __m256 y = _mm256_div_ps(x, _mm256_add_ps(one, ex));
+    if (u) y = _mm256_mul_ps(y, _mm256_loadu_ps(u + i));
+    _mm256_storeu_ps(out + i, y);
+  }
+#endif
+  for (; i < n; ++i) {
+    const float y = g[i] / (1.0f + std::exp(-g[i]));
+    out[i] = u ? y * u[i] : y;
+  }
+}
+
 // rotate one head vector (hd) in place: x * cos + rotate_half(x) * sin
 inline void rope_head(float* v, int64_t hd, const float* cos, const float* sin) {
   const int64_t h = hd / 2;
@@ -435,7 +468,9 @@ int layer_step(const Layer& L, float* x, int64_t B, int64_t D, int64_t S, const 
   for (int64_t b = 0; b < B; ++b) {
     const float* row = sc.hidden.data() + b * total;
     float* out = sc.act.data() + b * F;
-    if (L.gated)
+    if (L.act == kSilu)
+      silu_mul(row, L.gated ? row + F : nullptr, out, F);
+    else if (L.gated)
       for (int64_t i = 0; i < F; ++i) out[i] = activate(L.act, row[i]) * row[F + i];
     else
       for (int64_t i = 0; i < F; ++i) out[i] = activate(L.act, row[i]);
@@ -478,6 +513,9 @@ int lmlab_gemv(const float* x, int64_t M, int64_t K, const float* w, int64_t N, 
   gemv(x, M, K, w, N, y);
   return 0;
 }
+
+// out (n,) = silu(g) * u (u null: silu(g)), the step's SwiGLU activation (tests).
+void lmlab_silu_mul(const float* g, const float* u, float* out, int64_t n) { silu_mul(g, u, out, n); }
 
 int lmlab_decode_simd() { return LMLAB_D_AVX512 ? 512 : LMLAB_D_AVX2 ? 256 : 0; }
 
