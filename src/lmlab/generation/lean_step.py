@@ -9,9 +9,10 @@ model shape most decoders have (pre-norm blocks, softmax attention with the plai
 and the ``sdpa`` backend, any position encoding without a score bias, a (gated) MLP, plain or
 quantized linear layers, no hooks) as one flat loop of tensor operations, calling the very
 functions the modules call (the norms' formula, :func:`~lmlab.nn.fused.fused_weights`, the
-position's ``rotate``, ``scaled_dot_product_attention``), so on one thread its logits equal
-the forward's bit for bit (tests/unit/test_lean_step.py); on several threads the matmul library
-may split a product differently and the last bits can differ (SmolLM2-135M, 2 threads: 1.2e-3).
+position's ``rotate``, ``scaled_dot_product_attention``), so on one thread its Python loop's
+logits equal the forward's bit for bit (tests/unit/test_lean_step.py); on several threads the
+matmul library may split a product differently and the last bits can differ (SmolLM2-135M, 2
+threads: 1.2e-3).
 
 :func:`lean_refusal` says why a model does not qualify (the decode loop then keeps using the
 model's forward, which is always correct). Only one-token steps of unpadded rows take it
