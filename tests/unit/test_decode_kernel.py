@@ -238,6 +238,28 @@ def test_a_quantized_model_steps_as_its_python_lean_path(
         assert max(diffs) <= ATOL, diffs
 
 
+@pytest.mark.parametrize("spec", ["int8", "int4", "int4+a8"])
+@pytest.mark.parametrize("b", [1, 3])
+def test_quantized_layers_split_over_row_ranges_give_the_kernels_numbers(
+    spec: str, b: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Layers of >= 128 KiB of codes run as several kernel calls on row ranges (threads):
+    here gate/up, down and the int8 q/k/v are that big; the logits stay the Python loop's."""
+    model = apply_quantization(_model("llama_biases_untied", d_model=288), spec)
+    gate = model.layers[0].ffn.gate_proj
+    assert 2 * gate.qweight.nbytes >= 1 << 17  # the fused gate/up: split
+    calls = _spy(monkeypatch)
+    prompt = torch.randint(0, 40, (b, 5))
+    mine, *_ = _decode(model, prompt, steps=4, capacity=16)
+    python, *_ = _decode(model, prompt, steps=4, capacity=16, cpp=False)
+    assert calls == [b] * 4
+    diffs = [(m - p).abs().max().item() for m, p in zip(mine, python, strict=True)]
+    if "a8" in spec:
+        assert sum(d <= ATOL for d in diffs) > len(diffs) / 2 and max(diffs) < 0.1, diffs
+    else:
+        assert max(diffs) <= ATOL, diffs
+
+
 @pytest.mark.parametrize(
     ("extra", "reason"),
     [

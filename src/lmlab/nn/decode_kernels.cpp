@@ -267,25 +267,65 @@ inline void axpy(float a, const float* x, float* y, int64_t n) {
 }
 
 // y (B, N) = x (B, K) through one linear layer; returns nonzero if a kernel refused it.
-int linear(const Lin& l, const float* x, int64_t B, float* y) {
-  int bad = 0;
+// Rows [n0, n1) of a quantized layer's product into y (B, n1 - n0), through quant_kernels.cpp.
+int quant_rows(const Lin& l, const float* x, int64_t B, int64_t n0, int64_t n1, float* y) {
+  const int64_t ng = l.k / l.g, n = n1 - n0;
+  const float* s = l.s + n0 * ng;
+  const float* z = l.z + n0 * ng;
   switch (l.kind) {
-    case kFloat: gemv(x, B, l.k, static_cast<const float*>(l.w), l.n, y); break;
     case kInt8:
-      bad = lmlab_int8_mm(x, B, l.k, static_cast<const int8_t*>(l.w), l.s, l.n, l.g, y);
-      break;
+      return lmlab_int8_mm(x, B, l.k, static_cast<const int8_t*>(l.w) + n0 * l.k, s, n, l.g, y);
     case kInt4:
-      bad = lmlab_int4_mm(x, B, l.k, static_cast<const uint8_t*>(l.w), l.s, l.z, l.n, l.g, y);
-      break;
+      return lmlab_int4_mm(x, B, l.k, static_cast<const uint8_t*>(l.w) + n0 * (l.k / 2), s, z,
+                           n, l.g, y);
     case kInt8A8:
-      bad = lmlab_a8_mm(8, x, B, l.k, static_cast<const uint8_t*>(l.w), l.s, l.s, l.n, l.g, y);
-      break;
+      return lmlab_a8_mm(8, x, B, l.k, static_cast<const uint8_t*>(l.w) + n0 * l.k, s, s, n,
+                         l.g, y);
     case kInt4A8:
-      bad = lmlab_a8_mm(4, x, B, l.k, static_cast<const uint8_t*>(l.w), l.s, l.z, l.n, l.g, y);
-      break;
+      return lmlab_a8_mm(4, x, B, l.k, static_cast<const uint8_t*>(l.w) + n0 * (l.k / 2), s, z,
+                         n, l.g, y);
     default: return 1;
   }
-  if (bad) return bad;
+}
+
+// Codes per part at which a quantized layer is split into parts over the threads: the kernels'
+// own tasks keep decode's small layers on one thread (quant_kernels.cpp, run_rows: a guard for
+// loaded machines); here a layer of >= 128 KiB of codes runs as max(2, threads) calls on row
+// ranges (each the kernel's own product on its rows: the same numbers; with +a8 each call
+// rounds x again, the same way), in parallel where there are threads.
+constexpr int64_t kQuantSplitBytes = int64_t{1} << 17;
+
+int quant_linear(const Lin& l, const float* x, int64_t B, float* y) {
+  const int64_t row_bytes = (l.kind == kInt4 || l.kind == kInt4A8) ? l.k / 2 : l.k;
+  if (row_bytes * l.n < kQuantSplitBytes || l.n < 2) return quant_rows(l, x, B, 0, l.n, y);
+  const int64_t parts = std::min<int64_t>(l.n, std::max<int64_t>(2, at::get_num_threads()));
+  std::vector<int> bad(static_cast<size_t>(parts), 0);
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> part;
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = l.n * p / parts, n1 = l.n * (p + 1) / parts;
+      if (B == 1) {  // (1, N): the rows' outputs are contiguous
+        bad[p] = quant_rows(l, x, B, n0, n1, y + n0);
+        continue;
+      }
+      part.resize(static_cast<size_t>(B * (n1 - n0)));
+      bad[p] = quant_rows(l, x, B, n0, n1, part.data());
+      for (int64_t b = 0; b < B; ++b)
+        std::memcpy(y + b * l.n + n0, part.data() + b * (n1 - n0), sizeof(float) * (n1 - n0));
+    }
+  });
+  for (int v : bad)
+    if (v) return v;
+  return 0;
+}
+
+// y (B, N) = x (B, K) through one linear layer; returns nonzero if a kernel refused it.
+int linear(const Lin& l, const float* x, int64_t B, float* y) {
+  if (l.kind == kFloat) {
+    gemv(x, B, l.k, static_cast<const float*>(l.w), l.n, y);
+  } else if (int bad = quant_linear(l, x, B, y)) {
+    return bad;
+  }
   if (l.bias)
     for (int64_t b = 0; b < B; ++b)
       for (int64_t n = 0; n < l.n; ++n) y[b * l.n + n] += l.bias[n];
