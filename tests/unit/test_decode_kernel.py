@@ -17,7 +17,7 @@ from lmlab.generation import lean_step
 from lmlab.generation.generate import SamplingParams, generate_ids
 from lmlab.generation.lean_step import LeanStep
 from lmlab.models.decoder import DecoderLM
-from lmlab.nn import decode_kernel
+from lmlab.nn import cpp_build, decode_kernel
 from lmlab.nn.decode_kernel import Plan
 from lmlab.nn.quant import apply_quantization
 from tests.helpers import tiny_model_config
@@ -258,6 +258,33 @@ def test_quantized_layers_split_over_row_ranges_give_the_kernels_numbers(
         assert sum(d <= ATOL for d in diffs) > len(diffs) / 2 and max(diffs) < 0.1, diffs
     else:
         assert max(diffs) <= ATOL, diffs
+
+
+@pytest.mark.parametrize("limit", ["avx2", "generic"])
+def test_the_avx2_and_plain_loop_builds_step_as_the_forward(
+    limit: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The AVX2 + FMA build (8-wide products, scalar tails) and the build without instruction-set
+    flags (plain loops) give the forward's logits too, float32 and quantized."""
+    try:
+        lib = decode_kernel._build(limit)
+    except Exception as e:  # pragma: no cover - no compiler for this variant
+        pytest.skip(f"cannot build the {limit} variant: {e}")
+    avx2 = limit == "avx2" and cpp_build.cpu_has_avx2_fma()
+    assert lib.lmlab_decode_simd() == (256 if avx2 else 0)
+    monkeypatch.setattr(decode_kernel._lib, "lib", lib)
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 77), torch.randn(50, 77)
+    torch.testing.assert_close(decode_kernel.gemv(x, w), x @ w.T, rtol=1e-5, atol=1e-4)
+    g = torch.linspace(-30, 30, 203)
+    torch.testing.assert_close(decode_kernel.silu_mul(g), torch.nn.functional.silu(g),
+                               rtol=2e-6, atol=1e-30)  # fmt: skip
+    calls = _spy(monkeypatch)
+    for model in (_model("llama_gqa"), apply_quantization(_model("minigpt", d_model=96), "int4")):
+        mine, refs, *_ = _decode(model, torch.randint(0, 40, (3, 5)), steps=4, capacity=16)
+        for m, r in zip(mine, refs, strict=True):
+            torch.testing.assert_close(m, r, rtol=0, atol=ATOL)
+    assert calls == [3] * 8
 
 
 @pytest.mark.parametrize(

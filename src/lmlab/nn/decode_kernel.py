@@ -71,10 +71,11 @@ class Model(ctypes.Structure):
                 ("layers", ctypes.POINTER(Layer)), ("final_norm", Norm), ("head", Lin)]  # fmt: skip
 
 
-def _build() -> ctypes.CDLL:
+def _build(limit: str | None = None) -> ctypes.CDLL:
     """Compile (or load from the cache) decode_kernels.cpp with quant_kernels.cpp; raises on any
-    failure."""
-    flags, kind = quant_kernel.build_flags()
+    failure. ``limit`` (tests: the other paths on a CPU that has more) as
+    :func:`lmlab.nn.quant_kernel.build_flags` takes it (``avx2``, ``generic``)."""
+    flags, kind = quant_kernel.build_flags(limit)
     path = cpp_build.build(
         f"lmlab_decode_kernels_{kind}",
         [str(SOURCE), str(quant_kernel.SOURCE)],
