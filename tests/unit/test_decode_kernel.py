@@ -59,6 +59,17 @@ CONFIGS = {
         "ffn": {"kind": "mlp", "activation": "relu"},
         "position": {"kind": "learned"},
     },  # fmt: skip
+    "rope_linear_scaling": {
+        **LLAMA,
+        "position": {"kind": "rope", "scaling": {"kind": "linear", "factor": 4.0}},
+    },
+    "rope_dynamic_ntk": {  # length-dependent: cos / sin per step (no table); 5 + 6 > 7
+        **LLAMA,
+        "position": {
+            "kind": "rope",
+            "scaling": {"kind": "dynamic_ntk", "factor": 3.0, "original_max_seq_len": 7},
+        },
+    },
     "silu_mlp": {"ffn": {"kind": "mlp", "activation": "silu"}, "position": {"kind": "rope"}},
     "geglu_mqa": {**LLAMA, "ffn": {"kind": "geglu"}, "attention": {"n_heads": 6, "n_kv_heads": 1}},
 }

@@ -422,16 +422,24 @@ class LeanStep:
                 ):  # fmt: skip
                     return None
                 plan.set_cache(i, kb, vb)
-        positions = torch.arange(s, s + 1, device=ids.device)  # (1,)
+        position = model.position
+        table = plan.rope_table
+        positions = None
         x = F.embedding(ids, model.embed.weight)  # (B, 1, D)
         if model.embed_scale != 1.0:
             x = x * model.embed_scale
-        position = model.position
-        x = position.embed(x, positions).reshape(b, -1)
+        if type(position).embed is not PositionEncoding.embed:  # learned, sinusoidal
+            positions = torch.arange(s, s + 1, device=ids.device)  # (1,)
+            x = position.embed(x, positions)
+        x = x.reshape(b, -1)
         if x.dtype != torch.float32 or not x.is_contiguous():
             return None
         cos = sin = None
-        if plan.rope:
+        if table is not None and s < table[0].shape[0]:
+            cos, sin = table[0][s], table[1][s]  # (hd,) each
+        elif plan.rope:
+            if positions is None:
+                positions = torch.arange(s, s + 1, device=ids.device)
             cos, sin = position.rotation(positions, torch.float32)  # (1, hd) each
             cos, sin = cos[0].contiguous(), sin[0].contiguous()
         logits = plan.run(x, s, cos, sin)
@@ -534,6 +542,13 @@ def _plan(step: LeanStep) -> tuple[decode_kernel.Plan | None, str | None]:
     if head.k != d:
         return None, "the LM head does not read d_model features"
     plan = decode_kernel.Plan(layers, fn, head, d, rope, bld)
+    kb = step.cache.layers[0]._kbuf if step.cache.layers else None
+    if rope and not pos.length_dependent and kb is not None:
+        # cos / sin of every reserved slot at once: each row is what rotation() gives for that
+        # position alone (elementwise ops); ~0.3 ms a token less (SmolLM2 int4+a8, 1 thread). A
+        # length-dependent scaling (frequencies set by the longest position) computes per step
+        cos, sin = pos.rotation(torch.arange(kb.shape[2]), torch.float32)
+        plan.rope_table = (cos.contiguous(), sin.contiguous())
     step.plan_quant = quantized
     return plan, None
 

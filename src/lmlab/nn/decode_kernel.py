@@ -226,6 +226,8 @@ class Plan:
         self.model = Model(len(layers), d_model, head.n, int(rope), self.layers, final_norm, head)
         self.vocab = int(head.n)
         self.rope = rope
+        # (cos, sin) (P, hd) float32 for positions 0..P-1 (the caller's table), or None
+        self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         self.d_model = d_model
         self.bufs: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(layers)
 
