@@ -76,6 +76,12 @@ def main() -> None:
         help="decode every token through the model's forward (lmlab.generation.lean_step off)",
     )
     ap.add_argument(
+        "--no-quant-split",
+        action="store_true",
+        help="the C++ step leaves quantized layers to the kernels' own thread split "
+        "(lmlab.nn.decode_kernel.SPLIT_QUANTIZED off: only the head over threads)",
+    )
+    ap.add_argument(
         "--no-cpp-step",
         action="store_true",
         help="the lean step runs its Python loop (lmlab.nn.decode_kernel off) in every setting",
@@ -84,6 +90,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     lean_step.ENABLED = not args.no_lean
     decode_kernel.ENABLED = not args.no_cpp_step
+    decode_kernel.SPLIT_QUANTIZED = not args.no_quant_split
     t0 = time.perf_counter()
     quant_kernel.available()
     took = time.perf_counter() - t0

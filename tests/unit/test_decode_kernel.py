@@ -249,13 +249,16 @@ def test_a_quantized_model_steps_as_its_python_lean_path(
         assert max(diffs) <= ATOL, diffs
 
 
+@pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize("spec", ["int8", "int4", "int4+a8"])
 @pytest.mark.parametrize("b", [1, 3])
 def test_quantized_layers_split_over_row_ranges_give_the_kernels_numbers(
-    spec: str, b: int, monkeypatch: pytest.MonkeyPatch
+    spec: str, b: int, split: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Layers of >= 128 KiB of codes run as several kernel calls on row ranges (threads):
-    here gate/up, down and the int8 q/k/v are that big; the logits stay the Python loop's."""
+    here gate/up, down and the int8 q/k/v are that big; the logits stay the Python loop's
+    (and with SPLIT_QUANTIZED off, one call each)."""
+    monkeypatch.setattr(decode_kernel, "SPLIT_QUANTIZED", split)
     model = apply_quantization(_model("llama_biases_untied", d_model=288), spec)
     gate = model.layers[0].ffn.gate_proj
     assert 2 * gate.qweight.nbytes >= 1 << 17  # the fused gate/up: split

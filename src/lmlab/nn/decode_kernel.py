@@ -40,6 +40,10 @@ SOURCE = Path(__file__).with_name("decode_kernels.cpp")
 MAX_ROWS = 8
 # False: the lean step keeps its Python loop (A/B benchmarks, tests); see also disabled().
 ENABLED = True
+# Quantized layers of >= 128 KiB of codes as several kernel calls over the threads (read when a
+# plan is built); False: the kernels' own split (only the head) - fewer parallel regions, which
+# a machine whose cores are busy with other work punishes (decode_kernels.cpp).
+SPLIT_QUANTIZED = True
 
 i64, vp, f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
 
@@ -68,6 +72,7 @@ class Layer(ctypes.Structure):
 
 class Model(ctypes.Structure):
     _fields_ = [("n_layers", i64), ("d_model", i64), ("vocab", i64), ("rope", i64),
+                ("split_quant", i64),
                 ("layers", ctypes.POINTER(Layer)), ("final_norm", Norm), ("head", Lin)]  # fmt: skip
 
 
@@ -223,7 +228,8 @@ class Plan:
     ) -> None:  # fmt: skip
         self.keep = builder.keep
         self.layers = (Layer * len(layers))(*layers)
-        self.model = Model(len(layers), d_model, head.n, int(rope), self.layers, final_norm, head)
+        self.model = Model(len(layers), d_model, head.n, int(rope), int(SPLIT_QUANTIZED),
+                           self.layers, final_norm, head)  # fmt: skip
         self.vocab = int(head.n)
         self.rope = rope
         # (cos, sin) (P, hd) float32 for positions 0..P-1 (the caller's table), or None

@@ -87,7 +87,7 @@ struct Layer {
 };
 
 struct Model {
-  int64_t n_layers, d_model, vocab, rope;
+  int64_t n_layers, d_model, vocab, rope, split_quant;
   Layer* layers;
   Norm final_norm;
   Lin head;
@@ -292,12 +292,16 @@ int quant_rows(const Lin& l, const float* x, int64_t B, int64_t n0, int64_t n1, 
 // own tasks keep decode's small layers on one thread (quant_kernels.cpp, run_rows: a guard for
 // loaded machines); here a layer of >= 128 KiB of codes runs as max(2, threads) calls on row
 // ranges (each the kernel's own product on its rows: the same numbers; with +a8 each call
-// rounds x again, the same way), in parallel where there are threads.
+// rounds x again, the same way), in parallel where there are threads (Model::split_quant; off:
+// the kernels' own split only). Measured once, at load ~1.8: SmolLM2 int4+a8 step 6.7 ms on 2
+// threads with it vs ~9.6 ms on 1; on an oversubscribed machine its extra parallel regions
+// cost more (each waits for a descheduled thread).
 constexpr int64_t kQuantSplitBytes = int64_t{1} << 17;
 
-int quant_linear(const Lin& l, const float* x, int64_t B, float* y) {
+int quant_linear(const Lin& l, const float* x, int64_t B, float* y, bool split) {
   const int64_t row_bytes = (l.kind == kInt4 || l.kind == kInt4A8) ? l.k / 2 : l.k;
-  if (row_bytes * l.n < kQuantSplitBytes || l.n < 2) return quant_rows(l, x, B, 0, l.n, y);
+  if (!split || row_bytes * l.n < kQuantSplitBytes || l.n < 2)
+    return quant_rows(l, x, B, 0, l.n, y);
   const int64_t parts = std::min<int64_t>(l.n, std::max<int64_t>(2, at::get_num_threads()));
   std::vector<int> bad(static_cast<size_t>(parts), 0);
   at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
@@ -320,10 +324,10 @@ int quant_linear(const Lin& l, const float* x, int64_t B, float* y) {
 }
 
 // y (B, N) = x (B, K) through one linear layer; returns nonzero if a kernel refused it.
-int linear(const Lin& l, const float* x, int64_t B, float* y) {
+int linear(const Lin& l, const float* x, int64_t B, float* y, bool split) {
   if (l.kind == kFloat) {
     gemv(x, B, l.k, static_cast<const float*>(l.w), l.n, y);
-  } else if (int bad = quant_linear(l, x, B, y)) {
+  } else if (int bad = quant_linear(l, x, B, y, split)) {
     return bad;
   }
   if (l.bias)
@@ -334,15 +338,15 @@ int linear(const Lin& l, const float* x, int64_t B, float* y) {
 
 // Several linears reading the same x, their outputs side by side: y (B, sum N).
 int linears(const Lin* ls, int64_t count, const float* x, int64_t B, float* y,
-            std::vector<float>& tmp) {
-  if (count == 1) return linear(ls[0], x, B, y);
+            std::vector<float>& tmp, bool split) {
+  if (count == 1) return linear(ls[0], x, B, y, split);
   int64_t total = 0;
   for (int64_t i = 0; i < count; ++i) total += ls[i].n;
   tmp.resize(static_cast<size_t>(B * total));
   int64_t col = 0;
   for (int64_t i = 0; i < count; ++i) {
     float* part = tmp.data() + B * col;  // (B, n_i)
-    if (int bad = linear(ls[i], x, B, part)) return bad;
+    if (int bad = linear(ls[i], x, B, part, split)) return bad;
     for (int64_t b = 0; b < B; ++b)
       std::memcpy(y + b * total + col, part + b * ls[i].n, sizeof(float) * ls[i].n);
     col += ls[i].n;
@@ -461,14 +465,15 @@ void attend(const float* q, const float* kb, int64_t kstride, const float* vb, i
 }
 
 int layer_step(const Layer& L, float* x, int64_t B, int64_t D, int64_t S, const float* cos,
-               const float* sin, Scratch& sc) {
+               const float* sin, Scratch& sc, bool split) {
   const int64_t H = L.heads, KV = L.kv_heads, hd = L.head_dim, W = (H + 2 * KV) * hd;
   sc.h.resize(B * D);
   sc.qkv.resize(B * W);
   sc.attn.resize(B * H * hd);
   sc.proj.resize(B * D);
   norm(L.n1, x, B, D, sc.h.data());
-  if (int bad = linears(L.qkv, L.n_qkv, sc.h.data(), B, sc.qkv.data(), sc.tmp)) return bad;
+  if (int bad = linears(L.qkv, L.n_qkv, sc.h.data(), B, sc.qkv.data(), sc.tmp, split))
+    return bad;
   // rotate q and k, write k and v to slot S
   for (int64_t b = 0; b < B; ++b) {
     float* row = sc.qkv.data() + b * W;
@@ -495,14 +500,15 @@ int layer_step(const Layer& L, float* x, int64_t B, int64_t D, int64_t S, const 
              sc.attn.data() + (b * H + hh) * hd);
     }
   });
-  if (int bad = linear(L.o, sc.attn.data(), B, sc.proj.data())) return bad;
+  if (int bad = linear(L.o, sc.attn.data(), B, sc.proj.data(), split)) return bad;
   for (int64_t i = 0; i < B * D; ++i) x[i] += sc.proj[i];
   // FFN
   norm(L.n2, x, B, D, sc.h.data());
   int64_t total = 0;
   for (int64_t i = 0; i < L.n_gu; ++i) total += L.gu[i].n;
   sc.hidden.resize(B * total);
-  if (int bad = linears(L.gu, L.n_gu, sc.h.data(), B, sc.hidden.data(), sc.tmp)) return bad;
+  if (int bad = linears(L.gu, L.n_gu, sc.h.data(), B, sc.hidden.data(), sc.tmp, split))
+    return bad;
   const int64_t F = L.gated ? total / 2 : total;
   sc.act.resize(B * F);
   for (int64_t b = 0; b < B; ++b) {
@@ -515,7 +521,7 @@ int layer_step(const Layer& L, float* x, int64_t B, int64_t D, int64_t S, const 
     else
       for (int64_t i = 0; i < F; ++i) out[i] = activate(L.act, row[i]);
   }
-  if (int bad = linear(L.down, sc.act.data(), B, sc.proj.data())) return bad;
+  if (int bad = linear(L.down, sc.act.data(), B, sc.proj.data(), split)) return bad;
   for (int64_t i = 0; i < B * D; ++i) x[i] += sc.proj[i];
   return 0;
 }
@@ -540,11 +546,11 @@ int lmlab_decode_step(const Model* model, float* x, int64_t B, int64_t S, const 
   const int64_t D = model->d_model;
   for (int64_t i = 0; i < model->n_layers; ++i)
     if (int bad = layer_step(model->layers[i], x, B, D, S, model->rope ? cos : nullptr,
-                             model->rope ? sin : nullptr, sc))
+                             model->rope ? sin : nullptr, sc, model->split_quant != 0))
       return bad;
   sc.h.resize(B * D);
   norm(model->final_norm, x, B, D, sc.h.data());
-  return linear(model->head, sc.h.data(), B, logits);
+  return linear(model->head, sc.h.data(), B, logits, model->split_quant != 0);
 }
 
 // y (M, N) = x (M, K) @ w.T for float32 row-major operands, 1 <= M <= 8 (benchmarks, tests).
