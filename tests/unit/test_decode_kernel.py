@@ -320,6 +320,19 @@ def test_models_it_does_not_compute_fall_back_to_the_python_loop(
         assert torch.equal(m, r)  # the Python loop: bit for bit
 
 
+def test_more_than_eight_rows_step_through_the_python_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model("llama_gqa")
+    calls = _spy(monkeypatch)
+    mine, refs, *_ = _decode(model, torch.randint(0, 40, (9, 4)), steps=2, capacity=16)
+    assert calls == []
+    for m, r in zip(mine, refs, strict=True):
+        assert torch.equal(m, r)
+    mine, refs, *_ = _decode(model, torch.randint(0, 40, (8, 4)), steps=2, capacity=16)
+    assert calls == [8, 8]
+    for m, r in zip(mine, refs, strict=True):
+        torch.testing.assert_close(m, r, rtol=0, atol=ATOL)
+
+
 def test_a_bfloat16_model_is_refused_and_steps_as_its_forward(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -402,6 +402,8 @@ class LeanStep:
         or of another batch (the Python loop below then grows them as :func:`_append` does)."""
         model, cache = self.model, self.cache
         b = ids.shape[0]
+        if b > decode_kernel.MAX_ROWS:  # the C++ step serves 1..8 rows
+            return None
         s = cache.seq_len
         layers = cache.layers
         for i, c in enumerate(layers):
