@@ -11,6 +11,8 @@ out). ``--compile``: one layer's step as a pure function (static KV buffers of 5
 position mask, the weights as arguments, so one graph serves every layer and step), compiled with
 ``torch.compile(fullgraph=True, dynamic=False)``; its compile seconds and its largest logit
 difference from the forward are printed (float32, RMSNorm / SwiGLU / full RoPE models only).
+``lean`` is the lean step as generation runs it (one C++ call per token where
+lmlab.nn.decode_kernel applies), ``lean_py`` its Python loop (the C++ step's A/B).
 ``--lean-from FILE``: another checkout's lean_step.py (say the main branch's) as one more
 contender, ``lean_base``, on its own cache (A/B of a change to the lean step in one process).
 
@@ -39,6 +41,7 @@ import lmlab.nn.fused
 from lmlab.generation.lean_step import LeanStep, lean_refusal
 from lmlab.interop.load import load
 from lmlab.models.decoder import DecoderLM
+from lmlab.nn import decode_kernel
 from lmlab.nn.quant import apply_quantization
 
 SLOTS = 512
@@ -172,7 +175,16 @@ def main() -> None:
         print(f"lean_refusal: {lean_refusal(model, lean_cache)}")
         lean = LeanStep(model, lean_cache, SLOTS)
         steps["forward"] = lambda: model(x, cache=ref_cache, last_only=True).logits
-        steps["lean"] = lambda: lean(x)
+        steps["lean"] = lambda: lean(x)  # the one-call C++ step where it applies
+        py_cache = model.new_cache()
+        model(prompt, cache=py_cache)
+        lean_py = LeanStep(model, py_cache, SLOTS)
+
+        def python_loop() -> torch.Tensor:
+            with decode_kernel.disabled():
+                return lean_py(x)
+
+        steps["lean_py"] = python_loop  # the lean step's Python loop (A/B of the C++ step)
         if args.lean_from:
             base_cache = model.new_cache()
             model(prompt, cache=base_cache)
@@ -185,7 +197,8 @@ def main() -> None:
             )
         got = steps["lean"]()  # every contender's first step, at the same position
         diff = (steps["forward"]() - got).abs().max().item()
-        print(f"lean vs forward, largest |logit difference|: {diff:.3g}")
+        print(f"lean vs forward, largest |logit difference|: {diff:.3g} (C++ step: "
+              f"{lean.cpp_refusal or decode_kernel.status()})")  # fmt: skip
         if "lean_base" in steps:
             bdiff = (steps["lean_base"]() - got).abs().max().item()
             print(f"lean vs lean_base, largest |logit difference|: {bdiff:.3g}")
@@ -197,7 +210,7 @@ def main() -> None:
             print(f"compiled layer step: {took:.1f} s to compile, largest |logit difference| "
                   f"from the forward {cdiff:.3g}")  # fmt: skip
             steps["compiled"] = lambda: cstep(x)
-        for name in ("forward", "lean", "lean_base", "compiled"):
+        for name in ("forward", "lean", "lean_py", "lean_base", "compiled"):
             if name in steps:
                 print(f"profiler events per step, {name}: {events(steps[name])}")
         times: dict[str, list[float]] = {name: [] for name in steps}

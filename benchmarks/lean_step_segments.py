@@ -1,6 +1,7 @@
 """Where SmolLM2-135M's lean decode step spends the time between its matrix products.
 
-The step (lmlab.generation.lean_step) is timed segment by segment: from the end of one linear
+The step's Python loop (lmlab.generation.lean_step, with the one-call C++ step of
+lmlab.nn.decode_kernel switched off) is timed segment by segment: from the end of one linear
 layer's product to the start of the next (what follows the fused q/k/v product: RoPE, the KV
 write and attention; the o product: residual add and norm; gate/up: SiLU and product; down:
 residual add and norm), averaged over a step's 30 layers, best over ``--steps`` steps. Each step
@@ -24,6 +25,7 @@ from quantized_quality import smollm2_path  # benchmarks/ is on sys.path
 
 import lmlab.generation.lean_step as lean_step
 from lmlab.interop.load import load
+from lmlab.nn import decode_kernel
 from lmlab.nn.quant import apply_quantization
 
 NAMES = ("after q/k/v", "after o", "after gate/up", "after down")
@@ -36,6 +38,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=256)
     ap.add_argument("--quantize", default=None, help="e.g. int4+a8 (lmlab.nn.quant spec)")
     args = ap.parse_args()
+    decode_kernel.ENABLED = False  # the segments are those of the Python loop
     torch.set_num_threads(args.threads)
     model, _ = load(smollm2_path(), "cpu")
     model.eval()

@@ -11,8 +11,12 @@ new one); the medians are compared and printed as ratios to float32.
 Quantized layers run lmlab's C++ kernels (lmlab.nn.quant_kernel; the first line printed says
 whether they loaded or why not) and the decode steps take the lean step
 (lmlab.generation.lean_step: q/k/v and gate/up one kernel call each; ``--no-lean``: the model's
-forward); a setting ending in ``+torch`` (``int4+torch``) runs the same
-quantized model with them off (PyTorch's int8/int4 CPU kernels, the path before them).
+forward). Where it applies the lean step is one C++ call per token (lmlab.nn.decode_kernel: all
+layers, the quantized products through the same kernels); a setting ending in ``+pystep``
+(``int4+a8+pystep``) runs the same model with the lean step's Python loop instead (the C++ step's
+A/B in the same rounds), ``--no-cpp-step`` turns it off for every setting. A setting ending in
+``+torch`` (``int4+torch``) runs the same quantized model with lmlab's kernels off (PyTorch's
+int8/int4 CPU kernels, the path before them).
 
 Bytes read per token: the linear layers' weights (codes + scales + zeros for quantized layers;
 the LM head counted, tied or not) - the KV cache and activations are left out (about 1 MB at these
@@ -27,6 +31,8 @@ reported in one line and the rest of the benchmark runs without it.
 
     nice -n 10 .venv/bin/python benchmarks/quantized_decode.py --rounds 3 \
         --llama-bench /path/to/llama.cpp/build/bin/llama-bench
+    nice -n 10 .venv/bin/python benchmarks/quantized_decode.py --rounds 4 \
+        --settings float32 int4+a8 float32+pystep int4+a8+pystep
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from smollm2_decode import CORPUS, run_lmlab  # the same timing (benchmarks/ is 
 
 from lmlab.generation import lean_step
 from lmlab.interop.load import load
-from lmlab.nn import quant_kernel
+from lmlab.nn import decode_kernel, quant_kernel
 from lmlab.nn.quant import apply_quantization, quantized_weight_bytes
 
 
@@ -85,22 +91,45 @@ def main() -> None:
         f"the rounds (default: ${llama_bench.ENV}; absent: no comparison)",
     )
     ap.add_argument("--llama-reps", type=int, default=3, help="llama-bench -r per round")
+    ap.add_argument(
+        "--no-quant-split",
+        action="store_true",
+        help="the C++ step leaves quantized layers to the kernels' own thread split "
+        "(lmlab.nn.decode_kernel.SPLIT_QUANTIZED off: only the head over threads)",
+    )
+    ap.add_argument(
+        "--no-cpp-step",
+        action="store_true",
+        help="the lean step runs its Python loop (lmlab.nn.decode_kernel off) in every setting",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lean_step.ENABLED = not args.no_lean
+    decode_kernel.ENABLED = not args.no_cpp_step
+    decode_kernel.SPLIT_QUANTIZED = not args.no_quant_split
     t0 = time.perf_counter()
     quant_kernel.available()
     took = time.perf_counter() - t0
     print(f"lmlab C++ quantized kernels: {quant_kernel.status()} ({took:.1f} s to build or load)")
     base, tok = load(smollm2_path(), "cpu")
-    models = {
-        name: base if name == "float32"
-        else apply_quantization(copy.deepcopy(base), name.removesuffix("+torch"))
-        for name in args.settings
-    }  # fmt: skip
+    quantized: dict[str, torch.nn.Module] = {}  # one model per spec: +pystep / +torch share it
+
+    def model_for(name: str) -> torch.nn.Module:
+        spec = name.removesuffix("+pystep").removesuffix("+torch")
+        if spec == "float32":
+            return base
+        if spec not in quantized:
+            quantized[spec] = apply_quantization(copy.deepcopy(base), spec)
+        return quantized[spec]
+
+    models = {name: model_for(name) for name in args.settings}
 
     def path(name: str) -> contextlib.AbstractContextManager:
-        return quant_kernel.disabled() if name.endswith("+torch") else contextlib.nullcontext()
+        if name.endswith("+torch"):
+            return quant_kernel.disabled()
+        if name.endswith("+pystep"):
+            return decode_kernel.disabled()
+        return contextlib.nullcontext()
 
     prompt = tok.encode(CORPUS.read_text())[: args.prompt_tokens]
     bandwidth = read_bandwidth()
@@ -170,8 +199,16 @@ def main() -> None:
             if name != "float32":
                 print(f"{name} decode lmlab/llama.cpp = {tps / peer_tps:.2f}x (lmlab {tps:.1f} "
                       f"tok/s, llama.cpp {peer_tps:.1f} tok/s)")  # fmt: skip
+    for name in names:
+        if name.endswith("+pystep") and name.removesuffix("+pystep") in med:
+            on = med[name.removesuffix("+pystep")]["decode_tok_s"]
+            off = med[name]["decode_tok_s"]
+            summary[name]["cpp_step_on_off"] = on / off
+            print(f"decode {name.removesuffix('+pystep')} C++ step on/off = {on / off:.2f}x "
+                  f"({on:.1f} vs {off:.1f} tok/s)")  # fmt: skip
     print(json.dumps({"threads": args.threads, "rounds": args.rounds, "lean_step":
-                      lean_step.ENABLED, "bandwidth_gb_s":
+                      lean_step.ENABLED, "cpp_step": decode_kernel.available(),
+                      "cpp_step_status": decode_kernel.status(), "bandwidth_gb_s":
                       bandwidth / 1e9, "cpp_kernels": quant_kernel.status(),
                       "llama_cpp_tok_s": peer_tps, "llama_cpp_rounds": llama,
                       "settings": summary}))  # fmt: skip

@@ -13,10 +13,17 @@ largest RSS above the RSS before the run, sampled every 2 ms from /proc/self/sta
 excluded: both hold their own copy all along).
 lmlab's decode steps take the lean step (lmlab.generation.lean_step) as ``generate_ids`` does by
 default; ``--no-lean`` runs every step through the model's forward instead (the A/B).
+Where it applies (float32 here) the lean step is one C++ call per token (lmlab.nn.decode_kernel);
+``--no-cpp-step`` keeps its Python loop, and ``--cpp-ab`` adds that loop as a third contender,
+``lmlab_pystep``, in the same rounds (the C++ step's on/off ratio). The decode rate is also
+printed as a fraction of the bandwidth limit: tok/s x the linear layers' weight bytes per token
+(538 MB in float32, the tied head counted) / the read bandwidth measured here with the same
+threads (best of 5 ``torch.sum`` passes over 512 MiB, as benchmarks/quantized_decode.py).
 ``--breakdown``: one more lmlab run at the end with its lean step calls timed (where a
 token's time goes: the step, the rest of the loop, best vs median vs mean, the context's growth).
 
     nice -n 10 .venv/bin/python benchmarks/smollm2_decode.py --rounds 3
+    nice -n 10 .venv/bin/python benchmarks/smollm2_decode.py --rounds 4 --cpp-ab
 
 On a GPU (benchmarks/gpu_check.sh): ``--device cuda`` runs both models there (peak memory is
 then the CUDA allocator's peak above the start), ``--dtype bf16`` casts both, and
@@ -46,6 +53,8 @@ from lmlab.interop.families import family_for
 from lmlab.interop.hf import LLAMA_KEYS, LLAMA_LAYER_KEYS
 from lmlab.interop.load import load
 from lmlab.models import build_model
+from lmlab.nn import decode_kernel
+from lmlab.nn.quant import quantized_weight_bytes
 
 CORPUS = Path(__file__).parents[1] / "src/lmlab/data/corpora/tinyshakespeare/input.txt"
 # SmolLM2-135M's config.json (the fields lmlab reads), for --random-weights
@@ -246,6 +255,16 @@ def main() -> None:
         "off), the path before the lean step",
     )
     ap.add_argument(
+        "--no-cpp-step",
+        action="store_true",
+        help="the lean step runs its Python loop (lmlab.nn.decode_kernel off)",
+    )
+    ap.add_argument(
+        "--cpp-ab",
+        action="store_true",
+        help="also time lmlab with the C++ step off (lmlab_pystep) in every round",
+    )
+    ap.add_argument(
         "--prefill-runs",
         type=int,
         default=10,
@@ -261,6 +280,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lean_step.ENABLED = not args.no_lean
+    decode_kernel.ENABLED = not args.no_cpp_step
     device = torch.device(args.device)
     if args.random_weights:
         torch.manual_seed(0)
@@ -280,14 +300,23 @@ def main() -> None:
     hf = hf_copy(model)
     model.to(device=device, dtype=DTYPES[args.dtype])
     hf.to(device=device, dtype=DTYPES[args.dtype])
-    results: dict[str, list[dict]] = {"lmlab": [], "transformers": []}
+    names = ["lmlab", "transformers"] + ["lmlab_pystep"] * args.cpp_ab
+    results: dict[str, list[dict]] = {name: [] for name in names}
     outs: dict[str, list[int]] = {}
-    run_lmlab(model, prompt[:8], 4)  # warm-up both
-    run_hf(hf, prompt[:8], 4)
+
+    def contender(name: str, n_prompt: list[int], new: int) -> tuple[dict, list[int]]:
+        if name == "transformers":
+            return run_hf(hf, n_prompt, new)
+        if name == "lmlab_pystep":
+            with decode_kernel.disabled():
+                return run_lmlab(model, n_prompt, new)
+        return run_lmlab(model, n_prompt, new)
+
+    for name in names:  # warm-up (and the C++ kernels' build or load)
+        contender(name, prompt[:8], 4)
     for r in range(args.rounds):
-        for name in ("lmlab", "transformers") if r % 2 == 0 else ("transformers", "lmlab"):
-            fn = run_lmlab if name == "lmlab" else run_hf
-            res, out = fn(model if name == "lmlab" else hf, prompt, args.new_tokens)
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            res, out = contender(name, prompt, args.new_tokens)
             results[name].append(res)
             outs[name] = out
             print(f"round {r} {name:>12}: " + ", ".join(f"{k} {v:,.1f}" for k, v in res.items()))
@@ -306,12 +335,22 @@ def main() -> None:
         name: statistics.median(v) if v else med[name]["prefill_tok_s"] for name, v in pre.items()
     }
     same = sum(a == b for a, b in zip(outs["lmlab"], outs["transformers"], strict=True))
+    from quantized_decode import read_bandwidth  # imports this module: not at the top
+
+    bandwidth = read_bandwidth() if device.type == "cpu" else float("nan")
+    nbytes = quantized_weight_bytes(model)
+    frac = med["lmlab"]["decode_tok_s"] * nbytes / bandwidth
     summary = {
         "device": str(device),
         "dtype": args.dtype,
         "random_weights": args.random_weights,
         "threads": args.threads,
         "lean_step": lean_step.ENABLED,
+        "cpp_step": decode_kernel.available(),
+        "cpp_step_status": decode_kernel.status(),
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "weight_mb_per_token": nbytes / 1e6,
+        "decode_bandwidth_fraction": frac,
         "prompt_tokens": len(prompt),
         "new_tokens": args.new_tokens,
         "rounds": args.rounds,
@@ -338,6 +377,19 @@ def main() -> None:
         f"peak extra memory: lmlab {med['lmlab']['peak_mib']:.0f} MiB, transformers "
         f"{med['transformers']['peak_mib']:.0f} MiB; greedy tokens equal: {same}/{args.new_tokens}"
     )
+    print(
+        f"decode lmlab at {100 * frac:.0f}% of the bandwidth limit ({nbytes / 1e6:.0f} MB/token "
+        f"at {bandwidth / 1e9:.1f} GB/s read bandwidth; C++ step: {decode_kernel.status()}, "
+        f"{'on' if decode_kernel.available() else 'off'})"
+    )
+    if args.cpp_ab:
+        on, off = med["lmlab"]["decode_tok_s"], med["lmlab_pystep"]["decode_tok_s"]
+        same_py = sum(a == b for a, b in zip(outs["lmlab"], outs["lmlab_pystep"], strict=True))
+        summary["cpp_step_on_off"] = on / off
+        print(
+            f"decode C++ step on/off = {on / off:.2f}x ({on:.1f} vs {off:.1f} tok/s; greedy "
+            f"tokens equal: {same_py}/{args.new_tokens})"
+        )
     if args.breakdown:
         summary["breakdown_ms"] = parts = breakdown(model, prompt, args.new_tokens)
         print("lmlab per decode token, ms: " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))

@@ -1,5 +1,9 @@
 """The lean decode step (lmlab.generation.lean_step) computes what the model's forward computes,
-stands aside where it does not apply, and never runs on stale weights or past a hook."""
+stands aside where it does not apply, and never runs on stale weights or past a hook.
+
+These tests pin its Python loop (bit-equal to the forward): the one-call C++ step
+(lmlab.nn.decode_kernel, float32 rounding) is switched off here and tested in
+tests/unit/test_decode_kernel.py."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from lmlab.generation.generate import SamplingParams, generate_batch, generate_i
 from lmlab.generation.lean_step import LeanStep, _QuantCat, lean_refusal
 from lmlab.hooks import hooks
 from lmlab.models.decoder import DecoderLM
-from lmlab.nn import quant_kernel
+from lmlab.nn import decode_kernel, quant_kernel
 from lmlab.nn.kv_cache import KVCache
 from lmlab.nn.quant import apply_quantization
 from tests.helpers import tiny_model_config
@@ -37,6 +41,11 @@ CONFIGS = {
     "sinusoidal": {"position": {"kind": "sinusoidal"}},
     "learned_untied": {"position": {"kind": "learned"}, "tie_embeddings": False},
 }
+
+
+@pytest.fixture(autouse=True)
+def _python_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(decode_kernel, "ENABLED", False)
 
 
 def _model(name: str, seed: int = 0, **extra: object) -> DecoderLM:

@@ -111,7 +111,9 @@ def _decode(
                         room = min(max_seq_len, cache.seq_len + params.max_new_tokens)
                         lean = lean_step.LeanStep(model, cache, room)
                 if lean is not None and not lean.declines():
-                    return lean(x)  # the same logits as the forward below, bit for bit
+                    # the forward's logits: bit for bit from the Python loop, to float32
+                    # rounding from the one-call C++ step (lmlab.nn.decode_kernel)
+                    return lean(x)
             return model(x, cache=cache, last_only=True).logits
         positions = position_ids_from_attention_mask(mask)[:, -w:]  # (B, W)
         out = model(x, cache=cache, last_only=True, attention_mask=mask, position_ids=positions)

@@ -9,13 +9,25 @@ model shape most decoders have (pre-norm blocks, softmax attention with the plai
 and the ``sdpa`` backend, any position encoding without a score bias, a (gated) MLP, plain or
 quantized linear layers, no hooks) as one flat loop of tensor operations, calling the very
 functions the modules call (the norms' formula, :func:`~lmlab.nn.fused.fused_weights`, the
-position's ``rotate``, ``scaled_dot_product_attention``), so on one thread its logits equal
-the forward's bit for bit (tests/unit/test_lean_step.py); on several threads the matmul library
-may split a product differently and the last bits can differ (SmolLM2-135M, 2 threads: 1.2e-3).
+position's ``rotate``, ``scaled_dot_product_attention``), so on one thread its Python loop's
+logits equal the forward's bit for bit (tests/unit/test_lean_step.py); on several threads the
+matmul library may split a product differently and the last bits can differ (SmolLM2-135M, 2
+threads: 1.2e-3).
 
 :func:`lean_refusal` says why a model does not qualify (the decode loop then keeps using the
 model's forward, which is always correct). Only one-token steps of unpadded rows take it
 (prefill, a rebuilt cache and a left-padded batch run the forward).
+
+Where it applies, the whole step is one C++ call instead (:mod:`lmlab.nn.decode_kernel`: every
+layer's norms, products, RoPE, cache write, attention and MLP, the final norm and the head):
+float32 CPU models with full half-split RoPE (or a position encoding that rotates nothing), no
+q/k/v head norms, RMSNorm / LayerNorm / no norm, a silu / gelu / gelu_tanh / relu / relu2 (gated)
+MLP, plain float32 or C++-kernel quantized linears, 1..8 rows, the cache's reserved buffers with
+room. :attr:`LeanStep.cpp_refusal` says why not otherwise, and the Python loop runs. Its logits
+are NOT bit-equal to the forward's (its own summation order): within 1e-4 of them on unit-gain
+tiny models, ~1e-6 typical (tests/unit/test_decode_kernel.py). ``decode_kernel.ENABLED =
+False``, :func:`lmlab.nn.decode_kernel.disabled` or ``LMLAB_NO_CPP_KERNELS=1`` keep the Python
+loop (A/B runs).
 """
 
 from __future__ import annotations
@@ -27,17 +39,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
-from lmlab.nn import quant_kernel
+from lmlab.nn import decode_kernel, quant_kernel
 from lmlab.nn.attention import SoftmaxAttention
 from lmlab.nn.attention_core import SDPA_GQA, repeat_kv
 from lmlab.nn.block import PreNormBlock
-from lmlab.nn.ffn import MLP, GatedMLP
+from lmlab.nn.ffn import MLP, GatedMLP, gelu_tanh, relu, relu2
 from lmlab.nn.fused import fused_weights, plain_linear
 from lmlab.nn.fused import generation as fused_generation
 from lmlab.nn.hooks import HookPoint
 from lmlab.nn.kv_cache import KVCache, LayerKVCache
 from lmlab.nn.masks import causal_mask
-from lmlab.nn.norm import RMSNorm
+from lmlab.nn.norm import LayerNorm, RMSNorm
 from lmlab.nn.position import PositionEncoding, RotaryPosition
 from lmlab.nn.quant import QuantLinear
 
@@ -282,6 +294,10 @@ class LeanStep:
             for name, t in d.items()
             if t is not None
         ]
+        self.plan: decode_kernel.Plan | None = None  # built on the first step that may use it
+        self.plan_tried = False
+        self.plan_quant = False  # whether the plan calls the quantized kernels
+        self.cpp_refusal: str | None = "not tried yet"
 
     def declines(self) -> bool:
         """Whether this step must run the model's forward instead: a hook was registered since
@@ -308,6 +324,14 @@ class LeanStep:
         (B, 1, V) of ``model(ids, cache=cache, last_only=True)``; the cache is extended."""
         if self.stale():
             self._snapshot()
+        if decode_kernel.available():
+            if not self.plan_tried:
+                self.plan_tried = True
+                self.plan, self.cpp_refusal = _plan(self)
+            if self.plan is not None and (not self.plan_quant or quant_kernel.available()):
+                logits = self._cpp_step(ids, self.plan)
+                if logits is not None:
+                    return logits
         model, cache = self.model, self.cache
         b = ids.shape[0]
         past = cache.seq_len
@@ -371,6 +395,164 @@ class LeanStep:
             x.add_(_lin(down_op, hidden))
         x = _norm(self.final_norm, x)
         return _lin(self.head, x).view(b, 1, -1)
+
+    def _cpp_step(self, ids: torch.Tensor, plan: decode_kernel.Plan) -> torch.Tensor | None:
+        """The step as one C++ call (:mod:`lmlab.nn.decode_kernel`), or None (nothing done)
+        where the cache is not what it writes into: a layer's reserved buffers full, replaced,
+        or of another batch (the Python loop below then grows them as :func:`_append` does)."""
+        model, cache = self.model, self.cache
+        b = ids.shape[0]
+        if b > decode_kernel.MAX_ROWS:  # the C++ step serves 1..8 rows
+            return None
+        s = cache.seq_len
+        layers = cache.layers
+        for i, c in enumerate(layers):
+            kb, vb, ck, cv = c._kbuf, c._vbuf, c.k, c.v
+            if kb is None or vb is None or ck is None or cv is None or ck._base is not kb \
+                    or cv._base is not vb:  # fmt: skip
+                return None
+            if ck.shape[2] != s or s >= kb.shape[2] or s >= vb.shape[2] or ck.shape[0] != b:
+                return None
+            held = plan.bufs[i]
+            if held is None or held[0] is not kb or held[1] is not vb:
+                lay = plan.layers[i]
+                want = (b, lay.kv_heads, lay.head_dim)
+                if any(
+                    t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1
+                    or (t.shape[0], t.shape[1], t.shape[3]) != want
+                    for t in (kb, vb)
+                ):  # fmt: skip
+                    return None
+                plan.set_cache(i, kb, vb)
+        position = model.position
+        table = plan.rope_table
+        positions = None
+        x = F.embedding(ids, model.embed.weight)  # (B, 1, D)
+        if model.embed_scale != 1.0:
+            x = x * model.embed_scale
+        if type(position).embed is not PositionEncoding.embed:  # learned, sinusoidal
+            positions = torch.arange(s, s + 1, device=ids.device)  # (1,)
+            x = position.embed(x, positions)
+        x = x.reshape(b, -1)
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            return None
+        cos = sin = None
+        if table is not None and s < table[0].shape[0]:
+            cos, sin = table[0][s], table[1][s]  # (hd,) each
+        elif plan.rope:
+            if positions is None:
+                positions = torch.arange(s, s + 1, device=ids.device)
+            cos, sin = position.rotation(positions, torch.float32)  # (1, hd) each
+            cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        logits = plan.run(x, s, cos, sin)
+        for c in layers:  # what _append leaves: the views of the first S + 1 slots
+            c.k, c.v = c._kbuf[:, :, : s + 1], c._vbuf[:, :, : s + 1]
+        return logits.view(b, 1, -1)
+
+
+_ACTS = {F.silu: 0, F.gelu: 1, gelu_tanh: 2, relu: 3, relu2: 4}  # decode_kernel.ACTS
+
+
+def _cpp_norm(bld: decode_kernel.Builder, op: tuple) -> decode_kernel.Norm | None:
+    w, eps, norm = op
+    if w is not None:  # an RMSNorm with a float32 weight
+        return bld.norm(decode_kernel.NORM_RMS, w, None, eps)
+    if type(norm) is nn.Identity:
+        return bld.norm(decode_kernel.NORM_NONE, None, None, 0.0)
+    if type(norm) in (nn.LayerNorm, LayerNorm) and len(norm.normalized_shape) == 1:
+        ts = [t for t in (norm.weight, norm.bias) if t is not None]
+        if all(t.dtype == torch.float32 and t.is_contiguous() for t in ts):
+            return bld.norm(decode_kernel.NORM_LAYER, norm.weight, norm.bias, norm.eps)
+    return None
+
+
+def _cpp_lin(bld: decode_kernel.Builder, op: Op | None) -> decode_kernel.Lin | None:
+    if op is None:
+        return None
+    wt, bias, m = op
+    if m is None:
+        return bld.float_lin(wt.t(), bias)
+    if bias is None or not m._cpp_ok:  # bias: the quantized layer's buffers (_quant_buffers)
+        return None
+    q, sc, z, b = bias
+    return bld.quant_lin(q, sc, z, b, m.bits, m.group_size, m.act_bits, m.in_features)
+
+
+def _plan(step: LeanStep) -> tuple[decode_kernel.Plan | None, str | None]:
+    """(the C++ step's plan of ``step``'s snapshot, None) or (None, why it does not apply)."""
+    model = step.model
+    pos = model.position
+    if model.embed.weight.dtype != torch.float32 or model.embed.weight.device.type != "cpu":
+        return None, "not a float32 CPU model"
+    rope = step.rope_fast
+    if not rope and type(pos).rotate is not PositionEncoding.rotate:
+        return None, "a rotation other than full half-split RoPE"
+    bld = decode_kernel.Builder()
+    layers = []
+    quantized = False
+    for i, (
+        n1, _a, hh, kv, hd, scale, plain_heads, qkv, qkv_ops, o_op, n2, act, gated, gu, gu_ops,
+        up_op, down_op,
+    ) in enumerate(step.layers):  # fmt: skip
+        if not plain_heads:
+            return None, f"layer {i} normalizes its q, k or v heads"
+        if kv < 1 or hh % kv:
+            return None, f"layer {i}'s heads are not a multiple of its kv heads"
+        norms = (_cpp_norm(bld, n1), _cpp_norm(bld, n2))
+        if None in norms:
+            return None, f"layer {i} has a norm other than RMSNorm, LayerNorm or none (float32)"
+        qkv_l = [_cpp_lin(bld, o) for o in ((qkv,) if qkv is not None else qkv_ops)]
+        gu_src = ((gu,) if gu is not None else gu_ops) if gated else (up_op,)
+        gu_l = [_cpp_lin(bld, o) for o in gu_src]
+        o_l, down_l = _cpp_lin(bld, o_op), _cpp_lin(bld, down_op)
+        lins = [*qkv_l, *gu_l, o_l, down_l]
+        if any(lin is None for lin in lins):
+            return None, f"layer {i} has a linear layer the C++ step does not read"
+        quantized = quantized or any(lin.kind for lin in lins)  # type: ignore[union-attr]
+        d = int(model.embed.weight.shape[1])
+        f = sum(lin.n for lin in gu_l)  # type: ignore[union-attr]
+        f = f // 2 if gated else f
+        shapes_ok = (
+            all(lin.k == d for lin in (*qkv_l, *gu_l))  # type: ignore[union-attr]
+            and sum(lin.n for lin in qkv_l) == (hh + 2 * kv) * hd  # type: ignore[union-attr]
+            and (o_l.k, o_l.n, down_l.k, down_l.n) == (hh * hd, d, f, d)  # type: ignore[union-attr]
+            and (not gated or len(gu_l) == 1 or gu_l[0].n == gu_l[1].n)  # type: ignore[union-attr]
+        )
+        if not shapes_ok:
+            return None, f"layer {i}'s linear shapes are not those of its attention and FFN"
+        code = next((c for f, c in _ACTS.items() if f is act), None)
+        if code is None:
+            return None, f"layer {i}'s activation is not silu, gelu, gelu_tanh, relu or relu2"
+        lay = decode_kernel.Layer()
+        lay.n1, lay.n2 = norms
+        for j, lin in enumerate(qkv_l):
+            lay.qkv[j] = lin
+        lay.n_qkv = len(qkv_l)
+        for j, lin in enumerate(gu_l):
+            lay.gu[j] = lin
+        lay.n_gu, lay.gated, lay.act = len(gu_l), int(gated), code
+        lay.o, lay.down = o_l, down_l
+        lay.heads, lay.kv_heads, lay.head_dim = hh, kv, hd
+        lay.scale = 1.0 / hd**0.5 if scale is None else float(scale)
+        layers.append(lay)
+    fn = _cpp_norm(bld, step.final_norm)
+    head = _cpp_lin(bld, step.head)
+    if fn is None or head is None:
+        return None, "the final norm or the LM head is not one the C++ step reads"
+    quantized = quantized or bool(head.kind)
+    d = int(model.embed.weight.shape[1])
+    if head.k != d:
+        return None, "the LM head does not read d_model features"
+    plan = decode_kernel.Plan(layers, fn, head, d, rope, bld)
+    kb = step.cache.layers[0]._kbuf if step.cache.layers else None
+    if rope and not pos.length_dependent and kb is not None:
+        # cos / sin of every reserved slot at once: each row is what rotation() gives for that
+        # position alone (elementwise ops); ~0.3 ms a token less (SmolLM2 int4+a8, 1 thread). A
+        # length-dependent scaling (frequencies set by the longest position) computes per step
+        cos, sin = pos.rotation(torch.arange(kb.shape[2]), torch.float32)
+        plan.rope_table = (cos.contiguous(), sin.contiguous())
+    step.plan_quant = quantized
+    return plan, None
 
 
 def _append(c: LayerKVCache, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,14 +49,11 @@ MAX_ROWS = 8  # the C++ kernels' compile-time row counts are 1..8
 ENV_OFF, OFF_VALUES = cpp_build.ENV_OFF, cpp_build.OFF_VALUES
 
 
-def _build(limit: str | None = None, source: Path | None = None) -> ctypes.CDLL:
-    """Compile (or load from the cache) quant_kernels.cpp; raises on any failure.
-    ``source``: another version of that file (benchmarks/quant_kernel_ab.py ``--baseline``),
-    built with the same flags under a name of its own (its content's hash).
-    ``limit`` (tests: the other paths on a CPU that has more): ``generic`` builds without
-    instruction-set flags, ``avx2`` with AVX2 + FMA only (no AVX-512, no VNNI), ``avxvnni``
-    with AVX2 + FMA + AVX-VNNI (where the CPU lists avx_vnni), ``avx512`` with AVX-512F but no
-    VNNI (where the CPU has AVX-512F)."""
+def build_flags(limit: str | None = None) -> tuple[list[str], str]:
+    """(compiler flags, kind) for quant_kernels.cpp on this CPU: the instruction sets the
+    kernels use, and a name for that set (``avx512_vnni512``, ``avx2``, ``generic`` ...; part
+    of the extension's name, torch's cache key). ``limit`` as in :func:`_build`. Also the
+    flags of :mod:`lmlab.nn.decode_kernel`, which compiles this source into its library."""
     avx2 = cpp_build.cpu_has_avx2_fma() and limit != "generic"
     avx512 = avx2 and cpp_build.cpu_has_avx512f() and limit in (None, "avx512")
     flags = ["-O3", "-fopenmp", *(["-mavx2", "-mfma"] if avx2 else [])]
@@ -71,6 +68,18 @@ def _build(limit: str | None = None, source: Path | None = None) -> ctypes.CDLL:
     elif avx2 and "avx_vnni" in cpu and limit in (None, "avxvnni"):
         flags += ["-mavxvnni"]
         kind += "_avxvnni"
+    return flags, kind
+
+
+def _build(limit: str | None = None, source: Path | None = None) -> ctypes.CDLL:
+    """Compile (or load from the cache) quant_kernels.cpp; raises on any failure.
+    ``source``: another version of that file (benchmarks/quant_kernel_ab.py ``--baseline``),
+    built with the same flags under a name of its own (its content's hash).
+    ``limit`` (tests: the other paths on a CPU that has more): ``generic`` builds without
+    instruction-set flags, ``avx2`` with AVX2 + FMA only (no AVX-512, no VNNI), ``avxvnni``
+    with AVX2 + FMA + AVX-VNNI (where the CPU lists avx_vnni), ``avx512`` with AVX-512F but no
+    VNNI (where the CPU has AVX-512F)."""
+    flags, kind = build_flags(limit)
     if source is not None:
         kind += "_" + hashlib.sha256(source.read_bytes()).hexdigest()[:12]
     src = str(source or SOURCE)
