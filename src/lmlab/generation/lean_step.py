@@ -32,6 +32,7 @@ loop (A/B runs).
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -87,6 +88,9 @@ def lean_refusal(model: nn.Module, cache: object) -> str | None:
         return "a global module hook is registered"
     if not isinstance(cache, KVCache) or not all(type(c) is LayerKVCache for c in cache.layers):
         return "a cache other than the dynamic KV cache (sliding window, streaming, linear)"
+    dtype = model.embed.weight.dtype
+    if any(c.k is not None and c.k.dtype != dtype for c in cache.layers):
+        return "the cache holds another dtype than the model (converted since its prefill)"
     if type(model.position).score_bias is not PositionEncoding.score_bias:
         return "the position encoding adds a score bias (ALiBi, T5)"
     for m in model.modules():
@@ -255,12 +259,43 @@ class LeanStep:
         self.device_type = str(next(model.parameters()).device.type)
         for c in cache.layers:
             c.reserve(capacity)
+        self.checked = False  # declines() compared the snapshot since the last __call__
         self._snapshot()
 
     @torch.no_grad()
     def _snapshot(self) -> None:
         self.generation = fused_generation()  # read before the fused copies are (re)built
         model = self.model
+        mods = list(model.modules())
+        # what stale() compares on every step: each parameter, buffer and child module in its
+        # slot (replaced?), each tensor's version counter (changed in place?) and storage
+        # (swapped through ``.data``, as Module.double() / .to() do?)
+        slots = [
+            (d, name, t)
+            for m in mods
+            for d in (m._parameters, m._buffers, m._modules)
+            for name, t in d.items()
+            if t is not None
+        ]
+        self.slots = [(d, name) for d, name, _ in slots]
+        self.held = [t for _, _, t in slots]
+        self.tensors = [t for t in self.held if isinstance(t, torch.Tensor)]
+        self.versions = [t._version for t in self.tensors]
+        self.storages = [t.data_ptr() for t in self.tensors]
+        self.hook_lists = [m.fns for m in mods if isinstance(m, HookPoint)]
+        self.hook_dicts = [
+            d for m in mods for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
+                                      m._backward_pre_hooks)
+        ]  # fmt: skip
+        self.plan: decode_kernel.Plan | None = None  # built on the first step that may use it
+        self.plan_tried = False
+        self.plan_quant = False  # whether the plan calls the quantized kernels
+        self.cpp_refusal: str | None = "not tried yet"
+        self.layers = []
+        # a module swapped in since the last snapshot may be one this loop does not follow
+        self.refusal = lean_refusal(model, self.cache)
+        if self.refusal is not None:
+            return
         pos = model.position
         self.rope_fast = (
             type(pos) is RotaryPosition and not pos.interleaved and pos.rotary_dim == pos.head_dim
@@ -281,49 +316,50 @@ class LeanStep:
             ))  # fmt: skip
         self.head = _op(model.lm_head)
         self.final_norm = _norm_op(model.final_norm)
-        mods = list(model.modules())
-        self.hook_lists = [m.fns for m in mods if isinstance(m, HookPoint)]
-        self.hook_dicts = [
-            d for m in mods for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
-                                      m._backward_pre_hooks)
-        ]  # fmt: skip
-        self.sources = [
-            (d, name, t, t._version)
-            for m in model.modules()
-            for d in (m._parameters, m._buffers)
-            for name, t in d.items()
-            if t is not None
-        ]
-        self.plan: decode_kernel.Plan | None = None  # built on the first step that may use it
-        self.plan_tried = False
-        self.plan_quant = False  # whether the plan calls the quantized kernels
-        self.cpp_refusal: str | None = "not tried yet"
 
     def declines(self) -> bool:
-        """Whether this step must run the model's forward instead: a hook was registered since
-        the snapshot (a hook point's function, a torch module hook, a global one), or autocast
-        is on (it casts inside the layers in ways this loop does not follow)."""
+        """Whether this step must run the model's forward instead: the model is in training
+        mode, a module was swapped in that :func:`lean_refusal` refuses (checked at the new
+        snapshot a change makes: see :meth:`stale`), a hook was registered since the snapshot
+        (a hook point's function, a torch module hook, a global one), or autocast is on (it
+        casts inside the layers in ways this loop does not follow)."""
+        if self.model.training:
+            return True
+        if self.stale():
+            self._snapshot()
+        self.checked = True  # the next __call__ need not compare again
         return (
-            torch.is_autocast_enabled(self.device_type)
+            self.refusal is not None
+            or torch.is_autocast_enabled(self.device_type)
             or any(self.hook_lists)
             or any(self.hook_dicts)
             or bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
         )
 
     def stale(self) -> bool:
-        """Whether a parameter or buffer was replaced or changed in place since the snapshot,
-        or lmlab.nn.fused's copies went stale (any optimizer step, a training forward: fused
-        optimizer kernels bump no version counter), which the fused ops here are."""
-        return self.generation != fused_generation() or any(
-            d.get(n) is not t or t._version != v for d, n, t, v in self.sources
+        """Whether a parameter, buffer or child module was replaced since the snapshot, a
+        tensor changed in place (version counter) or given other storage (``.data = ...``,
+        ``model.double()``, ``.to()``), or lmlab.nn.fused's copies went stale (any optimizer
+        step, a training forward: fused optimizer kernels bump no version counter), which the
+        fused ops here are. About 0.1 ms for SmolLM2-135M's ~1,100 slots."""
+        return (
+            self.generation != fused_generation()
+            or [t._version for t in self.tensors] != self.versions
+            or [t.data_ptr() for t in self.tensors] != self.storages
+            or any(map(operator.is_not, [d.get(n) for d, n in self.slots], self.held))
         )
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (B, 1) int64, the next token of every row (no padding anywhere) -> logits
-        (B, 1, V) of ``model(ids, cache=cache, last_only=True)``; the cache is extended."""
-        if self.stale():
+        (B, 1, V) of ``model(ids, cache=cache, last_only=True)``; the cache is extended.
+        Callers ask :meth:`declines` first (the decode loop does); a model it refuses runs
+        its forward here."""
+        if not self.checked and self.stale():
             self._snapshot()
+        self.checked = False
+        if self.refusal is not None or self.model.training:
+            return self.model(ids, cache=self.cache, last_only=True).logits
         if decode_kernel.available():
             if not self.plan_tried:
                 self.plan_tried = True

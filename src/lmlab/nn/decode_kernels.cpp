@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -389,9 +390,9 @@ inline float activate(int64_t act, float v) {
       const float c = 0.79788456080286536f;  // sqrt(2 / pi)
       return 0.5f * v * (1.0f + std::tanh(c * (v + 0.044715f * v * v * v)));
     }
-    case kRelu: return v > 0.0f ? v : 0.0f;
+    case kRelu: return v > 0.0f || v != v ? v : 0.0f;  // NaN stays NaN, as torch's relu
     default: {
-      const float r = v > 0.0f ? v : 0.0f;
+      const float r = v > 0.0f || v != v ? v : 0.0f;
       return r * r;
     }
   }
@@ -420,6 +421,10 @@ void silu_mul(const float* g, const float* u, float* out, int64_t n) {
         _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
     const __m256 ex = _mm256_mul_ps(p, _mm256_castsi256_ps(e));  // exp(-x)
     __m256 y = _mm256_div_ps(x, _mm256_add_ps(one, ex));
+    // x = -inf: torch (and the scalar tail) give -inf / inf = NaN; the clamped exp gives -inf
+    y = _mm256_blendv_ps(y, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
+                         _mm256_cmp_ps(x, _mm256_set1_ps(-std::numeric_limits<float>::infinity()),
+                                       _CMP_EQ_OQ));
     if (u) y = _mm256_mul_ps(y, _mm256_loadu_ps(u + i));
     _mm256_storeu_ps(out + i, y);
   }
