@@ -1,6 +1,6 @@
-"""The lean decode step (lmlab.generation.lean_step, its one-call C++ step included) against the
-state changes a caller can make between two tokens of a streamed generation (``generate_ids``
-is a generator) must give the tokens the model's forward gives, as they do with the lean step
+"""The lean decode step (lmlab.generation.lean_step, its one-call C++ step included) under state
+changes a caller can make between two tokens of a streamed generation (``generate_ids`` is a
+generator): the tokens must be the ones the model's forward gives, as they are with the lean step
 off (``lean_step.ENABLED = False``: every step is ``model(...)``).
 
 Each test decodes the same prompt twice with the same change made after the same token, once

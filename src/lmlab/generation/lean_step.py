@@ -291,7 +291,7 @@ class LeanStep:
         self.plan_tried = False
         self.plan_quant = False  # whether the plan calls the quantized kernels
         self.cpp_refusal: str | None = "not tried yet"
-        self.layers = []
+        self.layers: list[tuple] = []
         # a module swapped in since the last snapshot may be one this loop does not follow
         self.refusal = lean_refusal(model, self.cache)
         if self.refusal is not None:
