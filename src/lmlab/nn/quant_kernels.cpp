@@ -39,6 +39,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <cstdint>
@@ -166,7 +167,62 @@ inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 // The sum of a's lanes in hsum4's order: a row gets the same float32 total whether it is reduced
 // alone or with 3 others (threads' row ranges do not change the numbers).
 inline float hsum16(__m512 a) { return _mm_cvtss_f32(hsum4(a, a, a, a)); }
+
+// out[r * M + m] = the lanes of acc[r][m] summed (hsum4's order whether R is 4 or not)
+template <int M, int R>
+inline void reduce_rows(__m512 (&acc)[R][M], float* out) {
+  if constexpr (R == 4) {
+    for (int m = 0; m < M; ++m) {
+      alignas(16) float t[4];
+      _mm_store_ps(t, hsum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
+      for (int r = 0; r < 4; ++r) out[r * M + m] = t[r];
+    }
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) out[r * M + m] = hsum16(acc[r][m]);
+  }
+}
+
+// The offset term of asymmetric int4 rows, 16 groups at a time: acc[r][m] += (z - 8 s)[r, g] *
+// xs[m, g] over the ng groups (xs (M, ng): each group's sum of x, or of the rounded x for +a8).
+template <int M, int R>
+inline void add_offsets(const float* xs, int64_t ng, const float* s, const float* z,
+                        __m512 (&acc)[R][M]) {
+  const __m512 eight = _mm512_set1_ps(8.0f);
+  for (int64_t g = 0; g < ng; g += 16) {
+    const __mmask16 k = ng - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (ng - g)) - 1);
+    __m512 xg[M];
+    for (int m = 0; m < M; ++m) xg[m] = _mm512_maskz_loadu_ps(k, xs + m * ng + g);
+    for (int r = 0; r < R; ++r) {
+      const __m512 zc = _mm512_fnmadd_ps(eight, _mm512_maskz_loadu_ps(k, s + r * ng + g),
+                                         _mm512_maskz_loadu_ps(k, z + r * ng + g));
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(zc, xg[m], acc[r][m]);
+    }
+  }
+}
 #endif
+
+// Output rows [begin, end) of y (M, N), R = 4 / 2 / 1 rows a pass for M <= 2 / <= 4 / more (the
+// accumulators stay in registers), the rest one by one: rows(std::integral_constant<int, R>, n,
+// out) writes rows n..n+R-1 as out[r * M + m].
+template <int M, class Rows>
+void row_range(int64_t N, int64_t begin, int64_t end, float* y, Rows rows) {
+  constexpr int R = M <= 2 ? 4 : M <= 4 ? 2 : 1;
+  float out[R * M];
+  int64_t n = begin;
+  auto put = [&](int count) {
+    for (int r = 0; r < count; ++r)
+      for (int m = 0; m < M; ++m) y[m * N + n + r] = out[r * M + m];
+  };
+  for (; n + R <= end; n += R) {
+    rows(std::integral_constant<int, R>{}, n, out);
+    put(R);
+  }
+  for (; n < end; ++n) {
+    rows(std::integral_constant<int, 1>{}, n, out);
+    put(1);
+  }
+}
 
 // One output row n of the int4 product for M (compile-time) rows of x.
 template <int M>
@@ -623,28 +679,8 @@ void a8_quad_rows(const ActQuads& xa, int64_t K, const uint8_t* w, const float* 
       }
     }
   }
-  // offset term, 16 groups at a time
-  const __m512 eight = _mm512_set1_ps(8.0f);
-  for (int64_t g = 0; g < ng; g += 16) {
-    const __mmask16 k = ng - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (ng - g)) - 1);
-    __m512 xs[M];
-    for (int m = 0; m < M; ++m) xs[m] = _mm512_maskz_loadu_ps(k, xa.xs.data() + m * ng + g);
-    for (int r = 0; r < R; ++r) {
-      const __m512 zc = _mm512_fnmadd_ps(eight, _mm512_maskz_loadu_ps(k, s + r * ng + g),
-                                         _mm512_maskz_loadu_ps(k, z + r * ng + g));
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(zc, xs[m], acc[r][m]);
-    }
-  }
-  if constexpr (R == 4) {
-    for (int m = 0; m < M; ++m) {
-      alignas(16) float t[4];
-      _mm_store_ps(t, hsum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
-      for (int r = 0; r < 4; ++r) out[r * M + m] = t[r];
-    }
-  } else {
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) out[r * M + m] = hsum16(acc[r][m]);
-  }
+  add_offsets<M, R>(xa.xs.data(), ng, s, z, acc);
+  reduce_rows<M, R>(acc, out);
 }
 
 // Output rows [begin, end) of the quad kernel: R = 4 rows at a time (2 from M = 3, 1 from M = 5:
@@ -652,22 +688,10 @@ void a8_quad_rows(const ActQuads& xa, int64_t K, const uint8_t* w, const float* 
 template <int M>
 void a8_quad_range(const ActQuads& xa, int64_t K, int64_t N, const uint8_t* w, const float* s,
                    const float* z, int64_t G, int64_t begin, int64_t end, float* y) {
-  constexpr int R = M <= 2 ? 4 : M <= 4 ? 2 : 1;
   const int64_t rb = K / 2, ng = K / G;
-  float out[R * M];
-  int64_t n = begin;
-  auto put = [&](int rows) {
-    for (int r = 0; r < rows; ++r)
-      for (int m = 0; m < M; ++m) y[m * N + n + r] = out[r * M + m];
-  };
-  for (; n + R <= end; n += R) {
-    a8_quad_rows<M, R>(xa, K, w + n * rb, s + n * ng, z + n * ng, G, out);
-    put(R);
-  }
-  for (; n < end; ++n) {
-    a8_quad_rows<M, 1>(xa, K, w + n * rb, s + n * ng, z + n * ng, G, out);
-    put(1);
-  }
+  row_range<M>(N, begin, end, y, [&](auto r, int64_t n, float* out) {
+    a8_quad_rows<M, decltype(r)::value>(xa, K, w + n * rb, s + n * ng, z + n * ng, G, out);
+  });
 }
 // ---- int8 weights x int8 activations, 2 blocks per 512-bit step (AVX512-VNNI + AVX512BW) ----
 // G % 32 == 0. x quantized once per call (the same d and xq as quantize_acts) in natural column
@@ -761,40 +785,19 @@ void a8_pair_rows(const ActPairs& xa, int64_t K, const int8_t* w, const float* s
       }
     }
   }
-  float t[4][M];
-  if constexpr (R == 4) {
-    for (int m = 0; m < M; ++m) {
-      alignas(16) float h[4];
-      _mm_store_ps(h, hsum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
-      for (int r = 0; r < 4; ++r) t[r][m] = h[r];
-    }
-  } else {
+  reduce_rows<M, R>(acc, out);
+  if (row_scale)
     for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) t[r][m] = hsum16(acc[r][m]);
-  }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) out[r * M + m] = row_scale ? t[r][m] * s[r] : t[r][m];
+      for (int m = 0; m < M; ++m) out[r * M + m] *= s[r];
 }
 
 template <int M>
 void a8_pair_range(const ActPairs& xa, int64_t K, int64_t N, const int8_t* w, const float* s,
                    int64_t G, int64_t begin, int64_t end, float* y) {
-  constexpr int R = M <= 2 ? 4 : M <= 4 ? 2 : 1;
   const int64_t ng = K / G;
-  float out[R * M];
-  int64_t n = begin;
-  auto put = [&](int rows) {
-    for (int r = 0; r < rows; ++r)
-      for (int m = 0; m < M; ++m) y[m * N + n + r] = out[r * M + m];
-  };
-  for (; n + R <= end; n += R) {
-    a8_pair_rows<M, R>(xa, K, w + n * K, s + n * ng, G, out);
-    put(R);
-  }
-  for (; n < end; ++n) {
-    a8_pair_rows<M, 1>(xa, K, w + n * K, s + n * ng, G, out);
-    put(1);
-  }
+  row_range<M>(N, begin, end, y, [&](auto r, int64_t n, float* out) {
+    a8_pair_rows<M, decltype(r)::value>(xa, K, w + n * K, s + n * ng, G, out);
+  });
 }
 #endif
 
@@ -858,48 +861,17 @@ void int4_split_rows(const ActSplit& xa, int64_t K, const uint8_t* w, const floa
       }
     }
   }
-  const __m512 eight = _mm512_set1_ps(8.0f);
-  for (int64_t g = 0; g < ng; g += 16) {
-    const __mmask16 k = ng - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (ng - g)) - 1);
-    __m512 xs[M];
-    for (int m = 0; m < M; ++m) xs[m] = _mm512_maskz_loadu_ps(k, xa.xsum.data() + m * ng + g);
-    for (int r = 0; r < R; ++r) {
-      const __m512 zc = _mm512_fnmadd_ps(eight, _mm512_maskz_loadu_ps(k, s + r * ng + g),
-                                         _mm512_maskz_loadu_ps(k, z + r * ng + g));
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(zc, xs[m], acc[r][m]);
-    }
-  }
-  if constexpr (R == 4) {
-    for (int m = 0; m < M; ++m) {
-      alignas(16) float t[4];
-      _mm_store_ps(t, hsum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
-      for (int r = 0; r < 4; ++r) out[r * M + m] = t[r];
-    }
-  } else {
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) out[r * M + m] = hsum16(acc[r][m]);
-  }
+  add_offsets<M, R>(xa.xsum.data(), ng, s, z, acc);
+  reduce_rows<M, R>(acc, out);
 }
 
 template <int M>
 void int4_split_range(const ActSplit& xa, int64_t K, int64_t N, const uint8_t* w, const float* s,
                       const float* z, int64_t G, int64_t begin, int64_t end, float* y) {
-  constexpr int R = M <= 2 ? 4 : M <= 4 ? 2 : 1;
   const int64_t rb = K / 2, ng = K / G;
-  float out[R * M];
-  int64_t n = begin;
-  auto put = [&](int rows) {
-    for (int r = 0; r < rows; ++r)
-      for (int m = 0; m < M; ++m) y[m * N + n + r] = out[r * M + m];
-  };
-  for (; n + R <= end; n += R) {
-    int4_split_rows<M, R>(xa, K, w + n * rb, s + n * ng, z + n * ng, G, out);
-    put(R);
-  }
-  for (; n < end; ++n) {
-    int4_split_rows<M, 1>(xa, K, w + n * rb, s + n * ng, z + n * ng, G, out);
-    put(1);
-  }
+  row_range<M>(N, begin, end, y, [&](auto r, int64_t n, float* out) {
+    int4_split_rows<M, decltype(r)::value>(xa, K, w + n * rb, s + n * ng, z + n * ng, G, out);
+  });
 }
 #endif
 
@@ -934,37 +906,16 @@ void int8_wide_rows(const float* x, int64_t K, const int8_t* q, const float* s, 
       for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(part[r][m], sv, acc[r][m]);
     }
   }
-  if constexpr (R == 4) {
-    for (int m = 0; m < M; ++m) {
-      alignas(16) float t[4];
-      _mm_store_ps(t, hsum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
-      for (int r = 0; r < 4; ++r) out[r * M + m] = t[r];
-    }
-  } else {
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) out[r * M + m] = hsum16(acc[r][m]);
-  }
+  reduce_rows<M, R>(acc, out);
 }
 
 template <int M>
 void int8_wide_range(const float* x, int64_t K, int64_t N, const int8_t* q, const float* s,
                      int64_t G, int64_t begin, int64_t end, float* y) {
-  constexpr int R = M <= 2 ? 4 : M <= 4 ? 2 : 1;
   const int64_t ng = K / G;
-  float out[R * M];
-  int64_t n = begin;
-  auto put = [&](int rows) {
-    for (int r = 0; r < rows; ++r)
-      for (int m = 0; m < M; ++m) y[m * N + n + r] = out[r * M + m];
-  };
-  for (; n + R <= end; n += R) {
-    int8_wide_rows<M, R>(x, K, q + n * K, s + n * ng, G, out);
-    put(R);
-  }
-  for (; n < end; ++n) {
-    int8_wide_rows<M, 1>(x, K, q + n * K, s + n * ng, G, out);
-    put(1);
-  }
+  row_range<M>(N, begin, end, y, [&](auto r, int64_t n, float* out) {
+    int8_wide_rows<M, decltype(r)::value>(x, K, q + n * K, s + n * ng, G, out);
+  });
 }
 #endif
 
