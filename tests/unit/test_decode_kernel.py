@@ -8,8 +8,6 @@ head, position or norm shows); the measured differences are ~1e-6."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -22,14 +20,8 @@ from lmlab.nn.decode_kernel import Plan
 from lmlab.nn.quant import apply_quantization
 from tests.helpers import tiny_model_config
 from tests.helpers.kernels import require_quant_kernels
+from tests.helpers.lean import LLAMA, lean_beside_the_forward, unit_gain_
 
-LLAMA = {
-    "norm": {"kind": "rmsnorm"},
-    "ffn": {"kind": "swiglu", "bias": False},
-    "position": {"kind": "rope"},
-    "attention": {"n_heads": 6, "n_kv_heads": 2},
-    "d_model": 48,
-}
 MINIGPT = {  # configs/minigpt.yaml's architecture
     "norm": {"kind": "layernorm", "bias": True},
     "ffn": {"kind": "mlp", "activation": "gelu", "bias": True},
@@ -87,16 +79,7 @@ def _kernels(request: pytest.FixtureRequest) -> None:
 def _model(name: str, seed: int = 0, **extra: object) -> DecoderLM:
     torch.manual_seed(seed)
     cfg = tiny_model_config(vocab_size=40, **{**CONFIGS[name], **extra})
-    model = DecoderLM(cfg).eval()
-    with torch.no_grad():  # unit-gain weights: O(1) logits, attention far from uniform
-        for n, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
-            elif n.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.copy_(0.2 * torch.randn_like(p))
-    return model
+    return unit_gain_(DecoderLM(cfg).eval())  # type: ignore[return-value]
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -366,14 +349,8 @@ def test_weights_changed_between_steps_are_seen_by_the_cpp_step(
 ) -> None:
     model = _model("minigpt")
     calls = _spy(monkeypatch)
-    prompt = torch.randint(0, 40, (1, 4))
+    lean, ref_cache = lean_beside_the_forward(model)
     with torch.no_grad():
-        cache, ref_cache = model.new_cache(), model.new_cache()
-        model(prompt, cache=cache)
-        model(prompt, cache=ref_cache)
-        lean = LeanStep(model, cache, 16)
-        lean(torch.tensor([[1]]))
-        model(torch.tensor([[1]]), cache=ref_cache)
         model.layers[1].ffn.down_proj.weight.mul_(3.0)  # in place
         model.layers[0].attn.q_proj.weight = torch.nn.Parameter(
             model.layers[0].attn.q_proj.weight * 0.5

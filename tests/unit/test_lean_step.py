@@ -19,6 +19,7 @@ from lmlab.nn import decode_kernel, quant_kernel
 from lmlab.nn.kv_cache import KVCache
 from lmlab.nn.quant import apply_quantization
 from tests.helpers import tiny_model_config
+from tests.helpers.lean import lean_beside_the_forward
 
 LLAMA = {
     "norm": {"kind": "rmsnorm"},
@@ -230,23 +231,9 @@ def test_a_hook_point_in_use_or_added_mid_generation_sends_steps_to_the_forward(
     assert first + rest == _greedy(model, [1, 2, 3], 6)
 
 
-def _lean_beside_the_forward(model: torch.nn.Module) -> tuple[LeanStep, object]:
-    """A lean step and the forward's own cache, both after the same 4-token prompt and one
-    decoded token (1): the next token through each must give the same logits."""
-    prompt = torch.randint(0, 40, (1, 4))
-    with torch.no_grad():
-        cache, ref_cache = model.new_cache(), model.new_cache()
-        model(prompt, cache=cache)
-        model(prompt, cache=ref_cache)
-        lean = LeanStep(model, cache, 16)
-        lean(torch.tensor([[1]]))
-        model(torch.tensor([[1]]), cache=ref_cache)
-    return lean, ref_cache
-
-
 def test_weights_changed_between_steps_are_seen_by_the_next_step() -> None:
     model = _model("llama_gqa")
-    lean, ref_cache = _lean_beside_the_forward(model)
+    lean, ref_cache = lean_beside_the_forward(model)
     with torch.no_grad():
         model.layers[1].ffn.down_proj.weight.mul_(3.0)  # in place: bumps its version
         model.layers[0].attn.q_proj.weight = torch.nn.Parameter(
@@ -262,7 +249,7 @@ def test_quantized_buffers_changed_between_steps_are_seen_by_the_next_step(spec:
     """The step reads a quantized layer's buffers once per snapshot: a buffer replaced (a new
     tensor) or changed in place must still reach the next step, fused q/k/v included."""
     model = apply_quantization(_model("mqa_bias", d_model=64), spec)
-    lean, ref_cache = _lean_beside_the_forward(model)
+    lean, ref_cache = lean_beside_the_forward(model)
     with torch.no_grad():
         o = model.layers[0].attn.o_proj
         o.scales = o.scales * 2.0  # replaced
@@ -309,7 +296,7 @@ def test_a_fused_optimizer_step_between_tokens_is_seen(monkeypatch: pytest.Monke
     fused q/k/v and gate/up copies must still be rebuilt (lmlab.nn.fused's step hook)."""
     monkeypatch.setattr("lmlab.nn.fused.ENABLED", True)
     model = _model("llama_gqa")
-    lean, ref_cache = _lean_beside_the_forward(model)
+    lean, ref_cache = lean_beside_the_forward(model)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
     for p in model.parameters():
         p.grad = torch.ones_like(p)

@@ -8,7 +8,6 @@ with the lean step and once without, and compares the tokens."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import pytest
@@ -20,26 +19,13 @@ from lmlab.generation.generate import SamplingParams, generate_ids
 from lmlab.models.decoder import DecoderLM
 from lmlab.nn.quant import apply_quantization
 from tests.helpers import tiny_model_config
-
-LLAMA = {
-    "norm": {"kind": "rmsnorm"},
-    "ffn": {"kind": "swiglu", "bias": False},
-    "position": {"kind": "rope"},
-    "attention": {"n_heads": 6, "n_kv_heads": 2},
-    "d_model": 48,
-}
+from tests.helpers.lean import LLAMA, unit_gain_
 
 
 def _model(**extra: object) -> DecoderLM:
     torch.manual_seed(0)
-    model = DecoderLM(tiny_model_config(vocab_size=40, **{**LLAMA, **extra})).eval()
-    with torch.no_grad():  # unit-gain weights: O(1) logits, greedy tokens that vary
-        for n, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
-            elif n.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-    return model
+    cfg = tiny_model_config(vocab_size=40, **{**LLAMA, **extra})
+    return unit_gain_(DecoderLM(cfg).eval())  # type: ignore[return-value]
 
 
 def _tokens(change: Callable[[DecoderLM], object], lean: bool, temperature: float, **extra: object):
