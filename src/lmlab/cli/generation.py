@@ -157,9 +157,10 @@ GENERATE = Command(
     description="Continue a prompt with a model (run folder, Hugging Face folder or .gguf "
     "file), using the KV cache. Stops at max-new-tokens, the tokenizer's end-of-sequence "
     "token or a stop string. --chat wraps the text in the model's own chat template and "
-    "prints only the answer. Decode steps of plain pre-norm decoders run a lean one-token step "
-    "computing the same logits (bit for bit on one thread; docs/generation.md, 'Decoding "
-    "speed').",
+    "prints only the answer. After the prompt, each token of a plain pre-norm decoder (Llama, "
+    "the default Mini-GPT) runs as one C++ call through every layer, the forward's logits to "
+    "float32 rounding (LMLAB_NO_CPP_KERNELS=1: a Python step, bit for bit on one thread; "
+    "docs/generation.md, 'Decoding speed').",
     arguments=_generate_arguments,
     run=cmd_generate,
     common=("device", "debug", "plugin", "quantize"),
