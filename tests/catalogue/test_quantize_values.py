@@ -26,10 +26,10 @@ from tests.helpers import assert_one_error, run_cli
     ],
 )
 def test_a_group_size_is_plain_ascii_digits(capsys, tiny_run, bad):
-    with pytest.raises(LmlabError, match="--quantize must be int8 or int4"):
+    with pytest.raises(LmlabError, match="must be int8 or int4"):
         parse_spec(bad)
     code, _, err = run_cli(capsys, "generate", tiny_run, "--quantize", bad, "--max-new-tokens", "1")
-    assert_one_error(code, err, "--quantize must be int8 or int4", repr(bad))
+    assert_one_error(code, err, "must be int8 or int4", repr(bad))
 
 
 def test_the_accepted_forms_still_parse():

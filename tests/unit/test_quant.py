@@ -142,7 +142,7 @@ def test_refusals_name_the_problem() -> None:
     ref = x.double() @ padded.dequantize().double().T + lin.bias.double()
     _assert_close(padded(x).double(), ref)
     for bad in ("int3", "int4:x", "fp8"):
-        with pytest.raises(LmlabError, match="--quantize must be int8 or int4"):
+        with pytest.raises(LmlabError, match="must be int8 or int4"):
             parse_spec(bad)
     assert parse_spec("int4:64").group_size == 64 and parse_spec("int8").group_size is None
     for bad in ("int4+h8", "int4+a8+a8", "int4+h4+h4", "int4+", "int4+A8", "int4+h4 "):
@@ -221,7 +221,7 @@ def test_cli_quantize_flag(tiny_run, capsys) -> None:
         scores[q] = out
     assert scores[None] != scores["int4"]  # the flag changed the model that was scored
     code, _, err = run_cli(capsys, "eval", tiny_run, "--quantize", "int3")
-    assert_one_error(code, err, "--quantize must be int8 or int4")
+    assert_one_error(code, err, "must be int8 or int4")
     code, _, err = run_cli(capsys, "eval", tiny_run, "--quantize", "int4:24")
     assert_one_error(code, err, "cannot quantize", "group_size 24 does not divide", "32")
     code, out, _ = run_cli(capsys, "generate", "--help")
@@ -232,7 +232,7 @@ def test_cli_quantize_flag(tiny_run, capsys) -> None:
     assert code == 0, err
     assert out != scores["int4"]
     code, _, err = run_cli(capsys, "eval", tiny_run, "--quantize", "int4+a4")
-    assert_one_error(code, err, "--quantize must be int8 or int4", "+a8", "'int4+a4'")
+    assert_one_error(code, err, "must be int8 or int4", "+a8", "'int4+a4'")
 
 
 @pytest.mark.parametrize(

@@ -134,6 +134,10 @@ def load_with_tokenizer(
     model, tokenizer = load(path, device or "auto", quantize)
     if tokenizer is None:
         raise no_tokenizer(path, "generated")
+    if quantize is not None:  # build (or load) the kernels now: a fallback warning then prints
+        from lmlab.nn import quant_kernel  # before the streamed text, not inside its first line
+
+        quant_kernel.available()
     return model, tokenizer
 
 

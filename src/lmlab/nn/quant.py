@@ -148,8 +148,8 @@ def parse_spec(text: str) -> QuantSpec:
         or len(set(extras)) != len(extras)
     ):
         raise LmlabError(
-            f"--quantize must be int8 or int4, optionally :GROUP_SIZE (e.g. int4:64), +h4 (a 4-bit "
-            f"LM head) and +a8, got {text!r}"
+            f"the quantization spec (--quantize, quantize=) must be int8 or int4, optionally "
+            f":GROUP_SIZE (e.g. int4:64), +h4 (a 4-bit LM head) and +a8, got {text!r}"
         )
     group_size = int(group) if group else DEFAULT_GROUP[bits]
     a8, h4 = "a8" in extras, "h4" in extras
@@ -363,7 +363,7 @@ def _divisor_hint(k: int, bits: int) -> str:
     """Group sizes dividing k, the kernel's first."""
     sizes = [str(g) for g in (*INT4_KERNEL_GROUPS, 16, 8) if k % g == 0][:3] or ["2"]
     if bits == 8:  # int8's default: one scale per output row, no group (--quantize int8)
-        sizes.append("none: int8 without :GROUP, one scale per row")
+        sizes.append("none for an int8 spec (int8 without :GROUP: one scale per row)")
     return ", ".join(sizes)
 
 
