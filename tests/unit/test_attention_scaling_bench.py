@@ -1,24 +1,12 @@
 """benchmarks/attention_scaling.py: its quick mode runs and its KV-cache column is the model's
 declared size, checked against what the cache held, growing with the context or flat."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 from lmlab.registry import families
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.benchmarks import load_benchmark
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location(
-        "attention_scaling", ROOT / "benchmarks" / "attention_scaling.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclass looks its module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("attention_scaling")
 
 
 def test_quick_mode_on_two_lengths_writes_table_and_plot_with_checked_cache_bytes(tmp_path):

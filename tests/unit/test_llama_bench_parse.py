@@ -2,13 +2,11 @@
 the llama-cpp-python 0.3.36 sdist, trimmed to the fields read) gives the median of its decode
 samples; malformed output and a missing binary raise one-line LlamaBenchError."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.benchmarks import load_benchmark
 
 # `llama-bench -m SmolLM2-135M-Instruct.Q4_1.gguf -t 2 -p 0 -n 64 -r 3 -o json`, 2026-12-02
 SAMPLE = """[
@@ -29,13 +27,7 @@ SAMPLE = """[
 
 @pytest.fixture(scope="module")
 def lb():
-    spec = importlib.util.spec_from_file_location(
-        "llama_bench", ROOT / "benchmarks" / "llama_bench.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("llama_bench")
 
 
 def test_median_of_the_decode_samples(lb) -> None:

@@ -3,9 +3,7 @@ trains (through ``lmlab.train`` and through the benchmark's lmlab path) on a tin
 benchmark's nanoGPT reimplementation has the parameter count nanoGPT reports for its README CPU
 shape, an init loss of ln(vocab), and nanoGPT's learning-rate schedule."""
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ import torch
 from lmlab.config import load_config
 from lmlab.models import build_model
 from lmlab.training.trainer import train
+from tests.helpers.benchmarks import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = ROOT / "configs" / "speedrun.yaml"
@@ -21,14 +20,7 @@ PRESET = ROOT / "configs" / "speedrun.yaml"
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location(
-        "time_to_loss", ROOT / "benchmarks" / "time_to_loss.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("time_to_loss")
 
 
 @pytest.fixture(scope="module")
