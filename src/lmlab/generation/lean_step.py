@@ -443,12 +443,9 @@ class LeanStep:
         s = cache.seq_len
         layers = cache.layers
         for i, c in enumerate(layers):
-            kb, vb, ck, cv = c._kbuf, c._vbuf, c.k, c.v
-            if kb is None or vb is None or ck is None or cv is None or ck._base is not kb \
-                    or cv._base is not vb:  # fmt: skip
+            if not _room(c, b) or c.seq_len != s:
                 return None
-            if ck.shape[2] != s or s >= kb.shape[2] or s >= vb.shape[2] or ck.shape[0] != b:
-                return None
+            kb, vb = c._kbuf, c._vbuf
             held = plan.bufs[i]
             if held is None or held[0] is not kb or held[1] is not vb:
                 lay = plan.layers[i]
@@ -526,6 +523,7 @@ def _plan(step: LeanStep) -> tuple[decode_kernel.Plan | None, str | None]:
     bld = decode_kernel.Builder()
     layers = []
     quantized = False
+    d = int(model.embed.weight.shape[1])
     for i, (
         n1, _a, hh, kv, hd, scale, plain_heads, qkv, qkv_ops, o_op, n2, act, gated, gu, gu_ops,
         up_op, down_op,
@@ -545,7 +543,6 @@ def _plan(step: LeanStep) -> tuple[decode_kernel.Plan | None, str | None]:
         if any(lin is None for lin in lins):
             return None, f"layer {i} has a linear layer the C++ step does not read"
         quantized = quantized or any(lin.kind for lin in lins)  # type: ignore[union-attr]
-        d = int(model.embed.weight.shape[1])
         f = sum(lin.n for lin in gu_l)  # type: ignore[union-attr]
         f = f // 2 if gated else f
         shapes_ok = (
@@ -576,7 +573,6 @@ def _plan(step: LeanStep) -> tuple[decode_kernel.Plan | None, str | None]:
     if fn is None or head is None:
         return None, "the final norm or the LM head is not one the C++ step reads"
     quantized = quantized or bool(head.kind)
-    d = int(model.embed.weight.shape[1])
     if head.k != d:
         return None, "the LM head does not read d_model features"
     plan = decode_kernel.Plan(layers, fn, head, d, rope, bld)
@@ -595,14 +591,22 @@ def _append(c: LayerKVCache, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Te
     """Write k, v (B, K, 1, hd) into the next free slot of ``c``'s reserved buffers and return
     every cached key and value (B, K, S + 1, hd); :meth:`LayerKVCache.update` (same result)
     when the buffers are full or were replaced."""
-    kb, vb, ck, cv = c._kbuf, c._vbuf, c.k, c.v
-    if kb is None or vb is None or ck is None or cv is None or ck._base is not kb \
-            or cv._base is not vb:  # fmt: skip
+    if not _room(c, k.shape[0]):
         return c.update(k, v)
-    s = ck.shape[2]
-    if s >= kb.shape[2] or ck.shape[0] != k.shape[0]:
-        return c.update(k, v)
+    kb, vb, s = c._kbuf, c._vbuf, c.seq_len
+    assert kb is not None and vb is not None  # _room checked them
     kb[:, :, s : s + 1] = k
     vb[:, :, s : s + 1] = v
     c.k, c.v = kb[:, :, : s + 1], vb[:, :, : s + 1]
     return c.k, c.v
+
+
+def _room(c: LayerKVCache, b: int) -> bool:
+    """Whether ``c``'s keys and values are views of its reserved buffers for ``b`` rows with a
+    free slot after them (what :func:`_append` and the C++ step write into)."""
+    kb, vb, ck, cv = c._kbuf, c._vbuf, c.k, c.v
+    if kb is None or vb is None or ck is None or cv is None or ck._base is not kb \
+            or cv._base is not vb:  # fmt: skip
+        return False
+    s = ck.shape[2]
+    return s < kb.shape[2] and s < vb.shape[2] and ck.shape[0] == b
