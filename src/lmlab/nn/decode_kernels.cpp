@@ -446,7 +446,7 @@ inline void rope_head(float* v, int64_t hd, const float* cos, const float* sin) 
 }
 
 struct Scratch {
-  std::vector<float> h, qkv, attn, proj, hidden, act, tmp, scores;
+  std::vector<float> h, qkv, attn, proj, hidden, act, tmp;
 };
 
 // One attention head of one row: out (hd) = softmax(q . k_t * scale) v over t = 0..T-1.
