@@ -134,6 +134,8 @@ def test_refusals_name_the_problem() -> None:
     lin = torch.nn.Linear(96, 32)
     with pytest.raises(LmlabError, match="bits must be 4 or 8, got 3"):
         quantize_model(torch.nn.Sequential(lin), bits=3)
+    with pytest.raises(LmlabError, match="head_bits must be 4 or 8, got 2"):
+        quantize_model(torch.nn.Sequential(lin), bits=4, group_size=32, head_bits=2)
     with pytest.raises(LmlabError, match=r"cannot quantize 0: group_size 64 does not divide .* 96"):
         quantize_model(torch.nn.Sequential(lin), bits=4, group_size=64)
     assert type(lin) is torch.nn.Linear  # nothing replaced before the refusal
