@@ -3,6 +3,7 @@
     python benchmarks/train_step_ab.py --profile-arch minigpt,bf16 --rounds 4  # op by op
     python benchmarks/train_step_ab.py [--shapes nanogpt,minigpt] [--precisions fp32,bf16]
         [--rounds 20] [--threads 1] [--config CONFIG] [--reference] [--rope-kernel]
+        [--gelu-kernel] [--softmax-kernel]
 
 For each shape and precision it builds, in this one process:
 
@@ -22,6 +23,12 @@ For each shape and precision it builds, in this one process:
   ``lmlab fast paths on/off`` is what they gain, measured in the same loop.
 - **torchrope** (``--rope-kernel``): lmlab's default with only the C++ RoPE kernel
   (:mod:`lmlab.nn.rope_kernel`) off, RoPE as torch ops: ``lmlab rope kernel on/off``.
+- **torchgelu** (``--gelu-kernel``): lmlab's default with only the C++ bias + GELU kernel
+  (:mod:`lmlab.nn.train_kernel`) off, the MLP's up projection as torch's addmm + gelu:
+  ``lmlab gelu kernel on/off``.
+- **torchsoftmax** (``--softmax-kernel``): lmlab's default with only the C++ causal softmax
+  kernel (:func:`lmlab.nn.train_kernel.causal_softmax_`) off, the bf16 attention's mask and
+  softmax as torch's masked_fill + softmax: ``lmlab softmax kernel on/off``.
 - **plain**: lmlab with nanoGPT's architecture (learned positions, no biases in linears or
   norms), the same Trainer step: ``lmlab default / plain`` is what lmlab's default architecture
   costs.
@@ -30,10 +37,11 @@ Shapes: ``nanogpt`` = nanoGPT's README CPU shape (4 layers, d 128, 4 heads, ctx 
 ``minigpt`` = the Mini-GPT shape (6 layers, d 256, 4 heads, ctx 256, batch 16). Vocabulary: the
 65 characters of tinyshakespeare on both sides.
 
-Timing: after warm-up steps, ``--rounds`` rounds each take one step of every contender, the order
-rotating every round (A B C, B C A, ...); the figure is the ratio of medians (and of bests) of
-the per-step seconds. Printed per shape (all of a shape's contenders, both precisions, in one
-interleaved loop)::
+Timing: after warm-up steps, ``--rounds`` rounds each take one step of every contender, in a
+new random order every round (seeded; a rotation A B C, B C A, ... made each contender always
+follow the same one, which biased the one after nanoGPT by 2-3%); the figure is the ratio of
+medians (and of bests) of the per-step seconds. Printed per shape (all of a shape's
+contenders, both precisions, in one interleaved loop)::
 
     step lmlab/nanogpt (minigpt shape, bf16) = N.NNx   (best-of-N: N.NNx)
     step lmlab bf16/nanogpt fp32 (minigpt shape, default precision) = N.NNx
@@ -55,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import random
 import statistics
 import sys
 import time
@@ -141,6 +150,16 @@ def main(argv: list[str] | None = None) -> None:
         "--rope-kernel",
         action="store_true",
         help="also lmlab with only its C++ RoPE kernel off (torchrope): what it gains",
+    )
+    ap.add_argument(
+        "--gelu-kernel",
+        action="store_true",
+        help="also lmlab with only its C++ bias + GELU kernel off (torchgelu): what it gains",
+    )
+    ap.add_argument(
+        "--softmax-kernel",
+        action="store_true",
+        help="also lmlab with only its C++ causal softmax kernel off (torchsoftmax)",
     )
     ap.add_argument(
         "--attention", action="store_true", help="only the bf16 attention paths (see attention_ab)"
@@ -234,12 +253,30 @@ def main(argv: list[str] | None = None) -> None:
             (f"lmlab rope kernel on/off ({shape} shape, {p})", "lmlab", p, "torchrope", p)
             for p in precisions
         ]
+        pairs += [
+            (f"lmlab gelu kernel on/off ({shape} shape, {p})", "lmlab", p, "torchgelu", p)
+            for p in precisions
+        ]
+        pairs += [
+            (f"lmlab softmax kernel on/off ({shape} shape, {p})", "lmlab", p, "torchsoftmax", p)
+            for p in precisions
+        ]
         for what, a, pa, b, pb in pairs:
             if (a, pa) in med and (b, pb) in med:
                 r = med[b, pb] / med[a, pa]
                 rb = best[b, pb] / best[a, pa]
                 print(f"step {what} = {r:.2f}x   (best-of-N: {rb:.2f}x)")
     print(f"matmul peak (best of before/after), FLOP/s: {peaks}")
+
+
+def round_order(names: list, rng: random.Random) -> list:
+    """One round's order of the contenders: a fresh random permutation (seeded, so a rerun
+    repeats it). Not a rotation: with A B C, B C A, ... each contender always follows the same
+    one, and a null A/B (identical lmlab contenders) then read 0.97-0.98x at the nanoGPT shape
+    for the one run right after nanoGPT's step; a random order spreads that over all."""
+    order = list(names)
+    rng.shuffle(order)
+    return order
 
 
 def run_shape(args: argparse.Namespace, shape: str, precisions: list[str], ids: torch.Tensor):
@@ -264,6 +301,12 @@ def run_shape(args: argparse.Namespace, shape: str, precisions: list[str], ids: 
             if args.rope_kernel:
                 tr = stack.enter_context(lmlab_session(args.config, over))
                 steps["torchrope", p] = trainer_step(tr.trainer, rope_kernel=False)
+            if args.gelu_kernel:
+                tg = stack.enter_context(lmlab_session(args.config, over))
+                steps["torchgelu", p] = trainer_step(tg.trainer, gelu_kernel=False)
+            if args.softmax_kernel:
+                ts = stack.enter_context(lmlab_session(args.config, over))
+                steps["torchsoftmax", p] = trainer_step(ts.trainer, softmax_kernel=False)
             tokens = SHAPES[shape][4] * lm.seq_len
             flops = flops_per_token(lm.model, lm.cfg.model, lm.seq_len, True)
         for fn in steps.values():
@@ -271,8 +314,9 @@ def run_shape(args: argparse.Namespace, shape: str, precisions: list[str], ids: 
                 fn()
         names = list(steps)
         times: dict[tuple[str, str], list[float]] = {k: [] for k in names}
-        for r in range(args.rounds):  # the order rotates each round
-            for k in names[r % len(names) :] + names[: r % len(names)]:
+        rng = random.Random(0)
+        for _ in range(args.rounds):  # a new random order each round (see round_order)
+            for k in round_order(names, rng):
                 t = time.perf_counter()
                 steps[k]()
                 times[k].append(time.perf_counter() - t)
@@ -295,7 +339,7 @@ ARCH_VARIANTS = {
 def arch_ab(args: argparse.Namespace, shape: str) -> None:
     """lmlab's default architecture vs the same without biases, with learned positions instead
     of RoPE, and with both (plain): Trainer steps at ``shape`` in the first of ``--precisions``,
-    interleaved (rotating order), medians; ratio = variant step time / default's."""
+    interleaved (a random order each round), medians; ratio = variant step time / default's."""
     precision = args.precisions.split(",")[0]
     over = shape_overrides(shape, precision)
     with ExitStack() as stack:
@@ -308,8 +352,9 @@ def arch_ab(args: argparse.Namespace, shape: str) -> None:
                 fn()
         names = list(steps)
         times: dict[str, list[float]] = {k: [] for k in names}
-        for r in range(args.rounds):
-            for k in names[r % len(names) :] + names[: r % len(names)]:
+        rng = random.Random(0)
+        for _ in range(args.rounds):
+            for k in round_order(names, rng):
                 start = time.perf_counter()
                 steps[k]()
                 times[k].append(time.perf_counter() - start)
@@ -451,31 +496,48 @@ def attention_ab(rounds: int) -> None:
         )
 
 
-def trainer_step(trainer, fast_paths: bool = True, rope_kernel: bool = True) -> Callable[[], None]:
+def trainer_step(
+    trainer,
+    fast_paths: bool = True,
+    rope_kernel: bool = True,
+    gelu_kernel: bool = True,
+    softmax_kernel: bool = True,
+) -> Callable[[], None]:
     """One ``Trainer.train_step`` per call, at the next step number; ``fast_paths`` False runs
     it with the training fast paths switched off (the q/k/v fusion, the bf16 batched-matmul
-    attention, the bf16 RoPE function, the C++ RoPE kernel): the reference path they replace;
-    ``rope_kernel`` False only the C++ RoPE kernel (RoPE as torch ops, as before it)."""
+    attention, the bf16 RoPE function, the C++ RoPE and bias + GELU kernels): the reference
+    path they replace; ``rope_kernel`` False only the C++ RoPE kernel (RoPE as torch ops, as
+    before it); ``gelu_kernel`` False only the bias + GELU kernel (addmm + gelu);
+    ``softmax_kernel`` False only the causal softmax kernel (masked_fill + softmax)."""
     import lmlab.nn.attention as attention
     import lmlab.nn.attention_core as core
+    import lmlab.nn.ffn as ffn
     import lmlab.nn.position as position
 
     count = [0]
 
     def step() -> None:
         saved = attention.TRAIN_FUSED_QKV, core.BMM_CAUSAL_MAX_T, position.TRAIN_ROTATE_HALF
-        saved_kernel = position.TRAIN_ROPE_KERNEL
+        saved_kernel, saved_gelu = position.TRAIN_ROPE_KERNEL, ffn.TRAIN_GELU_KERNEL
+        saved_softmax = core.TRAIN_SOFTMAX_KERNEL
         if not fast_paths:
             attention.TRAIN_FUSED_QKV, core.BMM_CAUSAL_MAX_T = False, 0
             position.TRAIN_ROTATE_HALF = position.TRAIN_ROPE_KERNEL = False
+            ffn.TRAIN_GELU_KERNEL = core.TRAIN_SOFTMAX_KERNEL = False
+        if not softmax_kernel:
+            core.TRAIN_SOFTMAX_KERNEL = False
         if not rope_kernel:
             position.TRAIN_ROPE_KERNEL = False
+        if not gelu_kernel:
+            ffn.TRAIN_GELU_KERNEL = False
         try:
             trainer.train_step(count[0])
         finally:
             attention.TRAIN_FUSED_QKV, core.BMM_CAUSAL_MAX_T = saved[:2]
             position.TRAIN_ROTATE_HALF = saved[2]
             position.TRAIN_ROPE_KERNEL = saved_kernel
+            ffn.TRAIN_GELU_KERNEL = saved_gelu
+            core.TRAIN_SOFTMAX_KERNEL = saved_softmax
         count[0] += 1
 
     return step

@@ -131,6 +131,10 @@ def attention_sdpa(
 # backward is slow (`benchmarks/train_step_ab.py --attention`, benchmarks/README.md: 3-14x at
 # T 64 hd 32, 1.0-1.9x at T 256 hd 64, 0.8-1.1x at T 512, 0.5-0.7x at T 1024, 1 thread).
 BMM_CAUSAL_MAX_T = 256
+# In that path, the causal softmax (and its backward) through lmlab's C++ kernel
+# (lmlab.nn.train_kernel.causal_softmax_: the lower triangle only, in place); False keeps
+# masked_fill + torch.softmax (A/B benchmarks).
+TRAIN_SOFTMAX_KERNEL = True
 _CAUSAL_ABOVE: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
@@ -152,6 +156,13 @@ def bmm_causal_applies(q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> bo
     )
 
 
+def _softmax_kernel_applies(scores: torch.Tensor) -> bool:
+    """Whether :class:`_CausalAttentionBmm` runs its softmax through lmlab's C++ kernel."""
+    from lmlab.nn import train_kernel
+
+    return train_kernel.causal_softmax_applies(scores)
+
+
 def causal_above(t: int, device: torch.device) -> torch.Tensor:
     """(T, T) bool, True above the diagonal: the keys a causal query may not see (a constant,
     kept per size and device)."""
@@ -167,7 +178,9 @@ class _CausalAttentionBmm(torch.autograd.Function):
     of its six ops, no pass that autograd would add over the (B H, T, T) scores): forward
     S = (q scale) k^T with -inf above the diagonal, P = softmax(S), out = P v; backward
     dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(P dP)) (softmax's backward), dQ = dS K scale,
-    dK = dS^T (q scale). Saves q scale, k, v and P."""
+    dK = dS^T (q scale). Saves q scale, k, v and P. With :data:`TRAIN_SOFTMAX_KERNEL` and the
+    C++ kernel compiled, the mask, the softmax and its backward run in lmlab's causal softmax
+    kernel (:func:`lmlab.nn.train_kernel.causal_softmax_`, in place, the lower triangle only)."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale):
@@ -178,8 +191,14 @@ class _CausalAttentionBmm(torch.autograd.Function):
         k3 = k.reshape(b * h, t, hd)
         v3 = v.reshape(b * h, t, v.shape[-1])
         scores = torch.bmm(qs, k3.transpose(1, 2))  # (B H, T, T)
-        scores.masked_fill_(causal_above(t, q.device), float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        ctx.kernel = TRAIN_SOFTMAX_KERNEL and _softmax_kernel_applies(scores)
+        if ctx.kernel:
+            from lmlab.nn.train_kernel import causal_softmax_
+
+            probs = causal_softmax_(scores)  # in place: P over the scores
+        else:
+            scores.masked_fill_(causal_above(t, q.device), float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
         ctx.save_for_backward(qs, k3, v3, probs)
         ctx.scale, ctx.shape = scale, (b, h, t, hd, v.shape[-1])
         return torch.bmm(probs, v3).view(b, h, t, v.shape[-1])
@@ -191,7 +210,12 @@ class _CausalAttentionBmm(torch.autograd.Function):
         g = grad_out.reshape(b * h, t, hdv)
         dv = torch.bmm(probs.transpose(1, 2), g)
         dp = torch.bmm(g, v3.transpose(1, 2))
-        ds = torch._softmax_backward_data(dp, probs, -1, probs.dtype)
+        if ctx.kernel and dp.is_contiguous() and dp.dtype == probs.dtype:
+            from lmlab.nn.train_kernel import causal_softmax_backward_
+
+            ds = causal_softmax_backward_(probs, dp)  # in place: dS over dP
+        else:
+            ds = torch._softmax_backward_data(dp, probs, -1, probs.dtype)
         dq = torch.bmm(ds, k3).mul_(ctx.scale)
         dk = torch.bmm(ds.transpose(1, 2), qs)
         return dq.view(b, h, t, hd), dk.view(b, h, t, hd), dv.view(b, h, t, hdv), None
