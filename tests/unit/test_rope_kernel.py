@@ -164,3 +164,71 @@ def test_bf16_training_takes_the_split_and_hooks_see_the_same_q_k_v(monkeypatch)
 
     for a, b in zip(run(True), run(False), strict=True):
         assert torch.equal(a, b)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("dtype", "bias_dtype"),
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float32),
+    ],
+)
+def test_split_adds_the_bias_first_and_sums_its_gradient(dtype, bias_dtype):
+    torch.manual_seed(2)
+    b, t, h, kv, hd = 2, 7, 4, 2, 32
+    proj = torch.randn(b, t, h + 2 * kv, hd, dtype=dtype)  # a bias-free matmul's output
+    bias = torch.randn((h + 2 * kv) * hd).to(bias_dtype)
+    cos, signed = torch.randn(t, hd).to(dtype), torch.randn(t, hd).to(dtype)
+    a, bb = proj.clone().requires_grad_(), bias.clone().requires_grad_()
+    q, k, v = rope_kernel.rope_split(a, cos, signed, h, kv, bb)
+    # the reference: the bias added in float32 and rounded once to the projection's dtype
+    # (a biased matmul's output), then the bias-free split, which is bit-exact
+    biased = (proj.float() + bias.float().view(h + 2 * kv, hd)).to(dtype)
+    r = biased.clone().requires_grad_()
+    ref = rope_kernel.rope_split(r, cos, signed, h, kv)
+    for out, want in zip((q, k, v), ref, strict=True):
+        assert torch.equal(out, want)
+    gs = [torch.randn_like(z) for z in ref]
+    torch.autograd.backward(ref, gs)
+    torch.autograd.backward((q, k, v), gs)
+    assert torch.equal(a.grad, r.grad)  # the projection's gradient is unchanged by the bias
+    db = r.grad.float().sum(dim=(0, 1)).flatten()  # the bias gradient: its column sums
+    assert bb.grad.dtype == bias_dtype
+    tol = torch.finfo(bias_dtype).eps * db.abs() + 1e-5 * db.abs().max()
+    assert ((bb.grad.float() - db).abs() <= tol).all()
+
+
+@needs_kernel
+def test_training_with_attention_biases_folds_them_into_the_split(monkeypatch):
+    torch.manual_seed(0)
+    cfg = tiny_model_config(V, d_model=64, attention={"n_heads": 2, "bias": True})
+    m = build_model(cfg)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "_proj.bias" in name:
+                p.normal_(0, 0.5)  # biases away from 0: the fold is exercised
+    x = torch.randint(0, V, (2, 9))
+
+    def run(kernel: bool) -> tuple[float, dict[str, torch.Tensor], set[str]]:
+        monkeypatch.setattr(position, "TRAIN_ROPE_KERNEL", kernel)
+        m.zero_grad(set_to_none=True)
+        kinds: set[str] = set()
+        m.layers[0].attn.hook_q.fns.append(lambda out, name: kinds.add(type(out.grad_fn).__name__))
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = m(x, targets=x).loss
+        finally:
+            m.layers[0].attn.hook_q.fns.clear()
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in m.named_parameters()}, kinds
+
+    loss1, g1, kinds1 = run(True)
+    loss0, g0, kinds0 = run(False)
+    assert "RopeSplitFunctionBackward" in kinds1 and "RopeSplitFunctionBackward" not in kinds0
+    assert abs(loss1 - loss0) < 2e-3
+    top = max(g.abs().max().item() for g in g0.values())
+    for name, g in g0.items():  # to bf16 rounding (the bias is now rounded with the sum once)
+        assert (g1[name] - g).abs().max() <= 0.06 * g.abs().max() + 1e-3 * top, name
+    assert g1["layers.0.attn.q_proj.bias"].abs().sum() > 0

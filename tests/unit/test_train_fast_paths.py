@@ -78,14 +78,14 @@ def test_fused_qkv_training_step_equals_three_projections(model, monkeypatch):
     x = torch.randint(0, V, (2, 10))
 
     took: list[bool] = []
-    original = Attention.train_fused_qkv
+    original = Attention.train_fused_qkv_weights
 
-    def spy(self: Attention, h: torch.Tensor) -> torch.Tensor | None:
+    def spy(self: Attention, h: torch.Tensor) -> tuple | None:
         out = original(self, h)
         took.append(out is not None)
         return out
 
-    monkeypatch.setattr(Attention, "train_fused_qkv", spy)
+    monkeypatch.setattr(Attention, "train_fused_qkv_weights", spy)
 
     def grads(fused: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
         monkeypatch.setattr(attention_mod, "TRAIN_FUSED_QKV", fused)

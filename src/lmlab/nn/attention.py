@@ -185,14 +185,24 @@ class Attention(nn.Module):
         h, kv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = fused_linear(self, "qkv", ("q_proj", "k_proj", "v_proj"), x)
         if qkv is None:
-            qkv = self.train_fused_qkv(x)
-            if qkv is not None and self.joint_rotation(position):
+            fused = self.train_fused_qkv_weights(x)
+            joint = fused is not None and self.joint_rotation(position)
+            if joint and isinstance(position, RotaryPosition) and position.split_kernel_ready():
+                # training, no head norms, RoPE: lmlab's kernel splits, adds the bias and rotates
+                # in one call each way (the matmul runs bias-free)
+                weight, bias = fused  # type: ignore[misc]
+                qkv = F.linear(x, weight).view(b, t, h + 2 * kv, hd)
+                split = position.rotate_split(qkv, h, kv, positions, bias)
+                if split is not None:
+                    q, k, v = split
+                    return self.hook_q(q), self.hook_k(k), self.hook_v(v)
+                qkv = (
+                    qkv.view(b, t, -1) if bias is None else qkv.view(b, t, -1) + bias.to(qkv.dtype)
+                )
+            elif fused is not None:
+                qkv = F.linear(x, *fused)
+            if qkv is not None and joint:
                 # training, no head norms, RoPE or none: q and k rotate as one tensor
-                if isinstance(position, RotaryPosition):  # lmlab's kernel: one call each way
-                    split = position.rotate_split(qkv.view(b, t, h + 2 * kv, hd), h, kv, positions)
-                    if split is not None:
-                        q, k, v = split
-                        return self.hook_q(q), self.hook_k(k), self.hook_v(v)
                 qk, v = qkv.view(b, t, h + 2 * kv, hd).split([h + kv, kv], dim=2)
                 qk = qk.transpose(1, 2)  # (B, H + K, T, hd)
                 if isinstance(position, RotaryPosition):
@@ -211,16 +221,18 @@ class Attention(nn.Module):
         q, k = position.rotate(q, k, positions)  # q (B, H, T, hd), k (B, K, T, hd)
         return self.hook_q(q), self.hook_k(k), self.hook_v(v)
 
-    def train_fused_qkv(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x (B, T, D) -> q, k and v projections concatenated (B, T, (H + 2 K) hd) in one matmul
-        over the three weights concatenated inside the autograd graph (their gradients flow back
-        to ``q_proj`` / ``k_proj`` / ``v_proj``, whose parameters and names stay): while
-        gradients are recorded (training) in bf16/fp16 or under autocast, when
-        :data:`TRAIN_FUSED_QKV` is on and the three are
-        plain linears with biases on all or none (:func:`~lmlab.nn.fused.fusable_linears`, no
-        global module hooks), not under torch.compile. None otherwise (the caller runs the three).
-        Under bf16 autocast the input and the weights are cast once instead of three times, and
-        the input's gradient is one matmul instead of three summed."""
+    def train_fused_qkv_weights(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The q, k and v weights concatenated ((H + 2 K) hd, D) and their biases ((H + 2 K)
+        hd,) or None, inside the autograd graph (their gradients flow back to ``q_proj`` /
+        ``k_proj`` / ``v_proj``, whose parameters and names stay), for one matmul over x (B, T,
+        D): while gradients are recorded (training) in bf16/fp16 or under autocast, when
+        :data:`TRAIN_FUSED_QKV` is on and the three are plain linears with biases on all or none
+        (:func:`~lmlab.nn.fused.fusable_linears`, no global module hooks), not under
+        torch.compile. None otherwise (the caller runs the three). Under bf16 autocast the input
+        and the weights are cast once instead of three times, and the input's gradient is one
+        matmul instead of three summed."""
         if not TRAIN_FUSED_QKV or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return None
         if not (x.dtype in _LOW_PRECISION or torch.is_autocast_enabled(x.device.type)):
@@ -231,7 +243,13 @@ class Attention(nn.Module):
         weights = [m._parameters["weight"] for m in mods]  # type: ignore[union-attr]
         biases = [m._parameters["bias"] for m in mods]  # type: ignore[union-attr]
         bias = None if biases[0] is None else torch.cat(biases)  # type: ignore[arg-type]
-        return F.linear(x, torch.cat(weights), bias)  # type: ignore[arg-type]
+        return torch.cat(weights), bias  # type: ignore[arg-type]
+
+    def train_fused_qkv(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x (B, T, D) -> q, k and v projections concatenated (B, T, (H + 2 K) hd) in one matmul
+        over :meth:`train_fused_qkv_weights` (None where those are None)."""
+        fused = self.train_fused_qkv_weights(x)
+        return None if fused is None else F.linear(x, *fused)
 
     def joint_rotation(self, position: PositionEncoding) -> bool:
         """Whether q and k may rotate as one tensor: no q/k/v norms, and a position kind whose

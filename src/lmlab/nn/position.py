@@ -487,23 +487,46 @@ class RotaryPosition(PositionEncoding):
             return x * cos + x.roll(r // 2, -1) * signed
         return apply_rope(x, cos, sin, self.interleaved)
 
+    def split_kernel_ready(self) -> bool:
+        """Whether :meth:`rotate_split` may take lmlab's RoPE kernel, as far as can be told
+        before the projection runs: :data:`TRAIN_ROPE_KERNEL` on, gradients recorded, not
+        under torch.compile, the kernel compiled, the half-split layout (not interleaved) over
+        every channel (no partial rotary). :meth:`rotate_split` checks the rest (dtype, shared
+        positions, head_dim) and may still return None."""
+        if not (TRAIN_ROPE_KERNEL and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+            return False
+        if self.interleaved or self.rotary_dim != self.head_dim:
+            return False
+        from lmlab.nn import rope_kernel
+
+        return rope_kernel.available()
+
     def rotate_split(
-        self, qkv: torch.Tensor, h: int, kv: int, positions: torch.Tensor
+        self,
+        qkv: torch.Tensor,
+        h: int,
+        kv: int,
+        positions: torch.Tensor,
+        bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """qkv (B, T, H + 2 K, hd), a fused projection's output, -> (q (B, H, T, hd) and k
-        (B, K, T, hd) rotated to ``positions``, v (B, K, T, hd)), each contiguous, through lmlab's
-        RoPE kernel in one call each way (:func:`lmlab.nn.rope_kernel.rope_split`): the values
-        and gradients of splitting, transposing and :meth:`rotate_heads`, bit for bit. None where
-        the kernel does not apply (see :func:`_rope_kernel_applies`; the half-split layout over
-        every channel only): the caller splits and rotates."""
+        """qkv (B, T, H + 2 K, hd), a fused projection's output (bias-free when ``bias``
+        ((H + 2 K) hd,) is given: it is added first, each sum rounded to qkv's dtype), ->
+        (q (B, H, T, hd) and k (B, K, T, hd) rotated to ``positions``, v (B, K, T, hd)), each
+        contiguous, through lmlab's RoPE kernel in one call each way
+        (:func:`lmlab.nn.rope_kernel.rope_split`): without a bias, the values and gradients of
+        splitting, transposing and :meth:`rotate_heads`, bit for bit. None where the kernel does
+        not apply (see :func:`_rope_kernel_applies`; the half-split layout over every channel
+        only): the caller adds the bias, splits and rotates."""
         cos, _, signed = self._rotation(positions, qkv.dtype)
         if signed is None or qkv.shape[-1] != cos.shape[-1] or qkv.stride(-1) != 1:
             return None
         if not _rope_kernel_applies(qkv.transpose(1, 2), cos):
             return None
+        if bias is not None and bias.dtype not in (torch.float32, qkv.dtype):
+            return None
         from lmlab.nn.rope_kernel import rope_split
 
-        return rope_split(qkv, cos, signed, h, kv)
+        return rope_split(qkv, cos, signed, h, kv, bias)
 
     def rotation(
         self, positions: torch.Tensor, dtype: torch.dtype

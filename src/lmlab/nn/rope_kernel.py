@@ -43,9 +43,26 @@ def _build() -> ctypes.CDLL:
     path = cpp_build.build(f"lmlab_rope_kernels_{kind}", [str(SOURCE)], flags, ["-fopenmp"])
     lib = ctypes.CDLL(str(path))
     i64, fp = ctypes.c_int64, ctypes.c_void_p
-    lib.lmlab_rope.argtypes = [ctypes.c_int, fp, *[i64] * 7, fp, fp, fp, i64, i64, i64]
-    lib.lmlab_rope.argtypes.append(ctypes.c_int)
+    # argtypes set whole: ctypes converts arguments by the list given at assignment (an
+    # appended type is never used, so a pointer there would be passed as a 32-bit int)
+    lib.lmlab_rope.argtypes = [
+        ctypes.c_int,
+        fp,
+        *[i64] * 7,
+        fp,
+        fp,
+        fp,
+        i64,
+        i64,
+        i64,
+        ctypes.c_int,
+    ]
     lib.lmlab_rope.restype = ctypes.c_int
+    ci = ctypes.c_int
+    lib.lmlab_rope_split.argtypes = [ci, fp, fp, ci, i64, i64, i64, i64, i64, fp, fp, fp, fp, fp]
+    lib.lmlab_rope_split.restype = ci
+    lib.lmlab_rope_split_backward.argtypes = [ci, fp, fp, fp, *[i64] * 5, fp, fp, fp, fp]
+    lib.lmlab_rope_split_backward.restype = ci
     if lib.lmlab_rope_max_head_dim() != MAX_HEAD_DIM:
         raise RuntimeError("rope_kernels.cpp and rope_kernel.py disagree on MAX_HEAD_DIM")
     return lib
@@ -153,20 +170,37 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed: torch.Tensor) -> torch.Tens
 class RopeSplitFunction(torch.autograd.Function):
     """qkv (B, T, H + 2 K, hd), one projection's output -> q (B, H, T, hd) and k (B, K, T, hd)
     rotated, v (B, K, T, hd), each contiguous (what batched-matmul attention reads without a
-    copy). Backward writes the three gradients into one (B, T, H + 2 K, hd) tensor, q's and k's
-    rotated back: no concatenation of the three, no transposed copies. Values and gradients are
-    :func:`rope`'s (the rolled formula), bit for bit; cos and signed (T, hd) of qkv's dtype."""
+    copy), in ONE kernel call; with ``bias`` ((H + 2 K) hd,), the projection's bias, added first
+    (qkv is then the bias-free matmul's output; each sum rounded to qkv's dtype, as a biased
+    matmul's output is). Backward, one call: the three gradients into one (B, T, H + 2 K, hd)
+    tensor, q's and k's rotated back (no concatenation, no transposed copies), and the bias
+    gradient (its column sums, in float32, in the same pass). Without a bias the values and
+    gradients are :func:`rope`'s (the rolled formula), bit for bit; cos and signed (T, hd) of
+    qkv's dtype."""
 
     @staticmethod
-    def forward(ctx, qkv, cos, signed, h, kv):
-        b, t, _, hd = qkv.shape
+    def forward(ctx, qkv, cos, signed, h, kv, bias=None):
+        lib = _load()
+        if lib is None:
+            raise RuntimeError(f"lmlab's RoPE kernel is not available: {status()}")
+        qkv = qkv.contiguous()
+        b, t, heads, hd = qkv.shape
+        cos, signed = cos.contiguous(), signed.contiguous()
+        new = lambda n: torch.empty(b, n, t, hd, dtype=qkv.dtype, device=qkv.device)  # noqa: E731
+        q, k, v = new(h), new(kv), new(kv)
+        bias_c = None if bias is None else bias.detach().contiguous()
+        rc = lib.lmlab_rope_split(
+            _DTYPES[qkv.dtype], qkv.data_ptr(),
+            None if bias_c is None else bias_c.data_ptr(),
+            0 if bias_c is None or bias_c.dtype == torch.float32 else 1,
+            b, t, h, kv, hd, cos.data_ptr(), signed.data_ptr(), q.data_ptr(), k.data_ptr(),
+            v.data_ptr(),
+        )  # fmt: skip
+        if rc:
+            raise ValueError(f"the RoPE kernel refused head_dim {hd} or its dtypes")
         ctx.save_for_backward(cos, signed)
         ctx.h, ctx.kv = h, kv
-        heads = qkv.transpose(1, 2)  # (B, H + 2 K, T, hd), strided
-        new = lambda n: torch.empty(b, n, t, hd, dtype=qkv.dtype, device=qkv.device)  # noqa: E731
-        q = _into(heads[:, :h], cos, signed, new(h), inverse=False)
-        k = _into(heads[:, h : h + kv], cos, signed, new(kv), inverse=False)
-        v = new(kv).copy_(heads[:, h + kv :])
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return q, k, v
 
     @staticmethod
@@ -175,26 +209,33 @@ class RopeSplitFunction(torch.autograd.Function):
         h, kv = ctx.h, ctx.kv
         ref = next(g for g in (dq, dk, dv) if g is not None)
         b, _, t, hd = ref.shape
+        grads = [None if g is None else g.contiguous() for g in (dq, dk, dv)]
         dqkv = torch.empty(b, t, h + 2 * kv, hd, dtype=ref.dtype, device=ref.device)
-        heads = dqkv.transpose(1, 2)
-        for g, lo, n in ((dq, 0, h), (dk, h, kv)):
-            if g is None:
-                heads[:, lo : lo + n].zero_()
-            else:
-                _into(g if g.stride(-1) == 1 else g.contiguous(), cos, signed,
-                      heads[:, lo : lo + n], inverse=True)  # fmt: skip
-        if dv is None:
-            heads[:, h + kv :].zero_()
-        else:
-            heads[:, h + kv :].copy_(dv)
-        return dqkv, None, None, None, None
+        want_bias = ctx.bias_dtype is not None and ctx.needs_input_grad[5]
+        dbias = torch.empty((h + 2 * kv) * hd, dtype=torch.float32) if want_bias else None
+        ptr = lambda g: None if g is None else g.data_ptr()  # noqa: E731
+        lib = _load()
+        assert lib is not None  # the forward ran it
+        lib.lmlab_rope_split_backward(
+            _DTYPES[ref.dtype], *(ptr(g) for g in grads), b, t, h, kv, hd, cos.data_ptr(),
+            signed.data_ptr(), dqkv.data_ptr(), ptr(dbias),
+        )  # fmt: skip
+        if dbias is not None and dbias.dtype != ctx.bias_dtype:
+            dbias = dbias.to(ctx.bias_dtype)
+        return dqkv, None, None, None, None, dbias
 
 
 def rope_split(
-    qkv: torch.Tensor, cos: torch.Tensor, signed: torch.Tensor, h: int, kv: int
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    signed: torch.Tensor,
+    h: int,
+    kv: int,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """qkv (B, T, H + 2 K, hd) float32 or bfloat16 -> (q (B, H, T, hd), k (B, K, T, hd)) rotated
-    as :func:`rope` rotates them and v (B, K, T, hd), each contiguous; differentiable
+    """qkv (B, T, H + 2 K, hd) float32 or bfloat16 (+ ``bias`` ((H + 2 K) hd,) float32 or qkv's
+    dtype, or None) -> (q (B, H, T, hd), k (B, K, T, hd)) rotated as :func:`rope` rotates them
+    and v (B, K, T, hd), each contiguous; differentiable in qkv and bias
     (:class:`RopeSplitFunction`). Raises RuntimeError when the kernel is unavailable."""
-    q, k, v = RopeSplitFunction.apply(qkv, cos, signed, h, kv)
+    q, k, v = RopeSplitFunction.apply(qkv, cos, signed, h, kv, bias)
     return q, k, v

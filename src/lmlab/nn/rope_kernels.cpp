@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -120,6 +121,146 @@ void rope_any(const T* x, int64_t nb, int64_t nh, int64_t nt, int64_t hd, int64_
   rope<T, 0>(x, nb, nh, nt, hd, sxb, sxn, sxt, cos, sgn, y, syb, syn, syt, inverse);
 }
 
+// ---- q, k and v of one fused projection, in one call each way -------------------------------
+//
+// qkv (B, T, H + 2K, hd) contiguous, the projection's output (bias-free when a bias is given);
+// bias ((H + 2K) hd) or null, float32 or bfloat16 (BT). Forward: each row x (+ bias, rounded to
+// T as a biased matmul output is) -> q (B, H, T, hd) and k (B, K, T, hd) rotated, v (B, K, T,
+// hd) copied, each contiguous. Backward: dq, dk (rotated back), dv (each contiguous, or null:
+// zeros) -> dqkv (B, T, H + 2K, hd), and the bias gradient (float32 column sums of dqkv as
+// stored) when dbias is not null, summed over fixed row blocks then in block order (the same
+// bits for any thread count).
+
+inline float add_rounded(float a, float b, float) { return a + b; }
+inline float add_rounded(float a, float b, uint16_t) {
+  float v = a + b;
+  return v != v ? v : round_bf16(v);  // an added float32 NaN may carry any payload
+}
+
+template <typename T, typename BT, int64_t HD>
+void rope_split(const T* qkv, const BT* bias, int64_t nb, int64_t nt, int64_t h, int64_t kv,
+                int64_t hd, const T* cos, const T* sgn, T* q, T* k, T* v) {
+  const int64_t heads = h + 2 * kv;
+  at::parallel_for(0, nb * nt, 8, [&](int64_t begin, int64_t end) {
+    float cf[kMaxHeadDim], sf[kMaxHeadDim];
+    T xb[kMaxHeadDim];
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t b = row / nt, t = row % nt;
+      for (int64_t i = 0; i < hd; ++i) {
+        cf[i] = load(cos[t * hd + i]);
+        sf[i] = load(sgn[t * hd + i]);
+      }
+      for (int64_t n = 0; n < heads; ++n) {
+        const T* x = qkv + (row * heads + n) * hd;
+        if (bias) {
+          for (int64_t i = 0; i < hd; ++i) store(add_rounded(load(x[i]), load(bias[n * hd + i]), T()), &xb[i]);
+          x = xb;
+        }
+        if (n < h) {
+          rotate_head<T, HD>(x, cf, sf, q + ((b * h + n) * nt + t) * hd, hd);
+        } else if (n < h + kv) {
+          rotate_head<T, HD>(x, cf, sf, k + ((b * kv + n - h) * nt + t) * hd, hd);
+        } else {
+          std::memcpy(v + ((b * kv + n - h - kv) * nt + t) * hd, x, hd * sizeof(T));
+        }
+      }
+    }
+  });
+}
+
+template <typename T, int64_t HD>
+void rope_split_backward(const T* dq, const T* dk, const T* dv, int64_t nb, int64_t nt, int64_t h,
+                         int64_t kv, int64_t hd, const T* cos, const T* sgn, T* dqkv,
+                         float* dbias) {
+  const int64_t heads = h + 2 * kv, width = heads * hd, rows = nb * nt;
+  // row blocks fixed by the shape alone (see the header): at most 64, at least 16 rows each
+  int64_t blocks = (rows + 15) / 16;
+  if (blocks > 64) blocks = 64;
+  if (blocks < 1) blocks = 1;
+  const int64_t per = (rows + blocks - 1) / blocks;
+  std::vector<float> sums(dbias ? static_cast<size_t>(blocks * width) : 0, 0.0f);
+  at::parallel_for(0, blocks, 1, [&](int64_t k0, int64_t k1) {
+    float cf[kMaxHeadDim], sf[kMaxHeadDim];
+    for (int64_t blk = k0; blk < k1; ++blk) {
+      float* acc = dbias ? sums.data() + blk * width : nullptr;
+      const int64_t r1 = (blk + 1) * per < rows ? (blk + 1) * per : rows;
+      for (int64_t row = blk * per; row < r1; ++row) {
+        const int64_t b = row / nt, t = row % nt, half = hd / 2;
+        for (int64_t i = 0; i < hd; ++i) {
+          const int64_t j = i < half ? i + half : i - half;
+          cf[i] = load(cos[t * hd + i]);
+          sf[i] = load(sgn[t * hd + j]);
+        }
+        for (int64_t n = 0; n < heads; ++n) {
+          T* out = dqkv + (row * heads + n) * hd;
+          const T* g = n < h ? (dq ? dq + ((b * h + n) * nt + t) * hd : nullptr)
+                       : n < h + kv ? (dk ? dk + ((b * kv + n - h) * nt + t) * hd : nullptr)
+                                    : (dv ? dv + ((b * kv + n - h - kv) * nt + t) * hd : nullptr);
+          if (!g) {
+            std::memset(static_cast<void*>(out), 0, hd * sizeof(T));
+          } else if (n < h + kv) {
+            rotate_head<T, HD>(g, cf, sf, out, hd);
+          } else {
+            std::memcpy(out, g, hd * sizeof(T));
+          }
+          if (acc)
+            for (int64_t i = 0; i < hd; ++i) acc[n * hd + i] += load(out[i]);
+        }
+      }
+    }
+  });
+  if (dbias) {
+    for (int64_t i = 0; i < width; ++i) dbias[i] = 0.0f;
+    for (int64_t blk = 0; blk < blocks; ++blk)
+      for (int64_t i = 0; i < width; ++i) dbias[i] += sums[blk * width + i];
+  }
+}
+
+template <typename T, typename BT>
+void rope_split_any(const void* qkv, const void* bias, int64_t nb, int64_t nt, int64_t h,
+                    int64_t kv, int64_t hd, const void* cos, const void* sgn, void* q, void* k,
+                    void* v) {
+  auto x = static_cast<const T*>(qkv);
+  auto bp = static_cast<const BT*>(bias);
+  auto c = static_cast<const T*>(cos);
+  auto sg = static_cast<const T*>(sgn);
+  auto qp = static_cast<T*>(q);
+  auto kp = static_cast<T*>(k);
+  auto vp = static_cast<T*>(v);
+#define LMLAB_ROPE_HD(N)                                                     \
+  if (hd == N) {                                                             \
+    rope_split<T, BT, N>(x, bp, nb, nt, h, kv, hd, c, sg, qp, kp, vp);       \
+    return;                                                                  \
+  }
+  LMLAB_ROPE_HD(32)
+  LMLAB_ROPE_HD(64)
+  LMLAB_ROPE_HD(128)
+#undef LMLAB_ROPE_HD
+  rope_split<T, BT, 0>(x, bp, nb, nt, h, kv, hd, c, sg, qp, kp, vp);
+}
+
+template <typename T>
+void rope_split_backward_any(const void* dq, const void* dk, const void* dv, int64_t nb, int64_t nt,
+                             int64_t h, int64_t kv, int64_t hd, const void* cos, const void* sgn,
+                             void* dqkv, float* dbias) {
+  auto a = static_cast<const T*>(dq);
+  auto b = static_cast<const T*>(dk);
+  auto c = static_cast<const T*>(dv);
+  auto cs = static_cast<const T*>(cos);
+  auto sg = static_cast<const T*>(sgn);
+  auto out = static_cast<T*>(dqkv);
+#define LMLAB_ROPE_HD(N)                                                              \
+  if (hd == N) {                                                                      \
+    rope_split_backward<T, N>(a, b, c, nb, nt, h, kv, hd, cs, sg, out, dbias);        \
+    return;                                                                           \
+  }
+  LMLAB_ROPE_HD(32)
+  LMLAB_ROPE_HD(64)
+  LMLAB_ROPE_HD(128)
+#undef LMLAB_ROPE_HD
+  rope_split_backward<T, 0>(a, b, c, nb, nt, h, kv, hd, cs, sg, out, dbias);
+}
+
 }  // namespace
 
 extern "C" {
@@ -144,5 +285,38 @@ int lmlab_rope(int dtype, const void* x, int64_t nb, int64_t nh, int64_t nt, int
 }
 
 int lmlab_rope_max_head_dim() { return static_cast<int>(kMaxHeadDim); }
+
+// dtype 0: float32, 1: bfloat16 (qkv, cos, sgn, q, k, v); bias_dtype likewise for the bias (null
+// for none). Returns 0, or 1 for what it does not take (an odd or too large head_dim, a dtype).
+int lmlab_rope_split(int dtype, const void* qkv, const void* bias, int bias_dtype, int64_t nb,
+                     int64_t nt, int64_t h, int64_t kv, int64_t hd, const void* cos,
+                     const void* sgn, void* q, void* k, void* v) {
+  if (hd < 2 || hd % 2 || hd > kMaxHeadDim) return 1;
+  if (dtype == 0 && (bias == nullptr || bias_dtype == 0)) {
+    rope_split_any<float, float>(qkv, bias, nb, nt, h, kv, hd, cos, sgn, q, k, v);
+  } else if (dtype == 1 && (bias == nullptr || bias_dtype == 0)) {
+    rope_split_any<uint16_t, float>(qkv, bias, nb, nt, h, kv, hd, cos, sgn, q, k, v);
+  } else if (dtype == 1 && bias_dtype == 1) {
+    rope_split_any<uint16_t, uint16_t>(qkv, bias, nb, nt, h, kv, hd, cos, sgn, q, k, v);
+  } else {
+    return 1;
+  }
+  return 0;
+}
+
+// dq, dk, dv: contiguous or null (zeros); dbias: ((H + 2K) hd,) float32 or null.
+int lmlab_rope_split_backward(int dtype, const void* dq, const void* dk, const void* dv, int64_t nb,
+                              int64_t nt, int64_t h, int64_t kv, int64_t hd, const void* cos,
+                              const void* sgn, void* dqkv, float* dbias) {
+  if (hd < 2 || hd % 2 || hd > kMaxHeadDim) return 1;
+  if (dtype == 0) {
+    rope_split_backward_any<float>(dq, dk, dv, nb, nt, h, kv, hd, cos, sgn, dqkv, dbias);
+  } else if (dtype == 1) {
+    rope_split_backward_any<uint16_t>(dq, dk, dv, nb, nt, h, kv, hd, cos, sgn, dqkv, dbias);
+  } else {
+    return 1;
+  }
+  return 0;
+}
 
 }  // extern "C"
