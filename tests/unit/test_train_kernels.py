@@ -133,8 +133,9 @@ def _mlp_model(activation: str = "gelu", bias: bool = True):
     return m
 
 
-def _step(m, flag: bool, monkeypatch, autocast: bool = True):
+def _step(m, flag: bool, monkeypatch, autocast: bool = True, min_elements: int = 0):
     monkeypatch.setattr(ffn, "TRAIN_GELU_KERNEL", flag)
+    monkeypatch.setattr(ffn, "TRAIN_GELU_KERNEL_MIN_ELEMENTS", min_elements)  # tiny shapes here
     took: list[int] = []
     real = train_kernel.bias_gelu
     monkeypatch.setattr(train_kernel, "bias_gelu", lambda *a: took.append(1) or real(*a))
@@ -172,6 +173,9 @@ def test_mlp_keeps_torch_ops_where_the_kernel_does_not_apply(monkeypatch):
         handle.remove()
     with train_kernel.disabled():
         assert _step(m, True, monkeypatch)[2] == 0
+    # below the size where the kernel pays (2 x 12 tokens x d_ff here): torch's ops
+    assert _step(m, True, monkeypatch, min_elements=2 * 12 * m.cfg.d_ff + 1)[2] == 0
+    assert _step(m, True, monkeypatch, min_elements=2 * 12 * m.cfg.d_ff)[2] == len(m.layers)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # inference
         took: list[int] = []
         real = train_kernel.bias_gelu

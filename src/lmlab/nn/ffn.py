@@ -78,6 +78,10 @@ ACTIVATIONS.register("silu", "x * sigmoid(x), a.k.a. swish (Elfwing et al. 2018)
 # Training with bfloat16 activations on a CPU: the MLP's up-projection bias and its GELU through
 # lmlab's C++ kernel (lmlab.nn.train_kernel); False keeps torch's addmm and gelu (A/B benchmarks).
 TRAIN_GELU_KERNEL = True
+# ... for an up projection output of at least this many elements (B T d_ff): below it the
+# kernel's Python autograd.Function costs what its pass saves (nanoGPT's CPU shape, 768 x 512:
+# 0.96-1.00x of the step; the Mini-GPT shape, 4096 x 1024: 0.99-1.01x, benchmarks/README.md)
+TRAIN_GELU_KERNEL_MIN_ELEMENTS = 1 << 20
 _KERNEL_GELUS = {F.gelu: "none", gelu_tanh: "tanh"}  # activations the kernel computes
 
 
@@ -137,7 +141,8 @@ class MLP(nn.Module):
         kernel (:func:`lmlab.nn.train_kernel.bias_gelu`: one pass forward and one backward,
         the bias gradient summed in the same pass), while gradients are recorded (training)
         with bfloat16 activations on a CPU (autocast's, or bf16 weights), the activation GELU
-        (exact or tanh), ``up_proj`` a plain linear (no hooks, no global module hooks),
+        (exact or tanh), ``up_proj`` a plain linear (no hooks, no global module hooks), an
+        output of at least :data:`TRAIN_GELU_KERNEL_MIN_ELEMENTS` elements,
         :data:`TRAIN_GELU_KERNEL` on, not under torch.compile, the kernel compiled. None
         otherwise (the caller runs torch's ops). Values to bfloat16 rounding of torch's, not
         bit-equal (see the kernel's module)."""
@@ -148,6 +153,8 @@ class MLP(nn.Module):
         if torch.compiler.is_compiling() or not plain_linear(up) or global_hooks():  # type: ignore[arg-type]
             return None
         weight, bias = up._parameters["weight"], up._parameters["bias"]  # type: ignore[union-attr]
+        if x.numel() // max(x.shape[-1], 1) * weight.shape[0] < TRAIN_GELU_KERNEL_MIN_ELEMENTS:  # type: ignore[union-attr]
+            return None
         if not _bf16_activations(x, weight):  # type: ignore[arg-type]
             return None
         from lmlab.nn import train_kernel
