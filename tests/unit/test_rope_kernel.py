@@ -232,3 +232,13 @@ def test_training_with_attention_biases_folds_them_into_the_split(monkeypatch):
     for name, g in g0.items():  # to bf16 rounding (the bias is now rounded with the sum once)
         assert (g1[name] - g).abs().max() <= 0.06 * g.abs().max() + 1e-3 * top, name
     assert g1["layers.0.attn.q_proj.bias"].abs().sum() > 0
+
+
+def test_split_refuses_what_the_kernel_cannot_read():
+    qkv, cs = torch.ones(1, 3, 4, 8), torch.ones(3, 8)
+    with pytest.raises(ValueError, match="bias must be"):
+        rope_kernel.rope_split(qkv, cs, cs, 2, 1, torch.ones(31))  # one short: a read past it
+    with pytest.raises(ValueError, match="qkv must be"):
+        rope_kernel.rope_split(qkv, cs, cs, 2, 2)  # heads do not add up
+    with pytest.raises(ValueError, match="cos and signed"):
+        rope_kernel.rope_split(qkv, cs[:2], cs, 2, 1)

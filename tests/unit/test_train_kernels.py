@@ -240,3 +240,35 @@ def test_bmm_attention_takes_the_softmax_kernel_with_the_same_function(monkeypat
     for a, b in zip(results[0], results[1], strict=True):  # the same to bf16 rounding
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
     assert (results[1][0].double() - exact).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize(
+    ("h", "bias", "match"),
+    [
+        (torch.ones(4, 8), torch.ones(7), "bias must have shape"),  # would read past its end
+        (torch.ones(4, 8, dtype=torch.float64), None, "float32 or bfloat16"),
+        (torch.ones(4, 8, device="meta"), None, "CPU tensor"),  # no CPU pointer to hand over
+        (torch.ones(4, 8), torch.ones(8, dtype=torch.float16), "bias must be float32"),
+        (torch.ones(4, 0), None, "last dim"),
+    ],
+)
+def test_bias_gelu_refuses_what_the_kernel_cannot_read(h, bias, match):
+    with pytest.raises(ValueError, match=match):
+        train_kernel.bias_gelu(h, bias)
+
+
+@pytest.mark.parametrize(
+    "scores",
+    [
+        torch.ones(2, 4, 5),
+        torch.ones(4, 4),
+        torch.ones(2, 4, 4).transpose(1, 2),
+        torch.ones(2, 4, 4, dtype=torch.int32),
+    ],
+)
+def test_causal_softmax_refuses_what_the_kernel_cannot_read(scores):
+    with pytest.raises(ValueError, match="contiguous"):
+        train_kernel.causal_softmax_(scores)
+    if scores.dim() == 3 and scores.shape[1] == scores.shape[2] and scores.dtype == torch.float32:
+        with pytest.raises(ValueError, match="contiguous"):
+            train_kernel.causal_softmax_backward_(scores, torch.ones(2, 4, 4))

@@ -237,5 +237,24 @@ def rope_split(
     dtype, or None) -> (q (B, H, T, hd), k (B, K, T, hd)) rotated as :func:`rope` rotates them
     and v (B, K, T, hd), each contiguous; differentiable in qkv and bias
     (:class:`RopeSplitFunction`). Raises RuntimeError when the kernel is unavailable."""
+    b, t, heads, hd = qkv.shape if qkv.dim() == 4 else (0, 0, -1, 0)
+    if heads != h + 2 * kv or qkv.device.type != "cpu" or qkv.dtype not in _DTYPES:
+        raise ValueError(
+            f"rope_split: qkv must be a float32 or bfloat16 CPU tensor (B, T, {h + 2 * kv}, hd), "
+            f"not {qkv.dtype} {tuple(qkv.shape)} on {qkv.device}"
+        )
+    if cos.shape != (t, hd) or signed.shape != (t, hd) or {cos.dtype, signed.dtype} != {qkv.dtype}:
+        raise ValueError(f"rope_split: cos and signed must be ({t}, {hd}) of qkv's dtype")
+    if cos.device.type != "cpu" or signed.device.type != "cpu":
+        raise ValueError("rope_split: cos and signed must be CPU tensors")
+    if bias is not None and (
+        bias.shape != (heads * hd,)
+        or bias.device.type != "cpu"
+        or bias.dtype not in (torch.float32, qkv.dtype)
+    ):
+        raise ValueError(
+            f"rope_split: bias must be ({heads * hd},) float32 or qkv's dtype on the CPU, not "
+            f"{bias.dtype} {tuple(bias.shape)} on {bias.device}"
+        )
     q, k, v = RopeSplitFunction.apply(qkv, cos, signed, h, kv, bias)
     return q, k, v

@@ -92,17 +92,26 @@ def status() -> str:
     return _kernel.status()
 
 
+def _refusal(h: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+    """Why :func:`bias_gelu` cannot take h and ``bias`` (None: it can, the kernel aside)."""
+    if h.device.type != "cpu" or h.dtype not in _DTYPES:
+        return f"h must be a float32 or bfloat16 CPU tensor, not {h.dtype} on {h.device}"
+    if h.dim() < 1 or h.shape[-1] < 1:
+        return f"h must have a last dim of at least 1, not shape {tuple(h.shape)}"
+    if bias is not None:
+        if bias.device.type != "cpu" or bias.dtype not in (torch.float32, h.dtype):
+            return (
+                f"bias must be float32 or h's dtype on the CPU, not {bias.dtype} on {bias.device}"
+            )
+        if bias.shape != h.shape[-1:]:
+            return f"bias must have shape {tuple(h.shape[-1:])}, not {tuple(bias.shape)}"
+    return None
+
+
 def applies(h: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether :func:`bias_gelu` takes h (..., F) and ``bias`` (F,) or None: CPU tensors, h
     float32 or bfloat16, the bias float32 or h's dtype, F >= 1, and the kernel available."""
-    if h.device.type != "cpu" or h.dtype not in _DTYPES or h.dim() < 1 or h.shape[-1] < 1:
-        return False
-    if bias is not None:
-        if bias.device.type != "cpu" or bias.dtype not in (torch.float32, h.dtype):
-            return False
-        if bias.shape != h.shape[-1:]:
-            return False
-    return available()
+    return _refusal(h, bias) is None and available()
 
 
 def _lib() -> ctypes.CDLL:
@@ -142,7 +151,7 @@ class BiasGeluFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         h, b = ctx.saved_tensors
-        g = g.contiguous()
+        g = g.to(h.dtype).contiguous()
         f = h.shape[-1]
         dh = torch.empty_like(h)
         want_db = b is not None and ctx.needs_input_grad[1]
@@ -168,20 +177,27 @@ def bias_gelu(
     :func:`applies` first)."""
     if approximate not in APPROXIMATIONS:
         raise ValueError(f"approximate must be one of {APPROXIMATIONS}, not {approximate!r}")
+    why = _refusal(h, bias)
+    if why is not None:  # checked before any pointer reaches the kernel
+        raise ValueError(f"bias_gelu: {why}")
     return BiasGeluFunction.apply(h, bias, approximate)
 
 
-def causal_softmax_applies(scores: torch.Tensor) -> bool:
-    """Whether :func:`causal_softmax_` takes ``scores``: a contiguous (N, T, T) float32 or
-    bfloat16 CPU tensor, and the kernel available."""
+def _scores_ok(scores: torch.Tensor) -> bool:
+    """A contiguous (N, T, T) float32 or bfloat16 CPU tensor."""
     return (
         scores.device.type == "cpu"
         and scores.dtype in _DTYPES
         and scores.dim() == 3
         and scores.shape[1] == scores.shape[2]
         and scores.is_contiguous()
-        and available()
     )
+
+
+def causal_softmax_applies(scores: torch.Tensor) -> bool:
+    """Whether :func:`causal_softmax_` takes ``scores``: a contiguous (N, T, T) float32 or
+    bfloat16 CPU tensor, and the kernel available."""
+    return _scores_ok(scores) and available()
 
 
 def causal_softmax_(scores: torch.Tensor) -> torch.Tensor:
@@ -189,6 +205,11 @@ def causal_softmax_(scores: torch.Tensor) -> torch.Tensor:
     diagonal (what ``masked_fill(above, -inf)`` then ``softmax(-1)`` give, to one rounding of
     the scores' dtype). No autograd (the caller's Function saves P and calls
     :func:`causal_softmax_backward_`). Returns ``scores``."""
+    if not _scores_ok(scores):
+        raise ValueError(
+            f"causal_softmax_: scores must be a contiguous (N, T, T) float32 or bfloat16 CPU "
+            f"tensor, not {scores.dtype} {tuple(scores.shape)} on {scores.device}"
+        )
     n, t, _ = scores.shape
     _lib().lmlab_causal_softmax_forward(
         _DTYPES[scores.dtype], scores.data_ptr(), scores.data_ptr(), n, t
@@ -200,9 +221,15 @@ def causal_softmax_backward_(probs: torch.Tensor, grad: torch.Tensor) -> torch.T
     """In place on ``grad`` (dP, (N, T, T), contiguous, probs' dtype): dS = P (dP - rowsum(P dP))
     over j <= i, 0 above the diagonal; softmax's backward for :func:`causal_softmax_`'s P.
     Returns ``grad``."""
-    n, t, _ = probs.shape
+    n, t, _ = probs.shape if probs.dim() == 3 else (0, 0, 0)
+    if not _scores_ok(probs) or grad.device.type != "cpu":
+        raise ValueError(
+            "causal_softmax_backward_: probs must be a contiguous (N, T, T) CPU tensor"
+        )
     if grad.shape != probs.shape or grad.dtype != probs.dtype or not grad.is_contiguous():
-        raise ValueError("grad must be contiguous, of probs' shape and dtype")
+        raise ValueError(
+            "causal_softmax_backward_: grad must be contiguous, of probs' shape and dtype"
+        )
     _lib().lmlab_causal_softmax_backward(
         _DTYPES[probs.dtype], probs.data_ptr(), grad.data_ptr(), grad.data_ptr(), n, t
     )
