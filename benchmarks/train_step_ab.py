@@ -3,7 +3,7 @@
     python benchmarks/train_step_ab.py --profile-arch minigpt,bf16 --rounds 4  # op by op
     python benchmarks/train_step_ab.py [--shapes nanogpt,minigpt] [--precisions fp32,bf16]
         [--rounds 20] [--threads 1] [--config CONFIG] [--reference] [--rope-kernel]
-        [--gelu-kernel] [--softmax-kernel]
+        [--softmax-kernel]
 
 For each shape and precision it builds, in this one process:
 
@@ -23,9 +23,6 @@ For each shape and precision it builds, in this one process:
   ``lmlab fast paths on/off`` is what they gain, measured in the same loop.
 - **torchrope** (``--rope-kernel``): lmlab's default with only the C++ RoPE kernel
   (:mod:`lmlab.nn.rope_kernel`) off, RoPE as torch ops: ``lmlab rope kernel on/off``.
-- **torchgelu** (``--gelu-kernel``): lmlab's default with only the C++ bias + GELU kernel
-  (:mod:`lmlab.nn.train_kernel`) off, the MLP's up projection as torch's addmm + gelu:
-  ``lmlab gelu kernel on/off``.
 - **torchsoftmax** (``--softmax-kernel``): lmlab's default with only the C++ causal softmax
   kernel (:func:`lmlab.nn.train_kernel.causal_softmax_`) off, the bf16 attention's mask and
   softmax as torch's masked_fill + softmax: ``lmlab softmax kernel on/off``.
@@ -152,11 +149,6 @@ def main(argv: list[str] | None = None) -> None:
         help="also lmlab with only its C++ RoPE kernel off (torchrope): what it gains",
     )
     ap.add_argument(
-        "--gelu-kernel",
-        action="store_true",
-        help="also lmlab with only its C++ bias + GELU kernel off (torchgelu): what it gains",
-    )
-    ap.add_argument(
         "--softmax-kernel",
         action="store_true",
         help="also lmlab with only its C++ causal softmax kernel off (torchsoftmax)",
@@ -254,10 +246,6 @@ def main(argv: list[str] | None = None) -> None:
             for p in precisions
         ]
         pairs += [
-            (f"lmlab gelu kernel on/off ({shape} shape, {p})", "lmlab", p, "torchgelu", p)
-            for p in precisions
-        ]
-        pairs += [
             (f"lmlab softmax kernel on/off ({shape} shape, {p})", "lmlab", p, "torchsoftmax", p)
             for p in precisions
         ]
@@ -301,9 +289,6 @@ def run_shape(args: argparse.Namespace, shape: str, precisions: list[str], ids: 
             if args.rope_kernel:
                 tr = stack.enter_context(lmlab_session(args.config, over))
                 steps["torchrope", p] = trainer_step(tr.trainer, rope_kernel=False)
-            if args.gelu_kernel:
-                tg = stack.enter_context(lmlab_session(args.config, over))
-                steps["torchgelu", p] = trainer_step(tg.trainer, gelu_kernel=False)
             if args.softmax_kernel:
                 ts = stack.enter_context(lmlab_session(args.config, over))
                 steps["torchsoftmax", p] = trainer_step(ts.trainer, softmax_kernel=False)
@@ -500,43 +485,37 @@ def trainer_step(
     trainer,
     fast_paths: bool = True,
     rope_kernel: bool = True,
-    gelu_kernel: bool = True,
     softmax_kernel: bool = True,
 ) -> Callable[[], None]:
     """One ``Trainer.train_step`` per call, at the next step number; ``fast_paths`` False runs
     it with the training fast paths switched off (the q/k/v fusion, the bf16 batched-matmul
-    attention, the bf16 RoPE function, the C++ RoPE and bias + GELU kernels): the reference
+    attention, the bf16 RoPE function, the C++ RoPE and causal softmax kernels): the reference
     path they replace; ``rope_kernel`` False only the C++ RoPE kernel (RoPE as torch ops, as
-    before it); ``gelu_kernel`` False only the bias + GELU kernel (addmm + gelu);
-    ``softmax_kernel`` False only the causal softmax kernel (masked_fill + softmax)."""
+    before it); ``softmax_kernel`` False only the causal softmax kernel (masked_fill +
+    softmax)."""
     import lmlab.nn.attention as attention
     import lmlab.nn.attention_core as core
-    import lmlab.nn.ffn as ffn
     import lmlab.nn.position as position
 
     count = [0]
 
     def step() -> None:
         saved = attention.TRAIN_FUSED_QKV, core.BMM_CAUSAL_MAX_T, position.TRAIN_ROTATE_HALF
-        saved_kernel, saved_gelu = position.TRAIN_ROPE_KERNEL, ffn.TRAIN_GELU_KERNEL
-        saved_softmax = core.TRAIN_SOFTMAX_KERNEL
+        saved_kernel, saved_softmax = position.TRAIN_ROPE_KERNEL, core.TRAIN_SOFTMAX_KERNEL
         if not fast_paths:
             attention.TRAIN_FUSED_QKV, core.BMM_CAUSAL_MAX_T = False, 0
             position.TRAIN_ROTATE_HALF = position.TRAIN_ROPE_KERNEL = False
-            ffn.TRAIN_GELU_KERNEL = core.TRAIN_SOFTMAX_KERNEL = False
+            core.TRAIN_SOFTMAX_KERNEL = False
         if not softmax_kernel:
             core.TRAIN_SOFTMAX_KERNEL = False
         if not rope_kernel:
             position.TRAIN_ROPE_KERNEL = False
-        if not gelu_kernel:
-            ffn.TRAIN_GELU_KERNEL = False
         try:
             trainer.train_step(count[0])
         finally:
             attention.TRAIN_FUSED_QKV, core.BMM_CAUSAL_MAX_T = saved[:2]
             position.TRAIN_ROTATE_HALF = saved[2]
             position.TRAIN_ROPE_KERNEL = saved_kernel
-            ffn.TRAIN_GELU_KERNEL = saved_gelu
             core.TRAIN_SOFTMAX_KERNEL = saved_softmax
         count[0] += 1
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmlab.errors import ConfigError
-from lmlab.nn.fused import fused_linear, global_hooks, linear, plain_linear
+from lmlab.nn.fused import fused_linear, linear
 from lmlab.nn.hooks import HookPoint
 from lmlab.registry import Registry
 
@@ -75,26 +75,6 @@ ACTIVATIONS.register("relu2", "max(x, 0)^2, squared ReLU (So et al. 2021, Primer
 ACTIVATIONS.register("silu", "x * sigmoid(x), a.k.a. swish (Elfwing et al. 2018).")(F.silu)
 
 
-# Training with bfloat16 activations on a CPU: the MLP's up-projection bias and its GELU through
-# lmlab's C++ kernel (lmlab.nn.train_kernel); False keeps torch's addmm and gelu (A/B benchmarks).
-TRAIN_GELU_KERNEL = True
-# ... for an up projection output of at least this many elements (B T d_ff): below it the
-# kernel's Python autograd.Function costs what its pass saves (nanoGPT's CPU shape, 768 x 512:
-# 0.96-1.00x of the step; the Mini-GPT shape, 4096 x 1024: 0.99-1.01x, benchmarks/README.md)
-TRAIN_GELU_KERNEL_MIN_ELEMENTS = 1 << 20
-_KERNEL_GELUS = {F.gelu: "none", gelu_tanh: "tanh"}  # activations the kernel computes
-
-
-def _bf16_activations(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``F.linear(x, weight)`` gives bfloat16 on a CPU: under bf16 autocast, or both
-    bfloat16 without autocast."""
-    if x.device.type != "cpu":
-        return False
-    if torch.is_autocast_enabled("cpu"):
-        return torch.get_autocast_dtype("cpu") == torch.bfloat16
-    return x.dtype == weight.dtype == torch.bfloat16
-
-
 def refuse_fixed_activation(m: ModelConfig, field: str = "model.ffn.kind") -> None:
     """Refuse ``model.ffn.activation`` set (off its default) where nothing reads it: on an FFN
     kind whose gate activation is fixed (swiglu: silu, geglu: gelu), named by ``field``
@@ -130,45 +110,8 @@ class MLP(nn.Module):
         self.hook_out = HookPoint()  # (B, T, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.train_bias_gelu(x)
-        if hidden is None:
-            hidden = self.act(linear(self.up_proj, x))
-        hidden = self.hook_hidden(hidden)  # (B, T, F)
+        hidden = self.hook_hidden(self.act(linear(self.up_proj, x)))  # (B, T, F)
         return self.hook_out(linear(self.down_proj, hidden))
-
-    def train_bias_gelu(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x (B, T, D) -> gelu(up(x)) (B, T, F) as a bias-free matmul then lmlab's bias + GELU
-        kernel (:func:`lmlab.nn.train_kernel.bias_gelu`: one pass forward and one backward,
-        the bias gradient summed in the same pass), while gradients are recorded (training)
-        with bfloat16 activations on a CPU (autocast's, or bf16 weights), the activation GELU
-        (exact or tanh), ``up_proj`` a plain linear (no hooks, no global module hooks), an
-        output of at least :data:`TRAIN_GELU_KERNEL_MIN_ELEMENTS` elements,
-        :data:`TRAIN_GELU_KERNEL` on, not under torch.compile, the kernel compiled. None
-        otherwise (the caller runs torch's ops). Values to bfloat16 rounding of torch's, not
-        bit-equal (see the kernel's module)."""
-        approximate = _KERNEL_GELUS.get(self.act)
-        if approximate is None or not TRAIN_GELU_KERNEL or not torch.is_grad_enabled():
-            return None
-        up = self._modules["up_proj"]
-        if torch.compiler.is_compiling() or not plain_linear(up) or global_hooks():  # type: ignore[arg-type]
-            return None
-        weight, bias = up._parameters["weight"], up._parameters["bias"]  # type: ignore[union-attr]
-        if x.numel() // max(x.shape[-1], 1) * weight.shape[0] < TRAIN_GELU_KERNEL_MIN_ELEMENTS:  # type: ignore[union-attr]
-            return None
-        if not _bf16_activations(x, weight):  # type: ignore[arg-type]
-            return None
-        from lmlab.nn import train_kernel
-
-        if bias is not None and (
-            bias.device.type != "cpu" or bias.dtype not in (torch.float32, torch.bfloat16)
-        ):
-            return None
-        if not train_kernel.available():
-            return None
-        h = F.linear(x, weight)  # type: ignore[arg-type]
-        if not train_kernel.applies(h, bias):  # (not expected: checked above) torch's ops
-            return self.act(h if bias is None else h + bias.to(h.dtype))
-        return train_kernel.bias_gelu(h, bias, approximate)
 
     def saved_activation_bytes(self, act_bytes: int) -> int:
         """Bytes per token autograd keeps of the hidden activations for backward: up(x) and
