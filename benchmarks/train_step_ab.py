@@ -3,7 +3,7 @@
     python benchmarks/train_step_ab.py --profile-arch minigpt,bf16 --rounds 4  # op by op
     python benchmarks/train_step_ab.py [--shapes nanogpt,minigpt] [--precisions fp32,bf16]
         [--rounds 20] [--threads 1] [--config CONFIG] [--reference] [--rope-kernel]
-        [--softmax-kernel]
+        [--softmax-kernel] [--norm-kernel]
 
 For each shape and precision it builds, in this one process:
 
@@ -26,6 +26,9 @@ For each shape and precision it builds, in this one process:
 - **torchsoftmax** (``--softmax-kernel``): lmlab's default with only the C++ causal softmax
   kernel (:func:`lmlab.nn.train_kernel.causal_softmax_`) off, the bf16 attention's mask and
   softmax as torch's masked_fill + softmax: ``lmlab softmax kernel on/off``.
+- **torchnorm** (``--norm-kernel``): lmlab's default with only the C++ norm-to-bf16 kernel
+  (:func:`lmlab.nn.train_kernel.norm_bf16`) off, the pre-norm blocks' norms as torch's float32
+  norm then autocast's cast: ``lmlab norm kernel on/off``.
 - **plain**: lmlab with nanoGPT's architecture (learned positions, no biases in linears or
   norms), the same Trainer step: ``lmlab default / plain`` is what lmlab's default architecture
   costs.
@@ -154,6 +157,11 @@ def main(argv: list[str] | None = None) -> None:
         help="also lmlab with only its C++ causal softmax kernel off (torchsoftmax)",
     )
     ap.add_argument(
+        "--norm-kernel",
+        action="store_true",
+        help="also lmlab with only its C++ norm-to-bf16 kernel off (torchnorm)",
+    )
+    ap.add_argument(
         "--attention", action="store_true", help="only the bf16 attention paths (see attention_ab)"
     )
     ap.add_argument(
@@ -249,6 +257,10 @@ def main(argv: list[str] | None = None) -> None:
             (f"lmlab softmax kernel on/off ({shape} shape, {p})", "lmlab", p, "torchsoftmax", p)
             for p in precisions
         ]
+        pairs += [
+            (f"lmlab norm kernel on/off ({shape} shape, {p})", "lmlab", p, "torchnorm", p)
+            for p in precisions
+        ]
         for what, a, pa, b, pb in pairs:
             if (a, pa) in med and (b, pb) in med:
                 r = med[b, pb] / med[a, pa]
@@ -292,6 +304,9 @@ def run_shape(args: argparse.Namespace, shape: str, precisions: list[str], ids: 
             if args.softmax_kernel:
                 ts = stack.enter_context(lmlab_session(args.config, over))
                 steps["torchsoftmax", p] = trainer_step(ts.trainer, softmax_kernel=False)
+            if args.norm_kernel:
+                tn = stack.enter_context(lmlab_session(args.config, over))
+                steps["torchnorm", p] = trainer_step(tn.trainer, norm_kernel=False)
             tokens = SHAPES[shape][4] * lm.seq_len
             flops = flops_per_token(lm.model, lm.cfg.model, lm.seq_len, True)
         for fn in steps.values():
@@ -486,6 +501,7 @@ def trainer_step(
     fast_paths: bool = True,
     rope_kernel: bool = True,
     softmax_kernel: bool = True,
+    norm_kernel: bool = True,
 ) -> Callable[[], None]:
     """One ``Trainer.train_step`` per call, at the next step number; ``fast_paths`` False runs
     it with the training fast paths switched off (the q/k/v fusion, the bf16 batched-matmul
@@ -495,6 +511,7 @@ def trainer_step(
     softmax)."""
     import lmlab.nn.attention as attention
     import lmlab.nn.attention_core as core
+    import lmlab.nn.norm as norm
     import lmlab.nn.position as position
 
     count = [0]
@@ -502,10 +519,13 @@ def trainer_step(
     def step() -> None:
         saved = attention.TRAIN_FUSED_QKV, core.BMM_CAUSAL_MAX_T, position.TRAIN_ROTATE_HALF
         saved_kernel, saved_softmax = position.TRAIN_ROPE_KERNEL, core.TRAIN_SOFTMAX_KERNEL
+        saved_norm = norm.TRAIN_NORM_KERNEL
         if not fast_paths:
             attention.TRAIN_FUSED_QKV, core.BMM_CAUSAL_MAX_T = False, 0
             position.TRAIN_ROTATE_HALF = position.TRAIN_ROPE_KERNEL = False
-            core.TRAIN_SOFTMAX_KERNEL = False
+            core.TRAIN_SOFTMAX_KERNEL = norm.TRAIN_NORM_KERNEL = False
+        if not norm_kernel:
+            norm.TRAIN_NORM_KERNEL = False
         if not softmax_kernel:
             core.TRAIN_SOFTMAX_KERNEL = False
         if not rope_kernel:
@@ -517,6 +537,7 @@ def trainer_step(
             position.TRAIN_ROTATE_HALF = saved[2]
             position.TRAIN_ROPE_KERNEL = saved_kernel
             core.TRAIN_SOFTMAX_KERNEL = saved_softmax
+            norm.TRAIN_NORM_KERNEL = saved_norm
         count[0] += 1
 
     return step

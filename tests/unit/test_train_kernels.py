@@ -90,3 +90,112 @@ def test_causal_softmax_refuses_what_the_kernel_cannot_read(scores):
     if scores.dim() == 3 and scores.shape[1] == scores.shape[2] and scores.dtype == torch.float32:
         with pytest.raises(ValueError, match="contiguous"):
             train_kernel.causal_softmax_backward_(scores, torch.ones(2, 4, 4))
+
+
+# ---- norms straight to bf16 -----------------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize(("rms", "bias"), [(False, True), (False, False), (True, False)])
+@pytest.mark.parametrize("d", [16, 40, 256])
+def test_norm_bf16_is_the_norm_rounded_once_and_its_gradients(rms, bias, d):
+    torch.manual_seed(d)
+    x = (torch.randn(3, 7, d) * 3 + 1).requires_grad_()
+    w = (torch.randn(d) * 0.5 + 1).requires_grad_()
+    b = torch.randn(d).requires_grad_() if bias else None
+    y = train_kernel.norm_bf16(x, w, b, 1e-5, rms)
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+    g = torch.randn(3, 7, d).bfloat16()
+    y.backward(g)
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    bd = None if b is None else b.detach().double().requires_grad_()
+    if rms:
+        ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * wd
+    else:
+        ref = F.layer_norm(xd, (d,), wd, bd, 1e-5)
+    ref.backward(g.double())
+    assert _ulps(y, ref, torch.bfloat16, 1e-2).max() <= 1.0  # one rounding of the float32 value
+    for got, want in ((x.grad, xd.grad), (w.grad, wd.grad)) + (
+        ((b.grad, bd.grad),) if bias else ()
+    ):
+        assert got.dtype == torch.float32
+        assert ((got.double() - want).abs() <= 1e-5 * want.abs().max()).all()
+
+
+@needs_kernel
+def test_norm_bf16_parameter_gradients_are_the_same_bits_for_any_thread_count():
+    torch.manual_seed(3)
+    x, w, b = torch.randn(999, 64), torch.randn(64), torch.randn(64)
+    g = torch.randn(999, 64).bfloat16()
+    before, grads = torch.get_num_threads(), []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            ps = [t.clone().requires_grad_() for t in (x, w, b)]
+            train_kernel.norm_bf16(*ps, 1e-5).backward(g)
+            grads.append([p.grad for p in ps])
+    finally:
+        torch.set_num_threads(before)
+    for other in grads[1:]:
+        assert all(torch.equal(a, c) for a, c in zip(other, grads[0], strict=True))
+
+
+@pytest.mark.parametrize(
+    ("x", "w", "b", "rms"),
+    [
+        (torch.ones(4, 8), torch.ones(7), None, False),  # weight one short: a read past it
+        (torch.ones(4, 8), torch.ones(8), torch.ones(9), False),
+        (torch.ones(4, 8).bfloat16(), torch.ones(8), None, False),
+        (torch.ones(4, 8, device="meta"), torch.ones(8), None, False),
+        (torch.ones(4, 8), torch.ones(8), torch.ones(8), True),  # RMSNorm has no bias
+    ],
+)
+def test_norm_bf16_refuses_what_the_kernel_cannot_read(x, w, b, rms):
+    with pytest.raises(ValueError, match="norm_bf16"):
+        train_kernel.norm_bf16(x, w, b, 1e-5, rms)
+
+
+@needs_kernel
+@pytest.mark.parametrize("norm_kind", ["layernorm", "rmsnorm"])
+def test_pre_norm_blocks_take_the_norm_kernel_with_the_same_function(norm_kind, monkeypatch):
+    import lmlab.nn.norm as norm_mod
+    from lmlab.models import build_model
+    from tests.helpers import tiny_model_config
+
+    cfg = tiny_model_config(37, attention={"n_heads": 4}, norm={"kind": norm_kind})
+    torch.manual_seed(0)
+    m = build_model(cfg)
+    with torch.no_grad():  # norm parameters off their init, so that they matter
+        for name, p in m.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    x = torch.randint(0, 37, (2, 12))
+    took: list[int] = []
+    real = train_kernel.norm_bf16
+    monkeypatch.setattr(train_kernel, "norm_bf16", lambda *a, **k: took.append(1) or real(*a, **k))
+    monkeypatch.setattr(norm_mod, "TRAIN_NORM_KERNEL_MIN_ELEMENTS", 0)  # tiny shapes here
+
+    def step(flag: bool, autocast: bool = True) -> tuple[float, dict[str, torch.Tensor]]:
+        monkeypatch.setattr(norm_mod, "TRAIN_NORM_KERNEL", flag)
+        m.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = m(x, targets=x).loss
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    loss0, g0 = step(False)
+    assert not took
+    loss1, g1 = step(True)
+    assert len(took) == 2 * len(m.layers)  # the two norms of every block; not the final norm
+    assert abs(loss1 - loss0) < 2e-3
+    top = max(g.abs().max().item() for g in g0.values())
+    for name, g in g0.items():  # to bf16 rounding
+        assert (g1[name] - g).abs().max() <= 0.06 * g.abs().max() + 1e-3 * top, name
+    took.clear()
+    step(True, autocast=False)  # float32 training: torch's norm
+    handle = m.layers[0].attn_norm.register_forward_hook(lambda *a: None)
+    try:  # a hooked norm is called as a module (its hook runs); the other layers' norms fuse
+        step(True)
+        assert len(took) == 2 * len(m.layers) - 1
+    finally:
+        handle.remove()

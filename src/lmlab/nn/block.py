@@ -16,7 +16,7 @@ from lmlab.nn.cross_attention import CrossAttention
 from lmlab.nn.ffn import build_ffn
 from lmlab.nn.hooks import HookPoint
 from lmlab.nn.kv_cache import CrossAttentionCache, LayerCache
-from lmlab.nn.norm import build_norm
+from lmlab.nn.norm import build_norm, norm_for_matmuls
 from lmlab.registry import Registry
 
 if TYPE_CHECKING:
@@ -91,6 +91,17 @@ class Block(nn.Module):
         raise NotImplementedError
 
 
+def _matmul_input_kinds() -> frozenset[type]:
+    """The attention and FFN classes whose forward uses its input only as matmul input."""
+    from lmlab.nn.attention import SoftmaxAttention
+    from lmlab.nn.ffn import MLP, GatedActivationMLP, GeGLU, SwiGLU
+
+    return frozenset({SoftmaxAttention, MLP, SwiGLU, GeGLU, GatedActivationMLP})
+
+
+_MATMUL_INPUT = _matmul_input_kinds()
+
+
 @BLOCK.register("pre")
 class PreNormBlock(Block):
     """x + attn(norm(x)), then x + ffn(norm(x)): trains deep stacks stably (Xiong et al. 2020).
@@ -101,11 +112,24 @@ class PreNormBlock(Block):
     examples: tuple[dict, ...] = ({}, {"block": {"parallel": True}})
 
     def forward(self, x, position, positions, key_mask=None, cache=None):
-        a = self.attn(self.attn_norm(x), position, positions, key_mask, cache)
+        a = self.attn(
+            self.norm_in(self.attn_norm, x, self.attn), position, positions, key_mask, cache
+        )
         if self.parallel:
-            return self.add(x, self.dropped(a.out) + self.dropped(self.ffn(self.ffn_norm(x))))
+            h = self.norm_in(self.ffn_norm, x, self.ffn)
+            return self.add(x, self.dropped(a.out) + self.dropped(self.ffn(h)))
         x = self.hook_resid_mid(self.add(x, self.dropped(a.out)))
-        return self.add(x, self.dropped(self.ffn(self.ffn_norm(x))))
+        return self.add(x, self.dropped(self.ffn(self.norm_in(self.ffn_norm, x, self.ffn))))
+
+    @staticmethod
+    def norm_in(norm: nn.Module, x: torch.Tensor, consumer: nn.Module) -> torch.Tensor:
+        """``norm(x)`` as ``consumer``'s input: through :func:`~lmlab.nn.norm.norm_for_matmuls`
+        (bf16 straight from the norm in bf16 CPU training) when ``consumer`` is a module that
+        only feeds its input to matmuls (softmax attention's projections, an MLP's up or gate
+        projections), else ``norm(x)``."""
+        if type(consumer) in _MATMUL_INPUT:
+            return norm_for_matmuls(norm, x)
+        return norm(x)
 
 
 @BLOCK.register("post")

@@ -46,6 +46,64 @@ class RMSNorm(nn.Module):
         return (y * self.weight.to(dtype)).to(x.dtype)
 
 
+# Training under bf16 autocast on a CPU: a norm whose output only feeds matmuls (a pre-norm
+# block's attention or MLP input) is computed by lmlab's C++ kernel straight to bfloat16 (what
+# autocast's float32 norm and the matmul's cast give, without the float32 output:
+# lmlab.nn.train_kernel.norm_bf16). False keeps torch's ops (A/B benchmarks).
+TRAIN_NORM_KERNEL = True
+# ... for inputs of at least this many elements (B T D): below it the kernel's Python
+# autograd.Function costs what it saves (nanoGPT's CPU shape, 768 x 128: 156 vs 139 us forward
+# and backward; the Mini-GPT shape, 4096 x 256: 1.3 vs 2.6 ms)
+TRAIN_NORM_KERNEL_MIN_ELEMENTS = 1 << 18
+
+
+def _plain_module(m: nn.Module) -> bool:
+    """No torch hooks on ``m`` and no global module hooks: calling it runs only its forward."""
+    from lmlab.nn.fused import global_hooks
+
+    hooks = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
+    return not any(hooks) and not global_hooks()
+
+
+def norm_for_matmuls(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` for a caller whose only use of the result is as matmul input (under
+    autocast, which casts it to bfloat16 there anyway): x (..., D) -> (..., D). While gradients
+    are recorded under CPU bf16 autocast, for lmlab's LayerNorm (over the last dim) or RMSNorm
+    with float32 parameters and no hooks, x float32 with at least
+    :data:`TRAIN_NORM_KERNEL_MIN_ELEMENTS` elements, :data:`TRAIN_NORM_KERNEL` on, not under
+    torch.compile and the kernel compiled, the result comes as bfloat16 from one C++ pass each
+    way (:func:`lmlab.nn.train_kernel.norm_bf16`; its float32 values to float32 rounding of
+    torch's, then the one rounding autocast makes). Otherwise ``norm(x)``."""
+    if not (TRAIN_NORM_KERNEL and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        return norm(x)
+    if (
+        x.device.type != "cpu"
+        or x.dtype != torch.float32
+        or x.numel() < TRAIN_NORM_KERNEL_MIN_ELEMENTS
+    ):
+        return norm(x)
+    if not torch.is_autocast_enabled("cpu") or torch.get_autocast_dtype("cpu") != torch.bfloat16:
+        return norm(x)
+    kind = type(norm)
+    params = norm._parameters
+    weight, bias = params.get("weight"), params.get("bias")
+    if kind is LayerNorm:
+        if tuple(norm.normalized_shape) != (x.shape[-1],):  # type: ignore[arg-type]
+            return norm(x)
+    elif kind is not RMSNorm:
+        return norm(x)
+    if weight is None or any(p is not None and p.dtype != torch.float32 for p in (weight, bias)):
+        return norm(x)
+    if not _plain_module(norm):
+        return norm(x)
+    from lmlab.nn import train_kernel
+
+    if not train_kernel.available():
+        return norm(x)
+    eps = float(norm.eps)  # type: ignore[arg-type]
+    return train_kernel.norm_bf16(x, weight, bias, eps, rms=kind is RMSNorm)
+
+
 def build_norm(cfg: ModelConfig) -> nn.Module:
     """The norm named by ``cfg.norm.kind``."""
     return NORM.get(cfg.norm.kind, "model.norm.kind")(cfg)

@@ -56,6 +56,11 @@ def _build() -> ctypes.CDLL:
     lib.lmlab_causal_softmax_forward.restype = ci
     lib.lmlab_causal_softmax_backward.argtypes = [ci, fp, fp, fp, i64, i64]
     lib.lmlab_causal_softmax_backward.restype = ci
+    f32 = ctypes.c_float
+    lib.lmlab_norm_bf16_forward.argtypes = [ci, fp, fp, fp, fp, fp, fp, i64, i64, f32]
+    lib.lmlab_norm_bf16_forward.restype = ci
+    lib.lmlab_norm_bf16_backward.argtypes = [ci, fp, fp, fp, fp, fp, fp, fp, fp, i64, i64]
+    lib.lmlab_norm_bf16_backward.restype = ci
     return lib
 
 
@@ -138,3 +143,71 @@ def causal_softmax_backward_(probs: torch.Tensor, grad: torch.Tensor) -> torch.T
         _DTYPES[probs.dtype], probs.data_ptr(), grad.data_ptr(), grad.data_ptr(), n, t
     )
     return grad
+
+
+class NormBf16Function(torch.autograd.Function):
+    """LayerNorm (``rms`` False) or RMSNorm of x (..., D) float32 -> bfloat16 (..., D), one
+    kernel pass each way (see :func:`norm_bf16`). Saves x and the per-row mean and rstd (what
+    torch's layer_norm saves)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, rms):
+        x = x.contiguous()
+        w = weight.detach().contiguous()
+        b = None if bias is None else bias.detach().contiguous()
+        d = x.shape[-1]
+        rows = x.numel() // d
+        y = torch.empty(x.shape, dtype=torch.bfloat16)
+        mean = torch.empty(rows, dtype=torch.float32)
+        rstd = torch.empty(rows, dtype=torch.float32)
+        _lib().lmlab_norm_bf16_forward(
+            int(rms), x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(),
+            y.data_ptr(), mean.data_ptr(), rstd.data_ptr(), rows, d, float(eps),
+        )  # fmt: skip
+        ctx.save_for_backward(x, w, mean, rstd)
+        ctx.rms, ctx.has_bias = rms, b is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, mean, rstd = ctx.saved_tensors
+        g = g.to(torch.bfloat16).contiguous()
+        d = x.shape[-1]
+        dx = torch.empty_like(x)
+        dw = torch.empty(d, dtype=torch.float32)
+        db = torch.empty(d, dtype=torch.float32) if ctx.has_bias else None
+        _lib().lmlab_norm_bf16_backward(
+            int(ctx.rms), g.data_ptr(), x.data_ptr(), w.data_ptr(), mean.data_ptr(),
+            rstd.data_ptr(), dx.data_ptr(), dw.data_ptr(), None if db is None else db.data_ptr(),
+            x.numel() // d, d,
+        )  # fmt: skip
+        return dx, dw, db, None, None
+
+
+def norm_bf16(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    rms: bool = False,
+) -> torch.Tensor:
+    """LayerNorm (``rms`` False: (x - mean) / sqrt(var + eps) * weight + bias, Ba et al. 2016)
+    or RMSNorm (x / sqrt(mean(x^2) + eps) * weight, Zhang & Sennrich 2019; ``bias`` must be
+    None) over the last dim of x (..., D) float32, returned as bfloat16 (..., D): what autocast's
+    float32 norm and the next matmul's bf16 cast give, in one pass, the float32 output never
+    written. Differentiable in x, weight and bias (:class:`NormBf16Function`; dy bfloat16 in,
+    float32 gradients out). x, weight (D,) and bias (D,) float32 CPU tensors, else ValueError;
+    RuntimeError when the kernel is unavailable."""
+    d = x.shape[-1] if x.dim() else 0
+    ok = x.device.type == "cpu" and x.dtype == torch.float32 and d >= 1
+    for p in (weight, bias):
+        if p is not None and (
+            p.device.type != "cpu" or p.dtype != torch.float32 or p.shape != (d,)
+        ):
+            ok = False
+    if not ok or (rms and bias is not None):
+        raise ValueError(
+            f"norm_bf16: x must be float32 (..., D >= 1) on the CPU with weight (and a LayerNorm's "
+            f"bias) float32 (D,), not x {x.dtype} {tuple(x.shape)} on {x.device}"
+        )
+    return NormBf16Function.apply(x, weight, bias, eps, rms)

@@ -217,6 +217,123 @@ void causal_softmax_backward(const void* p, const void* dp, void* ds, int64_t ba
   });
 }
 
+
+// ---- LayerNorm / RMSNorm from the float32 residual stream to bfloat16 -----------------------
+//
+// x (R, D) float32 -> y (R, D) bfloat16: LayerNorm y = (x - mean) rstd w + b (rstd = 1 /
+// sqrt(var + eps), the biased variance, two passes over the row), or RMSNorm y = x rstd w (rstd
+// = 1 / sqrt(mean(x^2) + eps)); mean and rstd kept per row for the backward. What autocast's
+// float32 norm followed by its bfloat16 cast for the next matmul computes, in one pass: the
+// float32 output is never written. Backward, from dy (R, D) bfloat16: with xh = (x - mean) rstd
+// and g = dy w, dx = rstd (g - mean(g) - xh mean(g xh)) (RMSNorm: without the mean(g) term)
+// in float32, dw = sum over rows of dy xh, db = sum of dy, summed over fixed row blocks, then in
+// block order (the same bits for any thread count).
+
+template <bool RMS, bool HasB>
+void norm_forward(const float* x, const float* w, const float* b, uint16_t* y, float* mean_out,
+                  float* rstd_out, int64_t rows, int64_t d, float eps) {
+  int64_t grain = d >= 4096 ? 1 : 4096 / d;
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* __restrict__ xr = x + r * d;
+      uint16_t* __restrict__ yr = y + r * d;
+      float mean = 0.0f, v = 0.0f;
+      int64_t j0 = 0;
+#ifdef LMLAB_TRAIN_AVX512
+      const int64_t dv = d - d % 16;
+      if (!RMS) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = 0; j < dv; j += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(xr + j));
+        float s = _mm512_reduce_add_ps(acc);
+        for (int64_t j = dv; j < d; ++j) s += xr[j];
+        mean = s / static_cast<float>(d);
+      }
+      __m512 vm = _mm512_set1_ps(mean), acc = _mm512_setzero_ps();
+      for (int64_t j = 0; j < dv; j += 16) {
+        __m512 c = _mm512_sub_ps(_mm512_loadu_ps(xr + j), vm);
+        acc = _mm512_fmadd_ps(c, c, acc);
+      }
+      v = _mm512_reduce_add_ps(acc);
+      for (int64_t j = dv; j < d; ++j) v += (xr[j] - mean) * (xr[j] - mean);
+      float rstd = 1.0f / std::sqrt(v / static_cast<float>(d) + eps);
+      __m512 vr = _mm512_set1_ps(rstd);
+      for (int64_t j = 0; j < dv; j += 16) {
+        __m512 o = _mm512_mul_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(xr + j), vm), vr),
+                                 _mm512_loadu_ps(w + j));
+        if (HasB) o = _mm512_add_ps(o, _mm512_loadu_ps(b + j));
+        store16(o, yr + j);
+      }
+      j0 = dv;
+#else
+      if (!RMS) {
+        float s = 0.0f;
+        for (int64_t j = 0; j < d; ++j) s += xr[j];
+        mean = s / static_cast<float>(d);
+      }
+      for (int64_t j = 0; j < d; ++j) v += (xr[j] - mean) * (xr[j] - mean);
+      float rstd = 1.0f / std::sqrt(v / static_cast<float>(d) + eps);
+#endif
+      for (int64_t j = j0; j < d; ++j) {
+        float o = (xr[j] - mean) * rstd * w[j];
+        if (HasB) o += b[j];
+        yr[j] = f32_to_bf16(o);
+      }
+      mean_out[r] = mean;
+      rstd_out[r] = rstd;
+    }
+  });
+}
+
+template <bool RMS, bool HasB>
+void norm_backward(const uint16_t* dy, const float* x, const float* w, const float* mean,
+                   const float* rstd, float* dx, float* dw, float* db, int64_t rows, int64_t d) {
+  int64_t blocks = (rows + 15) / 16;
+  if (blocks > 64) blocks = 64;
+  if (blocks < 1) blocks = 1;
+  const int64_t per = (rows + blocks - 1) / blocks;
+  std::vector<float> sw(static_cast<size_t>(blocks * d), 0.0f);
+  std::vector<float> sb(HasB ? static_cast<size_t>(blocks * d) : 0, 0.0f);
+  const float inv_d = 1.0f / static_cast<float>(d);
+  at::parallel_for(0, blocks, 1, [&](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      float* __restrict__ aw = sw.data() + k * d;
+      float* __restrict__ ab = HasB ? sb.data() + k * d : nullptr;
+      const int64_t r1 = (k + 1) * per < rows ? (k + 1) * per : rows;
+      for (int64_t r = k * per; r < r1; ++r) {
+        const float* __restrict__ xr = x + r * d;
+        const uint16_t* __restrict__ gr = dy + r * d;
+        float* __restrict__ dxr = dx + r * d;
+        const float m = RMS ? 0.0f : mean[r], rs = rstd[r];
+        float sg = 0.0f, sgx = 0.0f;
+#pragma omp simd reduction(+ : sg, sgx)
+        for (int64_t j = 0; j < d; ++j) {
+          float g0 = bf16_to_f32(gr[j]);
+          float xh = (xr[j] - m) * rs;
+          float g = g0 * w[j];
+          sg += g;
+          sgx += g * xh;
+          aw[j] += g0 * xh;
+          if (HasB) ab[j] += g0;
+        }
+        const float mg = RMS ? 0.0f : sg * inv_d, mgx = sgx * inv_d;
+#pragma omp simd
+        for (int64_t j = 0; j < d; ++j) {
+          float xh = (xr[j] - m) * rs;
+          dxr[j] = rs * (bf16_to_f32(gr[j]) * w[j] - mg - xh * mgx);
+        }
+      }
+    }
+  });
+  for (int64_t j = 0; j < d; ++j) dw[j] = 0.0f;
+  for (int64_t k = 0; k < blocks; ++k)
+    for (int64_t j = 0; j < d; ++j) dw[j] += sw[k * d + j];
+  if (HasB) {
+    for (int64_t j = 0; j < d; ++j) db[j] = 0.0f;
+    for (int64_t k = 0; k < blocks; ++k)
+      for (int64_t j = 0; j < d; ++j) db[j] += sb[k * d + j];
+  }
+}
+
 }  // namespace
 
 // s, p (N, T, T) contiguous, p may be s. dtype 0 float32, 1 bfloat16. Returns 0, or 1.
@@ -233,5 +350,28 @@ extern "C" int lmlab_causal_softmax_backward(int dtype, const void* p, const voi
   if (dtype == 0) causal_softmax_backward<float>(p, dp, ds, n, t);
   else if (dtype == 1) causal_softmax_backward<uint16_t>(p, dp, ds, n, t);
   else return 1;
+  return 0;
+}
+
+// kind 0 LayerNorm, 1 RMSNorm; b null for none (RMSNorm: ignored). x, w, b float32; y bfloat16;
+// mean, rstd (R,) float32 out. Returns 0.
+extern "C" int lmlab_norm_bf16_forward(int kind, const float* x, const float* w, const float* b,
+                                       void* y, float* mean, float* rstd, int64_t rows, int64_t d,
+                                       float eps) {
+  auto yp = static_cast<uint16_t*>(y);
+  if (kind == 1) norm_forward<true, false>(x, w, nullptr, yp, mean, rstd, rows, d, eps);
+  else if (b) norm_forward<false, true>(x, w, b, yp, mean, rstd, rows, d, eps);
+  else norm_forward<false, false>(x, w, nullptr, yp, mean, rstd, rows, d, eps);
+  return 0;
+}
+
+// dy bfloat16; dx (R, D), dw (D,), db (D,) (null for none) float32, written.
+extern "C" int lmlab_norm_bf16_backward(int kind, const void* dy, const float* x, const float* w,
+                                        const float* mean, const float* rstd, float* dx, float* dw,
+                                        float* db, int64_t rows, int64_t d) {
+  auto g = static_cast<const uint16_t*>(dy);
+  if (kind == 1) norm_backward<true, false>(g, x, w, mean, rstd, dx, dw, nullptr, rows, d);
+  else if (db) norm_backward<false, true>(g, x, w, mean, rstd, dx, dw, db, rows, d);
+  else norm_backward<false, false>(g, x, w, mean, rstd, dx, dw, nullptr, rows, d);
   return 0;
 }
