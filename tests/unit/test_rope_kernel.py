@@ -240,5 +240,9 @@ def test_split_refuses_what_the_kernel_cannot_read():
         rope_kernel.rope_split(qkv, cs, cs, 2, 1, torch.ones(31))  # one short: a read past it
     with pytest.raises(ValueError, match="qkv must be"):
         rope_kernel.rope_split(qkv, cs, cs, 2, 2)  # heads do not add up
+    with pytest.raises(ValueError, match="h and kv must be"):
+        rope_kernel.rope_split(torch.ones(1, 3, 2, 8), cs, cs, 4, -1)  # 4 + 2 (-1) adds up
+    with pytest.raises(ValueError, match="h and kv must be"):
+        rope_kernel.rope_split(torch.ones(1, 3, 1, 8), cs, cs, -1, 1)
     with pytest.raises(ValueError, match="cos and signed"):
         rope_kernel.rope_split(qkv, cs[:2], cs, 2, 1)

@@ -236,7 +236,10 @@ def rope_split(
     """qkv (B, T, H + 2 K, hd) float32 or bfloat16 (+ ``bias`` ((H + 2 K) hd,) float32 or qkv's
     dtype, or None) -> (q (B, H, T, hd), k (B, K, T, hd)) rotated as :func:`rope` rotates them
     and v (B, K, T, hd), each contiguous; differentiable in qkv and bias
-    (:class:`RopeSplitFunction`). Raises RuntimeError when the kernel is unavailable."""
+    (:class:`RopeSplitFunction`). Raises ValueError for inputs it cannot read (h or kv negative
+    or not ints, shapes, dtypes, devices) and RuntimeError when the kernel is unavailable."""
+    if not (isinstance(h, int) and isinstance(kv, int) and h >= 0 and kv >= 0):
+        raise ValueError(f"rope_split: h and kv must be head counts (ints >= 0), not {h}, {kv}")
     b, t, heads, hd = qkv.shape if qkv.dim() == 4 else (0, 0, -1, 0)
     if heads != h + 2 * kv or qkv.device.type != "cpu" or qkv.dtype not in _DTYPES:
         raise ValueError(
