@@ -137,3 +137,16 @@ def test_bmm_attention_backward_with_create_graph_keeps_torch_softmax_backward(m
         grads[on] = torch.autograd.grad(out, (q, k, v), g, create_graph=True)
     for a, b in zip(grads[True], grads[False], strict=True):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+@needs_kernel
+def test_causal_softmax_backward_refuses_a_grad_overlapping_probs_in_part():
+    # rows would read P values the kernel already overwrote with dS: wrong numbers, no error
+    buf = torch.rand(40)
+    probs, grad = buf[:32].view(2, 4, 4), buf[4:36].view(2, 4, 4)
+    with pytest.raises(ValueError, match="overlaps probs"):
+        train_kernel.causal_softmax_backward_(probs, grad)
+    # the very same tensor is fine (each element is read before it is written)
+    p = train_kernel.causal_softmax_(torch.randn(2, 5, 5))
+    want = train_kernel.causal_softmax_backward_(p, p.clone())
+    assert torch.equal(train_kernel.causal_softmax_backward_(p, p), want)

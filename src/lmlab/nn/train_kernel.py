@@ -111,6 +111,15 @@ def _untracked(name: str, x: torch.Tensor) -> None:
         )
 
 
+def _partly_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share some memory but do not start at the same address
+    (the same tensor, or the same memory, is fine: each element is read before it is written)."""
+    if a.numel() == 0 or b.numel() == 0 or a.data_ptr() == b.data_ptr():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def _written(x: torch.Tensor) -> None:
     """Count an in-place write through the data pointer in x's version counter, so that a graph
     that saved x before raises at backward instead of using the new values."""
@@ -147,7 +156,8 @@ def causal_softmax_(scores: torch.Tensor) -> torch.Tensor:
 def causal_softmax_backward_(probs: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """In place on ``grad`` (dP, (N, T, T), contiguous, probs' dtype): dS = P (dP - rowsum(P dP))
     over j <= i, 0 above the diagonal; softmax's backward for :func:`causal_softmax_`'s P.
-    Raises ValueError as :func:`causal_softmax_` does (for ``grad``, the tensor written).
+    Raises ValueError as :func:`causal_softmax_` does (for ``grad``, the tensor written), and
+    for a ``grad`` that overlaps ``probs`` in part (the very same memory is fine).
     Returns ``grad``."""
     n, t, _ = probs.shape if probs.dim() == 3 else (0, 0, 0)
     if not _scores_ok(probs) or grad.device.type != "cpu":
@@ -157,6 +167,11 @@ def causal_softmax_backward_(probs: torch.Tensor, grad: torch.Tensor) -> torch.T
     if grad.shape != probs.shape or grad.dtype != probs.dtype or not grad.is_contiguous():
         raise ValueError(
             "causal_softmax_backward_: grad must be contiguous, of probs' shape and dtype"
+        )
+    if _partly_overlap(probs, grad):
+        raise ValueError(
+            "causal_softmax_backward_: grad overlaps probs in part (rows would read values "
+            "already overwritten); pass the same tensor or separate memory"
         )
     _untracked("causal_softmax_backward_: grad", grad)
     _lib().lmlab_causal_softmax_backward(
