@@ -96,9 +96,11 @@ def status() -> str:
 def applies(x: torch.Tensor, cos: torch.Tensor) -> bool:
     """Whether :func:`rope` takes x (B, N, T, hd) with tables ``cos`` (T, hd): CPU, float32 or
     bfloat16 (one dtype), contiguous last dim, shared positions (2-d tables), an even hd <=
-    :data:`MAX_HEAD_DIM`; and the kernel available."""
+    :data:`MAX_HEAD_DIM`, tables that record no gradient (the kernel returns none for them: a
+    trainable frequency table keeps torch's ops); and the kernel available."""
     return (
         x.device.type == "cpu"
+        and not (cos.requires_grad and torch.is_grad_enabled())
         and x.dim() == 4
         and x.dtype in _DTYPES
         and cos.dtype == x.dtype
@@ -250,6 +252,11 @@ def rope_split(
         raise ValueError(f"rope_split: cos and signed must be ({t}, {hd}) of qkv's dtype")
     if cos.device.type != "cpu" or signed.device.type != "cpu":
         raise ValueError("rope_split: cos and signed must be CPU tensors")
+    if torch.is_grad_enabled() and (cos.requires_grad or signed.requires_grad):
+        raise ValueError(
+            "rope_split: cos and signed must not record gradients (the kernel returns none "
+            "for them)"
+        )
     if bias is not None and (
         bias.shape != (heads * hd,)
         or bias.device.type != "cpu"
