@@ -240,5 +240,31 @@ def test_split_refuses_what_the_kernel_cannot_read():
         rope_kernel.rope_split(qkv, cs, cs, 2, 1, torch.ones(31))  # one short: a read past it
     with pytest.raises(ValueError, match="qkv must be"):
         rope_kernel.rope_split(qkv, cs, cs, 2, 2)  # heads do not add up
+    with pytest.raises(ValueError, match="h and kv must be"):
+        rope_kernel.rope_split(torch.ones(1, 3, 2, 8), cs, cs, 4, -1)  # 4 + 2 (-1) adds up
+    with pytest.raises(ValueError, match="h and kv must be"):
+        rope_kernel.rope_split(torch.ones(1, 3, 1, 8), cs, cs, -1, 1)
+    trainable = cs.clone().requires_grad_()  # the kernel would drop its gradient
+    with pytest.raises(ValueError, match="must not record gradients"):
+        rope_kernel.rope_split(qkv, trainable, cs, 2, 1)
     with pytest.raises(ValueError, match="cos and signed"):
         rope_kernel.rope_split(qkv, cs[:2], cs, 2, 1)
+
+
+@needs_kernel
+def test_a_trainable_frequency_table_gets_its_gradient_with_the_kernel_on(monkeypatch):
+    # the kernel returns no gradient for cos and signed: tables that record one keep torch's ops
+    torch.manual_seed(0)
+    m = build_model(tiny_model_config(V, attention={"n_heads": 4, "bias": True}))
+    m.position.inv_freq.requires_grad_(True)
+    x = torch.randint(0, V, (2, 9))
+    grads = {}
+    for on in (True, False):
+        monkeypatch.setattr(position, "TRAIN_ROPE_KERNEL", on)
+        m.position.inv_freq.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            m(x, targets=x).loss.backward()
+        grads[on] = m.position.inv_freq.grad
+    assert grads[False] is not None and grads[False].abs().sum() > 0
+    assert grads[True] is not None
+    torch.testing.assert_close(grads[True], grads[False], atol=1e-5, rtol=0.05)

@@ -199,3 +199,63 @@ def test_pre_norm_blocks_take_the_norm_kernel_with_the_same_function(norm_kind, 
         assert len(took) == 2 * len(m.layers) - 1
     finally:
         handle.remove()
+
+
+@needs_kernel
+def test_causal_softmax_refuses_tensors_autograd_tracks_and_marks_its_writes():
+    # the kernel writes through the data pointer, outside autograd: a tensor that records
+    # gradients would keep a graph that no longer describes its values (silently wrong grads)
+    x = torch.randn(2, 4, 4, requires_grad=True)
+    with pytest.raises(ValueError, match="records gradients"):
+        train_kernel.causal_softmax_(x * 2)  # x * 2's backward ignores the softmax
+    with pytest.raises(ValueError, match="records gradients"):
+        train_kernel.causal_softmax_(x)
+    p = train_kernel.causal_softmax_(torch.randn(2, 4, 4))
+    with pytest.raises(ValueError, match="records gradients"):
+        train_kernel.causal_softmax_backward_(p, x * 2)
+    # an in-place write is counted, as torch's own in-place ops count theirs: a graph that saved
+    # the tensor before (here: under no_grad it records nothing) sees the change
+    s = torch.randn(2, 4, 4)
+    before = s._version
+    train_kernel.causal_softmax_(s)
+    assert s._version > before
+    before = p._version
+    g = torch.randn(2, 4, 4)
+    before_g = g._version
+    train_kernel.causal_softmax_backward_(p, g)
+    assert g._version > before_g and p._version == before
+    y = torch.randn(2, 4, 4, requires_grad=True)
+    e = y.exp()  # saves its output
+    with torch.no_grad():
+        train_kernel.causal_softmax_(e)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        e.sum().backward()
+
+
+@needs_kernel
+def test_bmm_attention_backward_with_create_graph_keeps_torch_softmax_backward(monkeypatch):
+    # a gradient that records gradients (create_graph with a differentiable grad_out) reaches
+    # the backward: the in-place kernel must not take it (it would refuse it)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 8).bfloat16().requires_grad_() for _ in range(3))
+    g = torch.randn(1, 2, 6, 8).bfloat16().requires_grad_()
+    grads = {}
+    for on in (True, False):
+        monkeypatch.setattr(core, "TRAIN_SOFTMAX_KERNEL", on)
+        out = core.causal_attention_bmm(q, k, v, 0.35)
+        grads[on] = torch.autograd.grad(out, (q, k, v), g, create_graph=True)
+    for a, b in zip(grads[True], grads[False], strict=True):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+@needs_kernel
+def test_causal_softmax_backward_refuses_a_grad_overlapping_probs_in_part():
+    # rows would read P values the kernel already overwrote with dS: wrong numbers, no error
+    buf = torch.rand(40)
+    probs, grad = buf[:32].view(2, 4, 4), buf[4:36].view(2, 4, 4)
+    with pytest.raises(ValueError, match="overlaps probs"):
+        train_kernel.causal_softmax_backward_(probs, grad)
+    # the very same tensor is fine (each element is read before it is written)
+    p = train_kernel.causal_softmax_(torch.randn(2, 5, 5))
+    want = train_kernel.causal_softmax_backward_(p, p.clone())
+    assert torch.equal(train_kernel.causal_softmax_backward_(p, p), want)

@@ -210,7 +210,8 @@ class _CausalAttentionBmm(torch.autograd.Function):
         g = grad_out.reshape(b * h, t, hdv)
         dv = torch.bmm(probs.transpose(1, 2), g)
         dp = torch.bmm(g, v3.transpose(1, 2))
-        if ctx.kernel and dp.is_contiguous() and dp.dtype == probs.dtype:
+        # not for a dP that records gradients (create_graph): the kernel writes outside autograd
+        if ctx.kernel and dp.is_contiguous() and dp.dtype == probs.dtype and not dp.requires_grad:
             from lmlab.nn.train_kernel import causal_softmax_backward_
 
             ds = causal_softmax_backward_(probs, dp)  # in place: dS over dP

@@ -96,9 +96,11 @@ def status() -> str:
 def applies(x: torch.Tensor, cos: torch.Tensor) -> bool:
     """Whether :func:`rope` takes x (B, N, T, hd) with tables ``cos`` (T, hd): CPU, float32 or
     bfloat16 (one dtype), contiguous last dim, shared positions (2-d tables), an even hd <=
-    :data:`MAX_HEAD_DIM`; and the kernel available."""
+    :data:`MAX_HEAD_DIM`, tables that record no gradient (the kernel returns none for them: a
+    trainable frequency table keeps torch's ops); and the kernel available."""
     return (
         x.device.type == "cpu"
+        and not (cos.requires_grad and torch.is_grad_enabled())
         and x.dim() == 4
         and x.dtype in _DTYPES
         and cos.dtype == x.dtype
@@ -236,7 +238,10 @@ def rope_split(
     """qkv (B, T, H + 2 K, hd) float32 or bfloat16 (+ ``bias`` ((H + 2 K) hd,) float32 or qkv's
     dtype, or None) -> (q (B, H, T, hd), k (B, K, T, hd)) rotated as :func:`rope` rotates them
     and v (B, K, T, hd), each contiguous; differentiable in qkv and bias
-    (:class:`RopeSplitFunction`). Raises RuntimeError when the kernel is unavailable."""
+    (:class:`RopeSplitFunction`). Raises ValueError for inputs it cannot read (h or kv negative
+    or not ints, shapes, dtypes, devices) and RuntimeError when the kernel is unavailable."""
+    if not (isinstance(h, int) and isinstance(kv, int) and h >= 0 and kv >= 0):
+        raise ValueError(f"rope_split: h and kv must be head counts (ints >= 0), not {h}, {kv}")
     b, t, heads, hd = qkv.shape if qkv.dim() == 4 else (0, 0, -1, 0)
     if heads != h + 2 * kv or qkv.device.type != "cpu" or qkv.dtype not in _DTYPES:
         raise ValueError(
@@ -247,6 +252,11 @@ def rope_split(
         raise ValueError(f"rope_split: cos and signed must be ({t}, {hd}) of qkv's dtype")
     if cos.device.type != "cpu" or signed.device.type != "cpu":
         raise ValueError("rope_split: cos and signed must be CPU tensors")
+    if torch.is_grad_enabled() and (cos.requires_grad or signed.requires_grad):
+        raise ValueError(
+            "rope_split: cos and signed must not record gradients (the kernel returns none "
+            "for them)"
+        )
     if bias is not None and (
         bias.shape != (heads * hd,)
         or bias.device.type != "cpu"

@@ -103,6 +103,34 @@ def _scores_ok(scores: torch.Tensor) -> bool:
     )
 
 
+def _untracked(name: str, x: torch.Tensor) -> None:
+    """Raise ValueError for a tensor that records gradients: the kernel writes through its data
+    pointer, outside autograd, so the tensor's graph would no longer describe its values (a
+    wrong gradient, no error). Under ``no_grad`` (or inside a Function's forward) it is taken,
+    and the write is counted in its version (:func:`_written`), as torch's in-place ops count
+    theirs."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise ValueError(
+            f"{name} records gradients: the kernel writes it in place outside autograd (call "
+            f"it under torch.no_grad or from a torch.autograd.Function)"
+        )
+
+
+def _partly_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share some memory but do not start at the same address
+    (the same tensor, or the same memory, is fine: each element is read before it is written)."""
+    if a.numel() == 0 or b.numel() == 0 or a.data_ptr() == b.data_ptr():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _written(x: torch.Tensor) -> None:
+    """Count an in-place write through the data pointer in x's version counter, so that a graph
+    that saved x before raises at backward instead of using the new values."""
+    torch.autograd.graph.increment_version(x)
+
+
 def causal_softmax_applies(scores: torch.Tensor) -> bool:
     """Whether :func:`causal_softmax_` takes ``scores``: a contiguous (N, T, T) float32 or
     bfloat16 CPU tensor, and the kernel available."""
@@ -113,22 +141,28 @@ def causal_softmax_(scores: torch.Tensor) -> torch.Tensor:
     """In place: scores (N, T, T) -> P, softmax over j <= i of each row i, 0 above the
     diagonal (what ``masked_fill(above, -inf)`` then ``softmax(-1)`` give, to one rounding of
     the scores' dtype). No autograd (the caller's Function saves P and calls
-    :func:`causal_softmax_backward_`). Returns ``scores``."""
+    :func:`causal_softmax_backward_`). Raises ValueError for a tensor it cannot read, or one that
+    records gradients (grad mode on and ``requires_grad``: written outside autograd, its graph
+    would be wrong). Returns ``scores``."""
     if not _scores_ok(scores):
         raise ValueError(
             f"causal_softmax_: scores must be a contiguous (N, T, T) float32 or bfloat16 CPU "
             f"tensor, not {scores.dtype} {tuple(scores.shape)} on {scores.device}"
         )
+    _untracked("causal_softmax_: scores", scores)
     n, t, _ = scores.shape
     _lib().lmlab_causal_softmax_forward(
         _DTYPES[scores.dtype], scores.data_ptr(), scores.data_ptr(), n, t
     )
+    _written(scores)
     return scores
 
 
 def causal_softmax_backward_(probs: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """In place on ``grad`` (dP, (N, T, T), contiguous, probs' dtype): dS = P (dP - rowsum(P dP))
     over j <= i, 0 above the diagonal; softmax's backward for :func:`causal_softmax_`'s P.
+    Raises ValueError as :func:`causal_softmax_` does (for ``grad``, the tensor written), and
+    for a ``grad`` that overlaps ``probs`` in part (the very same memory is fine).
     Returns ``grad``."""
     n, t, _ = probs.shape if probs.dim() == 3 else (0, 0, 0)
     if not _scores_ok(probs) or grad.device.type != "cpu":
@@ -139,9 +173,16 @@ def causal_softmax_backward_(probs: torch.Tensor, grad: torch.Tensor) -> torch.T
         raise ValueError(
             "causal_softmax_backward_: grad must be contiguous, of probs' shape and dtype"
         )
+    if _partly_overlap(probs, grad):
+        raise ValueError(
+            "causal_softmax_backward_: grad overlaps probs in part (rows would read values "
+            "already overwritten); pass the same tensor or separate memory"
+        )
+    _untracked("causal_softmax_backward_: grad", grad)
     _lib().lmlab_causal_softmax_backward(
         _DTYPES[probs.dtype], probs.data_ptr(), grad.data_ptr(), grad.data_ptr(), n, t
     )
+    _written(grad)
     return grad
 
 
