@@ -192,6 +192,11 @@ def test_pre_norm_blocks_take_the_norm_kernel_with_the_same_function(norm_kind, 
     for name, g in g0.items():  # to bf16 rounding
         assert (g1[name] - g).abs().max() <= 0.06 * g.abs().max() + 1e-3 * top, name
     took.clear()
+    monkeypatch.setattr(norm_mod, "TRAIN_NORM_KERNEL_MIN_ELEMENTS", 1 << 18)  # the default
+    step(True)  # a LayerNorm this small keeps torch's op; an RMSNorm (five torch ops) does not
+    assert len(took) == (2 * len(m.layers) if norm_kind == "rmsnorm" else 0)
+    monkeypatch.setattr(norm_mod, "TRAIN_NORM_KERNEL_MIN_ELEMENTS", 0)
+    took.clear()
     step(True, autocast=False)  # float32 training: torch's norm
     handle = m.layers[0].attn_norm.register_forward_hook(lambda *a: None)
     try:  # a hooked norm is called as a module (its hook runs); the other layers' norms fuse

@@ -51,9 +51,11 @@ class RMSNorm(nn.Module):
 # autocast's float32 norm and the matmul's cast give, without the float32 output:
 # lmlab.nn.train_kernel.norm_bf16). False keeps torch's ops (A/B benchmarks).
 TRAIN_NORM_KERNEL = True
-# ... for inputs of at least this many elements (B T D): below it the kernel's Python
-# autograd.Function costs what it saves (nanoGPT's CPU shape, 768 x 128: 156 vs 139 us forward
-# and backward; the Mini-GPT shape, 4096 x 256: 1.3 vs 2.6 ms)
+# ... a LayerNorm for inputs of at least this many elements (B T D): below it the kernel's
+# Python autograd.Function costs what it saves (nanoGPT's CPU shape, 768 x 128: 156 vs 139 us
+# forward and backward alone, step 0.96x; the Mini-GPT shape, 4096 x 256: 1.3 vs 2.6 ms, step
+# 1.01-1.02x). An RMSNorm takes it at any size: torch runs it as five float32 ops (step 1.24x
+# at the Mini-GPT shape, 1.07x at nanoGPT's, benchmarks/README.md).
 TRAIN_NORM_KERNEL_MIN_ELEMENTS = 1 << 18
 
 
@@ -68,19 +70,15 @@ def _plain_module(m: nn.Module) -> bool:
 def norm_for_matmuls(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``norm(x)`` for a caller whose only use of the result is as matmul input (under
     autocast, which casts it to bfloat16 there anyway): x (..., D) -> (..., D). While gradients
-    are recorded under CPU bf16 autocast, for lmlab's LayerNorm (over the last dim) or RMSNorm
-    with float32 parameters and no hooks, x float32 with at least
-    :data:`TRAIN_NORM_KERNEL_MIN_ELEMENTS` elements, :data:`TRAIN_NORM_KERNEL` on, not under
+    are recorded under CPU bf16 autocast, for lmlab's LayerNorm (over the last dim, x with at
+    least :data:`TRAIN_NORM_KERNEL_MIN_ELEMENTS` elements) or RMSNorm with float32 parameters
+    and no hooks, x float32, :data:`TRAIN_NORM_KERNEL` on, not under
     torch.compile and the kernel compiled, the result comes as bfloat16 from one C++ pass each
     way (:func:`lmlab.nn.train_kernel.norm_bf16`; its float32 values to float32 rounding of
     torch's, then the one rounding autocast makes). Otherwise ``norm(x)``."""
     if not (TRAIN_NORM_KERNEL and torch.is_grad_enabled()) or torch.compiler.is_compiling():
         return norm(x)
-    if (
-        x.device.type != "cpu"
-        or x.dtype != torch.float32
-        or x.numel() < TRAIN_NORM_KERNEL_MIN_ELEMENTS
-    ):
+    if x.device.type != "cpu" or x.dtype != torch.float32:
         return norm(x)
     if not torch.is_autocast_enabled("cpu") or torch.get_autocast_dtype("cpu") != torch.bfloat16:
         return norm(x)
@@ -90,9 +88,14 @@ def norm_for_matmuls(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if kind is LayerNorm:
         if tuple(norm.normalized_shape) != (x.shape[-1],):  # type: ignore[arg-type]
             return norm(x)
+        if x.numel() < TRAIN_NORM_KERNEL_MIN_ELEMENTS:
+            return norm(x)
     elif kind is not RMSNorm:
         return norm(x)
-    if weight is None or any(p is not None and p.dtype != torch.float32 for p in (weight, bias)):
+    d = (x.shape[-1],)
+    if weight is None or any(
+        p is not None and (p.dtype != torch.float32 or p.shape != d) for p in (weight, bias)
+    ):
         return norm(x)
     if not _plain_module(norm):
         return norm(x)
