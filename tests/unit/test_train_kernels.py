@@ -204,6 +204,16 @@ def test_pre_norm_blocks_take_the_norm_kernel_with_the_same_function(norm_kind, 
         assert len(took) == 2 * len(m.layers) - 1
     finally:
         handle.remove()
+    seen: list[torch.dtype] = []
+    handle = m.layers[0].attn.register_forward_pre_hook(
+        lambda mod, args: seen.append(args[0].dtype)
+    )
+    try:  # a hook on the consumer sees the norm's float32 output, as without the kernel
+        took.clear()
+        step(True)
+        assert seen == [torch.float32] and len(took) == 2 * len(m.layers) - 1
+    finally:
+        handle.remove()
 
 
 @needs_kernel

@@ -126,8 +126,10 @@ class PreNormBlock(Block):
         """``norm(x)`` as ``consumer``'s input: through :func:`~lmlab.nn.norm.norm_for_matmuls`
         (bf16 straight from the norm in bf16 CPU training) when ``consumer`` is a module that
         only feeds its input to matmuls (softmax attention's projections, an MLP's up or gate
-        projections), else ``norm(x)``."""
-        if type(consumer) in _MATMUL_INPUT:
+        projections) and has no forward hooks, else ``norm(x)``."""
+        if type(consumer) in _MATMUL_INPUT and not (
+            consumer._forward_pre_hooks or consumer._forward_hooks
+        ):  # a hook on the consumer sees its input as before: float32
             return norm_for_matmuls(norm, x)
         return norm(x)
 
