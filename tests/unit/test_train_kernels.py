@@ -217,6 +217,21 @@ def test_pre_norm_blocks_take_the_norm_kernel_with_the_same_function(norm_kind, 
 
 
 @needs_kernel
+def test_norm_bf16_writes_its_buffers_on_x_device_whatever_the_default_device():
+    # the output, mean, rstd and gradients were allocated on torch's default device: under
+    # torch.device("meta") the kernel wrote through a null data pointer (a segfault)
+    torch.manual_seed(2)
+    x, w, b = (torch.randn(*s, requires_grad=True) for s in ((3, 8), (8,), (8,)))
+    with torch.device("meta"):
+        y = train_kernel.norm_bf16(x, w, b, 1e-5)
+        y.backward(torch.ones(3, 8, dtype=torch.bfloat16, device="cpu"))
+    assert y.device.type == "cpu" and x.grad.device.type == "cpu" and w.grad.device.type == "cpu"
+    ref = F.layer_norm(x.detach(), (8,), w.detach(), b.detach(), 1e-5)
+    assert torch.equal(y, ref.bfloat16()) or (y.float() - ref).abs().max() <= 1e-2
+    assert torch.allclose(b.grad, torch.full((8,), 3.0))
+
+
+@needs_kernel
 def test_causal_softmax_refuses_tensors_autograd_tracks_and_marks_its_writes():
     # the kernel writes through the data pointer, outside autograd: a tensor that records
     # gradients would keep a graph that no longer describes its values (silently wrong grads)

@@ -198,9 +198,11 @@ class NormBf16Function(torch.autograd.Function):
         b = None if bias is None else bias.detach().contiguous()
         d = x.shape[-1]
         rows = x.numel() // d
-        y = torch.empty(x.shape, dtype=torch.bfloat16)
-        mean = torch.empty(rows, dtype=torch.float32)
-        rstd = torch.empty(rows, dtype=torch.float32)
+        # every buffer on x's device (the CPU), whatever torch's default device is: the kernel
+        # writes through their data pointers
+        y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+        mean = torch.empty(rows, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
         _lib().lmlab_norm_bf16_forward(
             int(rms), x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(),
             y.data_ptr(), mean.data_ptr(), rstd.data_ptr(), rows, d, float(eps),
@@ -214,9 +216,9 @@ class NormBf16Function(torch.autograd.Function):
         x, w, mean, rstd = ctx.saved_tensors
         g = g.to(torch.bfloat16).contiguous()
         d = x.shape[-1]
-        dx = torch.empty_like(x)
-        dw = torch.empty(d, dtype=torch.float32)
-        db = torch.empty(d, dtype=torch.float32) if ctx.has_bias else None
+        dx = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        dw = torch.empty(d, dtype=torch.float32, device=x.device)
+        db = torch.empty(d, dtype=torch.float32, device=x.device) if ctx.has_bias else None
         _lib().lmlab_norm_bf16_backward(
             int(ctx.rms), g.data_ptr(), x.data_ptr(), w.data_ptr(), mean.data_ptr(),
             rstd.data_ptr(), dx.data_ptr(), dw.data_ptr(), None if db is None else db.data_ptr(),
