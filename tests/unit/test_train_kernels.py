@@ -232,6 +232,32 @@ def test_norm_bf16_writes_its_buffers_on_x_device_whatever_the_default_device():
 
 
 @needs_kernel
+@pytest.mark.parametrize("rms", [False, True])
+def test_norm_bf16_gradients_under_create_graph_are_differentiable(rms):
+    # create_graph (a gradient penalty): the kernel's dx and dweight carried no graph, so the
+    # second-order terms through the norm were silently missing (or "does not require grad")
+    torch.manual_seed(4)
+    x = (torch.randn(5, 16) * 2 + 1).requires_grad_()
+    w = (torch.randn(16) * 0.5 + 1).requires_grad_()
+    b = None if rms else torch.randn(16, requires_grad=True)
+    g = torch.randn(5, 16).bfloat16().float().requires_grad_()
+
+    def second_order(norm) -> tuple[torch.Tensor, ...]:
+        gx, gw = torch.autograd.grad(norm(), (x, w), g.to(norm().dtype), create_graph=True)
+        return torch.autograd.grad(gx.pow(2).sum() + gw.pow(3).sum(), (x, w, g))
+
+    def ref() -> torch.Tensor:
+        if rms:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+        return F.layer_norm(x, (16,), w, b, 1e-5)
+
+    got = second_order(lambda: train_kernel.norm_bf16(x, w, b, 1e-5, rms))
+    want = second_order(ref)
+    for a, c, rtol in zip(got, want, (1e-4, 1e-4, 1e-2), strict=True):  # g's: via a bf16 cast
+        torch.testing.assert_close(a, c, rtol=rtol, atol=rtol * c.abs().max().item())
+
+
+@needs_kernel
 def test_causal_softmax_refuses_tensors_autograd_tracks_and_marks_its_writes():
     # the kernel writes through the data pointer, outside autograd: a tensor that records
     # gradients would keep a graph that no longer describes its values (silently wrong grads)

@@ -188,12 +188,14 @@ def causal_softmax_backward_(probs: torch.Tensor, grad: torch.Tensor) -> torch.T
 
 class NormBf16Function(torch.autograd.Function):
     """LayerNorm (``rms`` False) or RMSNorm of x (..., D) float32 -> bfloat16 (..., D), one
-    kernel pass each way (see :func:`norm_bf16`). Saves x and the per-row mean and rstd (what
-    torch's layer_norm saves)."""
+    kernel pass each way (see :func:`norm_bf16`). Saves x, weight, bias and the per-row mean and
+    rstd (what torch's layer_norm saves). A backward that records its own graph (``create_graph``,
+    a gradient penalty) runs the norm's torch ops instead: the kernel's gradients carry no graph,
+    so the second-order terms through the norm would be silently missing."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps, rms):
-        x = x.contiguous()
+        xc = x.contiguous()
         w = weight.detach().contiguous()
         b = None if bias is None else bias.detach().contiguous()
         d = x.shape[-1]
@@ -204,27 +206,56 @@ class NormBf16Function(torch.autograd.Function):
         mean = torch.empty(rows, dtype=torch.float32, device=x.device)
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
         _lib().lmlab_norm_bf16_forward(
-            int(rms), x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(),
+            int(rms), xc.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(),
             y.data_ptr(), mean.data_ptr(), rstd.data_ptr(), rows, d, float(eps),
         )  # fmt: skip
-        ctx.save_for_backward(x, w, mean, rstd)
-        ctx.rms, ctx.has_bias = rms, b is not None
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.rms, ctx.eps = rms, eps
         return y
 
     @staticmethod
     def backward(ctx, g):
-        x, w, mean, rstd = ctx.saved_tensors
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        if torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (g, x, weight, bias)
+        ):  # create_graph: gradients that are themselves differentiable
+            return (*_norm_grads_with_graph(ctx, g, x, weight, bias), None, None)
         g = g.to(torch.bfloat16).contiguous()
+        x = x.contiguous()
+        w = weight.detach().contiguous()
         d = x.shape[-1]
         dx = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         dw = torch.empty(d, dtype=torch.float32, device=x.device)
-        db = torch.empty(d, dtype=torch.float32, device=x.device) if ctx.has_bias else None
+        db = None if bias is None else torch.empty(d, dtype=torch.float32, device=x.device)
         _lib().lmlab_norm_bf16_backward(
             int(ctx.rms), g.data_ptr(), x.data_ptr(), w.data_ptr(), mean.data_ptr(),
             rstd.data_ptr(), dx.data_ptr(), dw.data_ptr(), None if db is None else db.data_ptr(),
             x.numel() // d, d,
         )  # fmt: skip
         return dx, dw, db, None, None
+
+
+def _norm_grads_with_graph(
+    ctx, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """dx, dweight, dbias of :class:`NormBf16Function` for the upstream gradient g, through the
+    norm's float32 torch ops (recomputed from x), each recording its graph (None for an input
+    that needs no gradient)."""
+    eps = ctx.eps
+    if ctx.rms:
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    else:
+        y = torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    wanted = [
+        (i, t) for i, t in enumerate((x, weight, bias)) if t is not None and ctx.needs_input_grad[i]
+    ]
+    grads = torch.autograd.grad(
+        y, [t for _, t in wanted], g.to(y.dtype), create_graph=True, allow_unused=True
+    )
+    out: list[torch.Tensor | None] = [None, None, None]
+    for (i, t), gr in zip(wanted, grads, strict=True):
+        out[i] = torch.zeros_like(t) if gr is None else gr
+    return out[0], out[1], out[2]
 
 
 def norm_bf16(
