@@ -217,6 +217,41 @@ def test_pre_norm_blocks_take_the_norm_kernel_with_the_same_function(norm_kind, 
 
 
 @needs_kernel
+def test_hooks_inside_the_consumer_or_on_its_backward_keep_the_norm_float32(monkeypatch):
+    # a forward hook on a projection the norm feeds saw bf16 input, a full backward hook on the
+    # consumer a bf16 grad_input (and one returning a float32 grad, fine without the kernel,
+    # raised "hook has changed the type of value")
+    import lmlab.nn.norm as norm_mod
+    from lmlab.models import build_model
+    from tests.helpers import tiny_model_config
+
+    monkeypatch.setattr(norm_mod, "TRAIN_NORM_KERNEL_MIN_ELEMENTS", 0)
+    torch.manual_seed(0)
+    m = build_model(tiny_model_config(37, attention={"n_heads": 4}))
+    x = torch.randint(0, 37, (2, 12))
+    took: list[int] = []
+    real = train_kernel.norm_bf16
+    monkeypatch.setattr(train_kernel, "norm_bf16", lambda *a, **k: took.append(1) or real(*a, **k))
+    layer, seen = m.layers[0], []
+    handles = [
+        layer.attn.q_proj.register_forward_pre_hook(lambda mod, a: seen.append(a[0].dtype)),
+        layer.ffn.up_proj.register_forward_pre_hook(lambda mod, a: seen.append(a[0].dtype)),
+        layer.ffn.register_full_backward_hook(
+            lambda mod, gi, go: seen.append(gi[0].dtype) or (gi[0].float(),)
+        ),
+    ]
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(x, targets=x).loss
+        loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen == [torch.float32] * 3
+    assert len(took) == 2 * len(m.layers) - 2  # layer 0's two norms keep torch's op
+
+
+@needs_kernel
 def test_norm_bf16_writes_its_buffers_on_x_device_whatever_the_default_device():
     # the output, mean, rstd and gradients were allocated on torch's default device: under
     # torch.device("meta") the kernel wrote through a null data pointer (a segfault)

@@ -126,12 +126,25 @@ class PreNormBlock(Block):
         """``norm(x)`` as ``consumer``'s input: through :func:`~lmlab.nn.norm.norm_for_matmuls`
         (bf16 straight from the norm in bf16 CPU training) when ``consumer`` is a module that
         only feeds its input to matmuls (softmax attention's projections, an MLP's up or gate
-        projections) and has no forward hooks, else ``norm(x)``."""
-        if type(consumer) in _MATMUL_INPUT and not (
-            consumer._forward_pre_hooks or consumer._forward_hooks
-        ):  # a hook on the consumer sees its input as before: float32
+        projections) and neither it nor a module inside it has torch hooks, else ``norm(x)``."""
+        if (
+            type(consumer) in _MATMUL_INPUT
+            and torch.is_grad_enabled()  # where the kernel can be taken: the module walk
+            and torch.is_autocast_enabled("cpu")  # of _hooked only there (not in decoding)
+            and not _hooked(consumer)
+        ):
             return norm_for_matmuls(norm, x)
         return norm(x)
+
+
+def _hooked(m: nn.Module) -> bool:
+    """Whether ``m`` or a module inside it has a torch hook: forward hooks on it or on its
+    projections see the norm's output as their input, backward hooks its gradient (and may
+    return one of their own), float32 as without the kernel; so they keep torch's norm."""
+    return any(
+        s._forward_pre_hooks or s._forward_hooks or s._backward_pre_hooks or s._backward_hooks
+        for s in m.modules()
+    )
 
 
 @BLOCK.register("post")
