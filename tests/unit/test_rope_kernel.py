@@ -268,3 +268,34 @@ def test_a_trainable_frequency_table_gets_its_gradient_with_the_kernel_on(monkey
     assert grads[False] is not None and grads[False].abs().sum() > 0
     assert grads[True] is not None
     torch.testing.assert_close(grads[True], grads[False], atol=1e-5, rtol=0.05)
+
+
+@needs_kernel
+@pytest.mark.parametrize("split", [False, True])
+def test_a_create_graph_backward_through_the_kernel_keeps_second_order_gradients(split):
+    """A gradient penalty differentiates the backward itself: the kernel's backward carries no
+    graph, so under create_graph the functions run their gradient as torch ops (the same values),
+    and the second-order gradients equal those of the rolled formula."""
+    torch.manual_seed(4)
+    b, t, h, kv, hd = 2, 5, 2, 1, 8
+    cos, signed = torch.randn(t, hd), torch.randn(t, hd)
+    proj = torch.randn(b, t, h + 2 * kv, hd, dtype=torch.float64).float()
+    bias = torch.randn((h + 2 * kv) * hd)
+    w = [torch.randn(b, n, t, hd) for n in (h, kv, kv)]  # a loss that weights q, k and v
+
+    def penalty(kernel: bool) -> list[torch.Tensor]:
+        a, bb = proj.clone().requires_grad_(), bias.clone().requires_grad_()
+        if split and kernel:
+            outs = rope_kernel.rope_split(a, cos, signed, h, kv, bb)
+        else:
+            heads = (a + bb.view(h + 2 * kv, hd)).transpose(1, 2)
+            rot = rope_kernel.rope if kernel else _rolled
+            outs = (rot(heads[:, :h], cos, signed), rot(heads[:, h : h + kv], cos, signed),
+                    heads[:, h + kv :])  # fmt: skip
+        loss = sum(((o * o) * wi).sum() for o, wi in zip(outs, w, strict=True))
+        ga, gb = torch.autograd.grad(loss, (a, bb), create_graph=True)
+        (ga.square().sum() + gb.square().sum()).backward()  # through the backward
+        return [a.grad, bb.grad]
+
+    for got, want in zip(penalty(True), penalty(False), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -159,7 +159,17 @@ class RopeFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         cos, signed = ctx.saved_tensors
+        if torch.is_grad_enabled() and g.requires_grad:  # create_graph: differentiable ops
+            return _inverse_ops(g, cos, signed), None, None
         return _call(g, cos, signed, inverse=True), None, None
+
+
+def _inverse_ops(g: torch.Tensor, cos: torch.Tensor, signed: torch.Tensor) -> torch.Tensor:
+    """The rotation's gradient as torch ops, g * cos + roll(g * signed, -hd / 2): what the
+    kernels compute, but recorded by autograd, for a backward that builds a graph
+    (``create_graph=True``, e.g. a gradient penalty), where the kernel's result would carry
+    none and second-order gradients would silently be missing. g (..., T, hd)."""
+    return g * cos + torch.roll(g * signed, -(g.shape[-1] // 2), dims=-1)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, signed: torch.Tensor) -> torch.Tensor:
@@ -211,10 +221,24 @@ class RopeSplitFunction(torch.autograd.Function):
         h, kv = ctx.h, ctx.kv
         ref = next(g for g in (dq, dk, dv) if g is not None)
         b, _, t, hd = ref.shape
+        want_bias = ctx.bias_dtype is not None and ctx.needs_input_grad[5]
+        if torch.is_grad_enabled() and any(g is not None and g.requires_grad for g in (dq, dk, dv)):
+            # create_graph: the same values as torch ops autograd records (see _inverse_ops)
+            parts = [
+                torch.zeros(b, n, t, hd, dtype=ref.dtype, device=ref.device) if g is None
+                else (_inverse_ops(g, cos, signed) if i < 2 else g)
+                for i, (g, n) in enumerate(((dq, h), (dk, kv), (dv, kv)))
+            ]  # fmt: skip
+            dqkv_g = torch.cat(parts, dim=1).transpose(1, 2)  # (B, T, H + 2 K, hd)
+            db = dqkv_g.float().sum(dim=(0, 1)).reshape(-1) if want_bias else None
+            return dqkv_g, None, None, None, None, None if db is None else db.to(ctx.bias_dtype)
         grads = [None if g is None else g.contiguous() for g in (dq, dk, dv)]
         dqkv = torch.empty(b, t, h + 2 * kv, hd, dtype=ref.dtype, device=ref.device)
-        want_bias = ctx.bias_dtype is not None and ctx.needs_input_grad[5]
-        dbias = torch.empty((h + 2 * kv) * hd, dtype=torch.float32) if want_bias else None
+        dbias = (
+            torch.empty((h + 2 * kv) * hd, dtype=torch.float32, device=ref.device)
+            if want_bias
+            else None
+        )
         ptr = lambda g: None if g is None else g.data_ptr()  # noqa: E731
         lib = _load()
         assert lib is not None  # the forward ran it
