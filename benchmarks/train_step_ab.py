@@ -246,19 +246,8 @@ def main(argv: list[str] | None = None) -> None:
             for p in precisions
         ]
         pairs += [
-            (f"lmlab fast paths on/off ({shape} shape, {p})", "lmlab", p, "lmlab-ref", p)
-            for p in precisions
-        ]
-        pairs += [
-            (f"lmlab rope kernel on/off ({shape} shape, {p})", "lmlab", p, "torchrope", p)
-            for p in precisions
-        ]
-        pairs += [
-            (f"lmlab softmax kernel on/off ({shape} shape, {p})", "lmlab", p, "torchsoftmax", p)
-            for p in precisions
-        ]
-        pairs += [
-            (f"lmlab norm kernel on/off ({shape} shape, {p})", "lmlab", p, "torchnorm", p)
+            (f"lmlab {label} on/off ({shape} shape, {p})", "lmlab", p, name, p)
+            for name, _, _, label in OFF_CONTENDERS
             for p in precisions
         ]
         for what, a, pa, b, pb in pairs:
@@ -267,6 +256,16 @@ def main(argv: list[str] | None = None) -> None:
                 rb = best[b, pb] / best[a, pa]
                 print(f"step {what} = {r:.2f}x   (best-of-N: {rb:.2f}x)")
     print(f"matmul peak (best of before/after), FLOP/s: {peaks}")
+
+
+# The contenders that are lmlab's default with one fast path off: (name, the command-line flag
+# that adds it, trainer_step's keyword that switches the path off, the ratio's label).
+OFF_CONTENDERS = (
+    ("lmlab-ref", "reference", "fast_paths", "fast paths"),
+    ("torchrope", "rope_kernel", "rope_kernel", "rope kernel"),
+    ("torchsoftmax", "softmax_kernel", "softmax_kernel", "softmax kernel"),
+    ("torchnorm", "norm_kernel", "norm_kernel", "norm kernel"),
+)
 
 
 def round_order(names: list, rng: random.Random) -> list:
@@ -295,18 +294,10 @@ def run_shape(args: argparse.Namespace, shape: str, precisions: list[str], ids: 
             if not args.no_plain:
                 plain = stack.enter_context(lmlab_session(args.config, over + PLAIN))
                 steps["plain", p] = trainer_step(plain.trainer)
-            if args.reference:
-                ref = stack.enter_context(lmlab_session(args.config, over))
-                steps["lmlab-ref", p] = trainer_step(ref.trainer, fast_paths=False)
-            if args.rope_kernel:
-                tr = stack.enter_context(lmlab_session(args.config, over))
-                steps["torchrope", p] = trainer_step(tr.trainer, rope_kernel=False)
-            if args.softmax_kernel:
-                ts = stack.enter_context(lmlab_session(args.config, over))
-                steps["torchsoftmax", p] = trainer_step(ts.trainer, softmax_kernel=False)
-            if args.norm_kernel:
-                tn = stack.enter_context(lmlab_session(args.config, over))
-                steps["torchnorm", p] = trainer_step(tn.trainer, norm_kernel=False)
+            for name, attr, keyword, _ in OFF_CONTENDERS:
+                if getattr(args, attr):
+                    off = stack.enter_context(lmlab_session(args.config, over))
+                    steps[name, p] = trainer_step(off.trainer, **{keyword: False})
             tokens = SHAPES[shape][4] * lm.seq_len
             flops = flops_per_token(lm.model, lm.cfg.model, lm.seq_len, True)
         for fn in steps.values():
