@@ -172,10 +172,13 @@ class LazyLibrary:
         return self.lib
 
     def available(self) -> bool:
+        """Whether callers may use the library now (built on the first call); False inside
+        :meth:`disabled`."""
         return not self._off and self.load() is not None
 
     @contextmanager
     def disabled(self) -> Iterator[None]:
+        """Within the block :meth:`available` is False (callers use their torch ops)."""
         before, self._off = self._off, True
         try:
             yield
@@ -183,6 +186,8 @@ class LazyLibrary:
             self._off = before
 
     def status(self) -> str:
+        """What was built (the ``describe`` text), or why it is not used (``not loaded yet``
+        before the first use)."""
         return self._status or "not loaded yet"
 
     def reset(self) -> None:

@@ -27,8 +27,6 @@ traffic there, so it was removed (benchmarks/README.md, "Fourth pass").
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -67,22 +65,12 @@ def _build() -> ctypes.CDLL:
 _kernel = cpp_build.LazyLibrary(lambda: _build(), lambda lib: "compiled")
 
 
-def available() -> bool:
-    """Whether the compiled kernel can be used (compiles it on the first call); False inside
-    :func:`disabled`."""
-    return _kernel.available()
-
-
-@contextmanager
-def disabled() -> Iterator[None]:
-    """Within the block training runs torch's ops instead (A/B benchmarks, tests)."""
-    with _kernel.disabled():
-        yield
-
-
-def status() -> str:
-    """``compiled``, or why the kernel is not used (``not loaded yet`` before the first use)."""
-    return _kernel.status()
+# the module's face, as the other kernel modules have it: available() (compiles on the first
+# call; False inside disabled()), disabled() (a block in which training runs torch's ops: A/B
+# benchmarks, tests), status() ("compiled", or why the kernels are not used)
+available = _kernel.available
+disabled = _kernel.disabled
+status = _kernel.status
 
 
 def _lib() -> ctypes.CDLL:
