@@ -305,8 +305,25 @@ void norm_backward(const uint16_t* dy, const float* x, const float* w, const flo
         float* __restrict__ dxr = dx + r * d;
         const float m = RMS ? 0.0f : mean[r], rs = rstd[r];
         float sg = 0.0f, sgx = 0.0f;
-#pragma omp simd reduction(+ : sg, sgx)
-        for (int64_t j = 0; j < d; ++j) {
+        int64_t j0 = 0;
+#ifdef LMLAB_TRAIN_AVX512
+        const int64_t dv = d - d % 16;
+        const __m512 vm = _mm512_set1_ps(m), vr = _mm512_set1_ps(rs);
+        __m512 vsg = _mm512_setzero_ps(), vsgx = _mm512_setzero_ps();
+        for (int64_t j = 0; j < dv; j += 16) {
+          __m512 g0 = load16(gr + j);
+          __m512 xh = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(xr + j), vm), vr);
+          __m512 g = _mm512_mul_ps(g0, _mm512_loadu_ps(w + j));
+          vsg = _mm512_add_ps(vsg, g);
+          vsgx = _mm512_fmadd_ps(g, xh, vsgx);
+          _mm512_storeu_ps(aw + j, _mm512_fmadd_ps(g0, xh, _mm512_loadu_ps(aw + j)));
+          if (HasB) _mm512_storeu_ps(ab + j, _mm512_add_ps(_mm512_loadu_ps(ab + j), g0));
+        }
+        sg = _mm512_reduce_add_ps(vsg);
+        sgx = _mm512_reduce_add_ps(vsgx);
+        j0 = dv;
+#endif
+        for (int64_t j = j0; j < d; ++j) {
           float g0 = bf16_to_f32(gr[j]);
           float xh = (xr[j] - m) * rs;
           float g = g0 * w[j];
@@ -316,8 +333,18 @@ void norm_backward(const uint16_t* dy, const float* x, const float* w, const flo
           if (HasB) ab[j] += g0;
         }
         const float mg = RMS ? 0.0f : sg * inv_d, mgx = sgx * inv_d;
-#pragma omp simd
-        for (int64_t j = 0; j < d; ++j) {
+        j0 = 0;
+#ifdef LMLAB_TRAIN_AVX512
+        const __m512 vmg = _mm512_set1_ps(mg), vmgx = _mm512_set1_ps(mgx);
+        for (int64_t j = 0; j < dv; j += 16) {
+          __m512 xh = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(xr + j), vm), vr);
+          __m512 g = _mm512_mul_ps(load16(gr + j), _mm512_loadu_ps(w + j));
+          __m512 t = _mm512_sub_ps(_mm512_sub_ps(g, vmg), _mm512_mul_ps(xh, vmgx));
+          _mm512_storeu_ps(dxr + j, _mm512_mul_ps(vr, t));
+        }
+        j0 = dv;
+#endif
+        for (int64_t j = j0; j < d; ++j) {
           float xh = (xr[j] - m) * rs;
           dxr[j] = rs * (bf16_to_f32(gr[j]) * w[j] - mg - xh * mgx);
         }
