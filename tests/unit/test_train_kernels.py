@@ -350,3 +350,15 @@ def test_causal_softmax_backward_refuses_a_grad_overlapping_probs_in_part():
     p = train_kernel.causal_softmax_(torch.randn(2, 5, 5))
     want = train_kernel.causal_softmax_backward_(p, p.clone())
     assert torch.equal(train_kernel.causal_softmax_backward_(p, p), want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_softmax_gives_a_minus_inf_score_exactly_zero_weight(dtype):
+    s = torch.randn(1, 40, 40).to(dtype)
+    s[0, 30, 3] = float("-inf")  # below the diagonal: a masked key
+    s[0, 35, 20:25] = -200.0  # far below the row's max: e^-200 underflows to 0 in float32 too
+    p = train_kernel.causal_softmax_(s.clone())
+    assert p[0, 30, 3] == 0 and (p[0, 35, 20:25] == 0).all()
+    ref = _masked_softmax64(s)
+    assert _ulps(p, ref, dtype, 1e-6).max() <= (1.0 if dtype == torch.bfloat16 else 8.0)

@@ -55,11 +55,13 @@ constexpr float kExpP[6] = {1.0000001f, 0.99999964f, 0.499989f, 0.16667663f, 0.0
                             0.00829172f};
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;  // ln 2 in two parts
-constexpr float kExpLo = -87.0f;  // e^x is taken at max(x, -87): 1.6e-38, not 0, below it
+constexpr float kExpLo = -87.0f;  // e^x is 0 below -87 (e^-87 = 1.6e-38, float32's smallest normal)
 // e^x for x <= 1 (NaN for NaN): x = n ln2 + r, |r| <= ln2 / 2, e^r by kExpP, times 2^n.
 inline float exp_f(float x) {
-  float xc = x < kExpLo ? kExpLo : x;  // NaN compares false: stays NaN
-  float n = std::nearbyint(xc * kLog2e);
+  if (x != x) return x;                  // NaN (and no NaN reaches the int conversion below)
+  if (x < kExpLo) return 0.0f;           // -inf included: a masked score weighs exactly 0
+  float n = std::nearbyint(x * kLog2e);
+  float xc = x;
   float r = xc - n * kLn2Hi;
   r = r - n * kLn2Lo;
   float p = kExpP[5];
@@ -85,7 +87,9 @@ inline __m512 exp16(__m512 x) {
   for (int i = 4; i >= 0; --i) p = _mm512_fmadd_ps(p, r, bcast(kExpP[i]));
   // big's low mantissa bits hold n (two's complement): (n + 127) << 23 is 2^n
   __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_castps_si512(big), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+  // 0 below -87 (-inf included: a masked score weighs exactly 0); a NaN compares false, stays
+  __mmask16 under = _mm512_cmp_ps_mask(x, bcast(kExpLo), _CMP_LT_OQ);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~under), p, _mm512_castsi512_ps(e));
 }
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
