@@ -45,7 +45,7 @@ from lmlab.nn.attention import SoftmaxAttention
 from lmlab.nn.attention_core import SDPA_GQA, repeat_kv
 from lmlab.nn.block import PreNormBlock
 from lmlab.nn.ffn import MLP, GatedMLP, gelu_tanh, relu, relu2
-from lmlab.nn.fused import fused_weights, plain_linear
+from lmlab.nn.fused import fused_weights, plain_linear, torch_hooks
 from lmlab.nn.fused import generation as fused_generation
 from lmlab.nn.hooks import HookPoint
 from lmlab.nn.kv_cache import KVCache, LayerKVCache
@@ -60,13 +60,7 @@ ENABLED = True
 
 
 def _linear_ok(m: nn.Module) -> bool:
-    return plain_linear(m) or (type(m) is QuantLinear and not _torch_hooks(m))
-
-
-def _torch_hooks(m: nn.Module) -> bool:
-    return bool(
-        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-    )
+    return plain_linear(m) or (type(m) is QuantLinear and not torch_hooks(m))
 
 
 def lean_refusal(model: nn.Module, cache: object) -> str | None:
@@ -96,7 +90,7 @@ def lean_refusal(model: nn.Module, cache: object) -> str | None:
     for m in model.modules():
         if isinstance(m, HookPoint) and m.fns:
             return f"hook point {m.name!r} has a function registered"
-        if _torch_hooks(m):
+        if torch_hooks(m):
             return f"a torch hook on {type(m).__name__}"
     if not _linear_ok(model.lm_head):
         return "the LM head is not a plain or quantized linear layer"

@@ -14,6 +14,7 @@ from torch import nn
 from lmlab.nn.attention import ATTENTION
 from lmlab.nn.cross_attention import CrossAttention
 from lmlab.nn.ffn import build_ffn
+from lmlab.nn.fused import torch_hooks
 from lmlab.nn.hooks import HookPoint
 from lmlab.nn.kv_cache import CrossAttentionCache, LayerCache
 from lmlab.nn.norm import build_norm, norm_for_matmuls
@@ -141,10 +142,7 @@ def _hooked(m: nn.Module) -> bool:
     """Whether ``m`` or a module inside it has a torch hook: forward hooks on it or on its
     projections see the norm's output as their input, backward hooks its gradient (and may
     return one of their own), float32 as without the kernel; so they keep torch's norm."""
-    return any(
-        s._forward_pre_hooks or s._forward_hooks or s._backward_pre_hooks or s._backward_hooks
-        for s in m.modules()
-    )
+    return any(torch_hooks(s) for s in m.modules())
 
 
 @BLOCK.register("post")

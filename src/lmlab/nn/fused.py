@@ -49,16 +49,18 @@ def global_hooks() -> bool:
     )
 
 
+def torch_hooks(m: nn.Module) -> bool:
+    """Whether ``m`` itself has a torch hook (forward, forward pre-, backward or backward pre-
+    hook); global module hooks are :func:`global_hooks`."""
+    return bool(
+        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+    )
+
+
 def plain_linear(m: nn.Module) -> bool:
     """Whether ``m`` is an exact ``nn.Linear`` with no torch hooks of its own (so calling
     ``F.linear`` on its parameters is what calling it does)."""
-    return (
-        type(m) is nn.Linear
-        and not m._forward_hooks
-        and not m._forward_pre_hooks
-        and not m._backward_hooks
-        and not m._backward_pre_hooks
-    )
+    return type(m) is nn.Linear and not torch_hooks(m)
 
 
 def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -59,14 +59,6 @@ TRAIN_NORM_KERNEL = True
 TRAIN_NORM_KERNEL_MIN_ELEMENTS = 1 << 18
 
 
-def _plain_module(m: nn.Module) -> bool:
-    """No torch hooks on ``m`` and no global module hooks: calling it runs only its forward."""
-    from lmlab.nn.fused import global_hooks
-
-    hooks = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
-    return not any(hooks) and not global_hooks()
-
-
 def norm_for_matmuls(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``norm(x)`` for a caller whose only use of the result is as matmul input (under
     autocast, which casts it to bfloat16 there anyway): x (..., D) -> (..., D). While gradients
@@ -97,9 +89,11 @@ def norm_for_matmuls(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         p is not None and (p.dtype != torch.float32 or p.shape != d) for p in (weight, bias)
     ):
         return norm(x)
-    if not _plain_module(norm):
-        return norm(x)
     from lmlab.nn import train_kernel
+    from lmlab.nn.fused import global_hooks, torch_hooks
+
+    if torch_hooks(norm) or global_hooks():  # calling the norm would run more than its forward
+        return norm(x)
 
     if not train_kernel.available():
         return norm(x)
