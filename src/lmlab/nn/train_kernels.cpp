@@ -288,6 +288,13 @@ void norm_forward(const float* x, const float* w, const float* b, uint16_t* y, f
   });
 }
 
+// out (width) = the sum of the blocks (blocks, width) of sums, added in block order.
+inline void add_blocks(const std::vector<float>& sums, int64_t blocks, int64_t width, float* out) {
+  for (int64_t j = 0; j < width; ++j) out[j] = 0.0f;
+  for (int64_t k = 0; k < blocks; ++k)
+    for (int64_t j = 0; j < width; ++j) out[j] += sums[k * width + j];
+}
+
 template <bool RMS, bool HasB>
 void norm_backward(const uint16_t* dy, const float* x, const float* w, const float* mean,
                    const float* rstd, float* dx, float* dw, float* db, int64_t rows, int64_t d) {
@@ -355,14 +362,8 @@ void norm_backward(const uint16_t* dy, const float* x, const float* w, const flo
       }
     }
   });
-  for (int64_t j = 0; j < d; ++j) dw[j] = 0.0f;
-  for (int64_t k = 0; k < blocks; ++k)
-    for (int64_t j = 0; j < d; ++j) dw[j] += sw[k * d + j];
-  if (HasB) {
-    for (int64_t j = 0; j < d; ++j) db[j] = 0.0f;
-    for (int64_t k = 0; k < blocks; ++k)
-      for (int64_t j = 0; j < d; ++j) db[j] += sb[k * d + j];
-  }
+  add_blocks(sw, blocks, d, dw);
+  if (HasB) add_blocks(sb, blocks, d, db);
 }
 
 }  // namespace
