@@ -112,16 +112,16 @@ def test_fused_qkv_is_off_without_gradients_and_for_hooked_projections():
     attn = m.layers[0].attn
     h = torch.randn(2, 5, m.cfg.d_model)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert attn.train_fused_qkv(h) is not None
+        assert attn.train_fused_qkv_weights(h) is not None
         with torch.no_grad():
-            assert attn.train_fused_qkv(h) is None
+            assert attn.train_fused_qkv_weights(h) is None
         seen = []
         handle = attn.k_proj.register_forward_hook(lambda mod, i, o: seen.append(o.shape))
-        assert attn.train_fused_qkv(h) is None  # a hooked projection runs as a module
+        assert attn.train_fused_qkv_weights(h) is None  # a hooked projection runs as a module
         m(torch.randint(0, V, (2, 5)))
         assert seen  # ...and its hook ran
         handle.remove()
-    assert attn.train_fused_qkv(h) is None  # float32 training: the three projections
+    assert attn.train_fused_qkv_weights(h) is None  # float32 training: the three projections
 
 
 def test_a_float32_forward_has_the_same_bits_with_and_without_gradients():

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from lmlab.nn.position import PositionEncoding
 
 # Training (gradients on): q, k and v as one matmul over their weights concatenated in the graph
-# (Attention.train_fused_qkv); False runs the three projections (for A/B benchmarks).
+# (Attention.train_fused_qkv_weights); False runs the three projections (for A/B benchmarks).
 TRAIN_FUSED_QKV = True
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -244,12 +244,6 @@ class Attention(nn.Module):
         biases = [m._parameters["bias"] for m in mods]  # type: ignore[union-attr]
         bias = None if biases[0] is None else torch.cat(biases)  # type: ignore[arg-type]
         return torch.cat(weights), bias  # type: ignore[arg-type]
-
-    def train_fused_qkv(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x (B, T, D) -> q, k and v projections concatenated (B, T, (H + 2 K) hd) in one matmul
-        over :meth:`train_fused_qkv_weights` (None where those are None)."""
-        fused = self.train_fused_qkv_weights(x)
-        return None if fused is None else F.linear(x, *fused)
 
     def joint_rotation(self, position: PositionEncoding) -> bool:
         """Whether q and k may rotate as one tensor: no q/k/v norms, and a position kind whose
