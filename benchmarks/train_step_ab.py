@@ -496,39 +496,37 @@ def trainer_step(
 ) -> Callable[[], None]:
     """One ``Trainer.train_step`` per call, at the next step number; ``fast_paths`` False runs
     it with the training fast paths switched off (the q/k/v fusion, the bf16 batched-matmul
-    attention, the bf16 RoPE function, the C++ RoPE and causal softmax kernels): the reference
-    path they replace; ``rope_kernel`` False only the C++ RoPE kernel (RoPE as torch ops, as
-    before it); ``softmax_kernel`` False only the causal softmax kernel (masked_fill +
-    softmax)."""
+    attention, the bf16 RoPE function, the C++ RoPE, causal softmax and norm kernels): the
+    reference path they replace; ``rope_kernel`` False only the C++ RoPE kernel (RoPE as torch
+    ops, as before it); ``softmax_kernel`` False only the causal softmax kernel (masked_fill +
+    softmax); ``norm_kernel`` False only the norm-to-bf16 kernel (torch's norm, then a cast).
+    The module flags are set for the step and restored after it."""
     import lmlab.nn.attention as attention
     import lmlab.nn.attention_core as core
     import lmlab.nn.norm as norm
     import lmlab.nn.position as position
 
+    overrides: list[tuple[object, str, object]] = []  # (module, flag, value during the step)
+    if not fast_paths:
+        overrides += [(attention, "TRAIN_FUSED_QKV", False), (core, "BMM_CAUSAL_MAX_T", 0)]
+        overrides += [(position, "TRAIN_ROTATE_HALF", False)]
+    if not (fast_paths and rope_kernel):
+        overrides.append((position, "TRAIN_ROPE_KERNEL", False))
+    if not (fast_paths and softmax_kernel):
+        overrides.append((core, "TRAIN_SOFTMAX_KERNEL", False))
+    if not (fast_paths and norm_kernel):
+        overrides.append((norm, "TRAIN_NORM_KERNEL", False))
     count = [0]
 
     def step() -> None:
-        saved = attention.TRAIN_FUSED_QKV, core.BMM_CAUSAL_MAX_T, position.TRAIN_ROTATE_HALF
-        saved_kernel, saved_softmax = position.TRAIN_ROPE_KERNEL, core.TRAIN_SOFTMAX_KERNEL
-        saved_norm = norm.TRAIN_NORM_KERNEL
-        if not fast_paths:
-            attention.TRAIN_FUSED_QKV, core.BMM_CAUSAL_MAX_T = False, 0
-            position.TRAIN_ROTATE_HALF = position.TRAIN_ROPE_KERNEL = False
-            core.TRAIN_SOFTMAX_KERNEL = norm.TRAIN_NORM_KERNEL = False
-        if not norm_kernel:
-            norm.TRAIN_NORM_KERNEL = False
-        if not softmax_kernel:
-            core.TRAIN_SOFTMAX_KERNEL = False
-        if not rope_kernel:
-            position.TRAIN_ROPE_KERNEL = False
+        saved = [(m, name, getattr(m, name)) for m, name, _ in overrides]
+        for m, name, value in overrides:
+            setattr(m, name, value)
         try:
             trainer.train_step(count[0])
         finally:
-            attention.TRAIN_FUSED_QKV, core.BMM_CAUSAL_MAX_T = saved[:2]
-            position.TRAIN_ROTATE_HALF = saved[2]
-            position.TRAIN_ROPE_KERNEL = saved_kernel
-            core.TRAIN_SOFTMAX_KERNEL = saved_softmax
-            norm.TRAIN_NORM_KERNEL = saved_norm
+            for m, name, value in saved:
+                setattr(m, name, value)
         count[0] += 1
 
     return step
