@@ -24,7 +24,7 @@ def train_capturing(monkeypatch, out: Path, **train_fields: object) -> list[dict
     drawn: list[dict[str, torch.Tensor]] = []
     clip, draw = loop.clip_gradients, CausalLM.batch
 
-    def capture(model, max_norm):
+    def capture(model, max_norm, params=None):
         steps.append(
             {
                 "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
@@ -33,7 +33,7 @@ def train_capturing(monkeypatch, out: Path, **train_fields: object) -> list[dict
             }
         )
         drawn.clear()
-        return clip(model, max_norm)
+        return clip(model, max_norm, params)
 
     def recording_batch(self, split, batch_size, rng):
         batch = draw(self, split, batch_size, rng)

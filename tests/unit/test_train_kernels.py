@@ -1,8 +1,11 @@
 """lmlab's training kernels (lmlab.nn.train_kernel): the causal softmax against the float64
 formula (to one rounding of the scores' dtype), its backward likewise, NaN kept to its row,
-inputs it cannot read refused; and the bf16 batched-matmul attention that takes it."""
+inputs it cannot read refused; the bf16 batched-matmul attention that takes it; and gradient
+clipping in one call (the norm against float64, the scaling against torch's formula)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -362,3 +365,93 @@ def test_causal_softmax_gives_a_minus_inf_score_exactly_zero_weight(dtype):
     assert p[0, 30, 3] == 0 and (p[0, 35, 20:25] == 0).all()
     ref = _masked_softmax64(s)
     assert _ulps(p, ref, dtype, 1e-6).max() <= (1.0 if dtype == torch.bfloat16 else 8.0)
+
+
+def _grads(seed: int, shapes: list[tuple[int, ...]], scale: float = 1.0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) * scale for s in shapes]
+
+
+CLIP_SHAPES = [(300, 70), (7,), (40_000,), (0,), (3, 5, 2), (16_384,), (16_385,)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("max_norm", [0.5, 1e9, 0.0])
+def test_clip_grads_norm_is_the_float64_norm_and_scales_as_torch(max_norm):
+    grads = _grads(0, CLIP_SHAPES)
+    before = [g.clone() for g in grads]
+    ref = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+    norm, coef = train_kernel.clip_grads_(grads, max_norm)
+    assert abs(norm - ref) <= 1e-12 * ref
+    total = torch.nn.utils.get_total_norm(before, foreach=False)  # torch's own: float32 norms
+    assert abs(norm - float(total)) <= 1e-6 * ref
+    if max_norm <= 0 or max_norm > ref:  # nothing clipped: the gradients untouched, bit for bit
+        assert coef == 1.0
+        assert all(torch.equal(g, b) for g, b in zip(grads, before, strict=True))
+        return
+    # torch's coefficient from this norm (float32 arithmetic), then torch's products
+    want = torch.clamp(max_norm / (torch.tensor(norm, dtype=torch.float32) + 1e-6), max=1.0)
+    assert coef == float(want) < 1.0
+    for g, b in zip(grads, before, strict=True):
+        assert torch.equal(g, b * want)
+
+
+@needs_kernel
+def test_clip_grads_norm_does_not_depend_on_the_thread_count():
+    grads = _grads(1, [(200_001,), (3, 77_777), (5,)])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, _ = train_kernel.clip_grads_([g.clone() for g in grads], 0.0)
+        torch.set_num_threads(2)
+        two, _ = train_kernel.clip_grads_([g.clone() for g in grads], 0.0)
+    finally:
+        torch.set_num_threads(threads)
+    assert one == two
+
+
+@needs_kernel
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_clip_grads_with_a_non_finite_gradient_scales_nothing(bad):
+    grads = _grads(2, [(50,), (4, 4)], scale=100.0)
+    grads[1][2, 3] = bad
+    before = [g.clone() for g in grads]
+    norm, coef = train_kernel.clip_grads_(grads, 1.0)
+    assert not math.isfinite(norm) and coef == 1.0
+    assert all(torch.equal(g, b) for g, b in zip(grads[:1], before[:1], strict=True))
+
+
+def test_grads_applicable_refuses_what_the_kernel_would_misread():
+    a = torch.zeros(10, 10)
+    assert train_kernel.grads_applicable([a, torch.zeros(3)])
+    assert not train_kernel.grads_applicable([a, a[2:5]])  # shared memory: counted twice
+    assert not train_kernel.grads_applicable([a.t()])  # not contiguous
+    assert not train_kernel.grads_applicable([a.bfloat16()])
+    assert not train_kernel.grads_applicable([torch.zeros(3, requires_grad=True)])
+
+
+@needs_kernel
+def test_clip_gradients_takes_the_kernel_and_names_a_nan_gradient(monkeypatch):
+    from lmlab.models import build_model
+    from lmlab.training import guard
+    from tests.helpers import tiny_model_config
+
+    torch.manual_seed(0)
+    model = build_model(tiny_model_config(65, attention={"n_heads": 2}))
+    x = torch.randint(0, 65, (2, 6))
+    (model(x, targets=x).loss * 50).backward()
+    calls = []
+    real = train_kernel.clip_grads_
+    monkeypatch.setattr(train_kernel, "clip_grads_", lambda g, m: calls.append(1) or real(g, m))
+    before = {n: p.grad.clone() for n, p in model.named_parameters()}
+    norm, bad = guard.clip_gradients(model, 0.5, list(model.parameters()))
+    assert calls and bad is None and norm > 0.5
+    ref = math.sqrt(sum(float(g.double().pow(2).sum()) for g in before.values()))
+    assert abs(norm - ref) <= 1e-12 * ref
+    coef = float(torch.clamp(0.5 / (torch.tensor(norm, dtype=torch.float32) + 1e-6), max=1.0))
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, before[n] * torch.tensor(coef))
+    name = next(iter(before))
+    dict(model.named_parameters())[name].grad.view(-1)[0] = float("nan")
+    norm, bad = guard.clip_gradients(model, 0.5)
+    assert math.isnan(norm) and bad == name

@@ -1,4 +1,6 @@
 // lmlab's CPU kernels for training: passes that torch's eager graph makes separately, made once.
+// The causal softmax and its backward; LayerNorm / RMSNorm straight to bfloat16 and back; the
+// global gradient norm and clipping in one call (lmlab.nn.train_kernel).
 //
 // Causal softmax over attention scores (lmlab.nn.train_kernel.causal_softmax_).
 //
@@ -366,7 +368,82 @@ void norm_backward(const uint16_t* dy, const float* x, const float* w, const flo
   if (HasB) add_blocks(sb, blocks, d, db);
 }
 
+// ---- gradient clipping: the global L2 norm and the scaling, one call each ---------------------
+//
+// The gradients are cut into blocks of kGradBlock elements (a tensor's last block shorter);
+// each block's sum of squares is accumulated in float64 (eight lanes at a time on AVX-512) and
+// the blocks' sums are added in order, so the total does not depend on the thread count.
+// torch's clip_grad_norm_ takes each tensor's float32 norm, then the norm of those: the two
+// agree to float32 rounding, not bit for bit. The scaling g *= coef is float32 (one rounding
+// per element), the product torch's mul_ by a float32 scalar makes.
+
+constexpr int64_t kGradBlock = 16384;
+
+struct GradBlock {
+  const float* p;
+  int64_t n;
+};
+
+std::vector<GradBlock> grad_blocks(int64_t count, const float* const* ptrs, const int64_t* numels) {
+  std::vector<GradBlock> blocks;
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t s = 0; s < numels[i]; s += kGradBlock)
+      blocks.push_back({ptrs[i] + s, numels[i] - s < kGradBlock ? numels[i] - s : kGradBlock});
+  return blocks;
+}
+
+double sum_squares(const float* p, int64_t n) {
+  int64_t j = 0;
+  double total = 0.0;
+#ifdef LMLAB_TRAIN_AVX512
+  __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+  for (; j + 16 <= n; j += 16) {
+    __m512 v = _mm512_loadu_ps(p + j);
+    __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+    __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    a0 = _mm512_fmadd_pd(lo, lo, a0);
+    a1 = _mm512_fmadd_pd(hi, hi, a1);
+  }
+  total = _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+#endif
+  for (; j < n; ++j) total += static_cast<double>(p[j]) * static_cast<double>(p[j]);
+  return total;
+}
+
 }  // namespace
+
+// Gradient clipping of count float32 tensors (ptrs[i] holding numels[i] elements) in place:
+// *norm = the global L2 norm (float64, from the float64 sum of squares; NaN or inf when an
+// element is); when it is finite and max_norm > 0, coef = min(max_norm / (norm + 1e-6), 1) is
+// computed in float32 as torch's clip_grads_with_norm_ computes it (the norm rounded to float32,
+// plus 1e-6, its reciprocal times max_norm, clamped) and, when below 1, every element is
+// multiplied by it. *coef_out = the coefficient applied (1 when none). Returns 0.
+extern "C" int lmlab_grad_clip(int64_t count, float* const* ptrs, const int64_t* numels,
+                               double max_norm, double* norm, float* coef_out) {
+  std::vector<GradBlock> blocks = grad_blocks(count, ptrs, numels);
+  const int64_t nb = static_cast<int64_t>(blocks.size());
+  std::vector<double> sums(blocks.size(), 0.0);
+  at::parallel_for(0, nb, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) sums[b] = sum_squares(blocks[b].p, blocks[b].n);
+  });
+  double total = 0.0;
+  for (double v : sums) total += v;
+  *norm = std::sqrt(total);
+  *coef_out = 1.0f;
+  if (!std::isfinite(*norm) || !(max_norm > 0)) return 0;
+  volatile float shifted = static_cast<float>(*norm) + static_cast<float>(1e-6);  // no fusing
+  volatile float inv = 1.0f / shifted;
+  float coef = inv * static_cast<float>(max_norm);
+  if (!(coef < 1.0f)) return 0;  // a coefficient of 1 leaves every gradient as it is
+  *coef_out = coef;
+  at::parallel_for(0, nb, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      float* p = const_cast<float*>(blocks[b].p);
+      for (int64_t j = 0; j < blocks[b].n; ++j) p[j] = p[j] * coef;
+    }
+  });
+  return 0;
+}
 
 // s, p (N, T, T) contiguous, p may be s. dtype 0 float32, 1 bfloat16. Returns 0, or 1.
 extern "C" int lmlab_causal_softmax_forward(int dtype, const void* s, void* p, int64_t n, int64_t t) {

@@ -22,17 +22,33 @@ import torch
 from torch import nn
 
 
-def clip_gradients(model: nn.Module, max_norm: float) -> tuple[float, str | None]:
+def clip_gradients(
+    model: nn.Module, max_norm: float, params: list[nn.Parameter] | None = None
+) -> tuple[float, str | None]:
     """Clip the global L2 gradient norm to ``max_norm`` (0 = no clipping) unless it is non-finite.
 
     Returns (the norm before clipping, the name of the first parameter with a non-finite gradient
-    or None). Non-finite gradients are left as they are (the caller skips the step). With finite
-    gradients this is exactly ``torch.nn.utils.clip_grad_norm_`` (same operations, same bits).
+    or None). Non-finite gradients are left as they are (the caller skips the step). ``params``:
+    the model's parameters when the caller keeps the list (``model.parameters()`` otherwise).
+
+    Plain contiguous float32 CPU gradients with lmlab's C++ kernels compiled: one C++ call
+    (:func:`lmlab.nn.train_kernel.clip_grads_`): the norm from a float64 sum of squares (torch's
+    per-tensor float32 norms agree to float32 rounding), the coefficient ``min(max_norm / (norm
+    + 1e-6), 1)`` computed in float32 as torch computes it, and a scaling pass only when it is
+    below 1 (torch multiplies by 1 too). Otherwise (CUDA, DTensor shards, no kernels,
+    :data:`CLIP_KERNEL` off) exactly ``torch.nn.utils.clip_grad_norm_`` (same operations, same
+    bits).
     """
-    params = [p for p in model.parameters() if p.grad is not None]
-    if not params:
+    source = model.parameters() if params is None else params
+    with_grad = [p for p in source if p.grad is not None]
+    grads = [p.grad for p in with_grad if p.grad is not None]
+    if not grads:
         return 0.0, None
-    grads = [p.grad for p in params if p.grad is not None]
+    if _clip_kernel_applies(grads):
+        from lmlab.nn import train_kernel
+
+        norm, _ = train_kernel.clip_grads_(grads, max_norm)
+        return (norm, None) if math.isfinite(norm) else (norm, first_nonfinite_grad(model))
     # plain CPU tensors: torch's foreach kernels (one call, the same per-tensor norms and the
     # same products, so the same bits) instead of its per-tensor default there; elsewhere
     # (CUDA, DTensor shards) torch's own choice
@@ -44,8 +60,21 @@ def clip_gradients(model: nn.Module, max_norm: float) -> tuple[float, str | None
     if not math.isfinite(norm):
         return norm, first_nonfinite_grad(model)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
+        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total, foreach=foreach)
     return norm, None
+
+
+CLIP_KERNEL = True
+"""Whether :func:`clip_gradients` may use lmlab's C++ norm and scaling kernels (an A/B switch
+for benchmarks and tests; off: torch's foreach ops)."""
+
+
+def _clip_kernel_applies(grads: list[torch.Tensor]) -> bool:
+    if not CLIP_KERNEL:
+        return False
+    from lmlab.nn import train_kernel
+
+    return train_kernel.grads_applicable(grads) and train_kernel.available()
 
 
 def first_nonfinite_grad(model: nn.Module) -> str | None:
