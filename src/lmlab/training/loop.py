@@ -43,6 +43,16 @@ from lmlab.training.optim import lr_at, set_lr
 from lmlab.training.resolve import PreparedRun, ResolvedRun
 
 
+def seed_rng(device: torch.device, seed: int) -> None:
+    """Seed the generator that a step's random ops (dropout) draw from on ``device``: on a CPU
+    the CPU generator alone (``torch.manual_seed`` also queues a seed for every CUDA, XPU and
+    MTIA device, some 60 us a call, every step); elsewhere ``torch.manual_seed``."""
+    if device.type == "cpu":
+        torch.default_generator.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
+
+
 @dataclass
 class TrainResult:
     """What a finished (or stopped) ``train()`` call reports. Losses in nats/token;
@@ -97,6 +107,7 @@ class Trainer:
         self.cfg, self.tc, self.dev, self.seq_len = res.cfg, res.cfg.train, res.device, res.seq_len
         self.objective, self.val_tokens = objective, val_tokens
         self.model, self.optimizer = model, optimizer
+        self.params = list(model.parameters())  # what clip_gradients reads, listed once
         self.is_main = par.is_main
         self.auto_precision = res.auto_precision
         self.start_step, self.tokens_seen, self.elapsed_before = 0, 0, 0.0
@@ -262,7 +273,7 @@ class Trainer:
         uniform = n_squares * accum * world_size == n_total * n_total  # all counts equal
         loss_sum, aux_sum, weighted_sum = 0.0, 0.0, 0.0
         for micro, (g, batch, n) in enumerate(zip(globals_, batches, counts, strict=True)):
-            torch.manual_seed(tc.seed * 1_000_003 + step * 1009 + g * 31)
+            seed_rng(self.dev, tc.seed * 1_000_003 + step * 1009 + g * 31)
             with par.sync_gradients(micro == accum - 1):
                 with autocast(self.dev, tc.precision):
                     output = self.fwd(**{k: v.to(self.dev) for k, v in batch.items()})
@@ -282,7 +293,8 @@ class Trainer:
                 ec = self.expert_counts
                 self.expert_counts = counts_e if ec is None else ec + counts_e
         loss_sum, aux_sum, weighted_sum = par.mean([loss_sum, aux_sum, weighted_sum])
-        grad_norm, bad_grad = clip_gradients(self.model, tc.grad_clip)  # NaN/Inf: names the first
+        # NaN/Inf: names the first
+        grad_norm, bad_grad = clip_gradients(self.model, tc.grad_clip, self.params)
         # the mean over every target of the step (over ranks: mean * world_size = sum)
         step_loss = loss_sum / accum if uniform else weighted_sum * world_size / n_total
         finite = bad_grad is None and math.isfinite(step_loss)  # the same on every rank
