@@ -87,7 +87,7 @@ class DecoderLM(TiedEmbeddingsModule):
         b, t = input_ids.shape
         past = cache.seq_len if cache is not None else 0
         if position_ids is None:
-            positions = torch.arange(past, past + t, device=input_ids.device)  # (T,)
+            positions = self.arange_positions(past, t, input_ids.device)  # (T,)
         elif position_ids.shape != (b, t):
             shape = tuple(position_ids.shape)
             raise ValueError(f"position_ids must be (B, T) = {(b, t)}, got {shape}")
@@ -125,6 +125,22 @@ class DecoderLM(TiedEmbeddingsModule):
     def normed(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm of the last layer's output (B, T, D), through ``hook_final_norm``."""
         return self.hook_final_norm(self.final_norm(x))
+
+    def arange_positions(self, past: int, t: int, device: torch.device) -> torch.Tensor:
+        """torch.arange(past, past + t) int64 (T,) on ``device``: the same tensor object as the
+        last call's while (past, t, device) and its values (version counter) are unchanged, so
+        a position encoding that keeps its tables for the positions tensor it last saw (RoPE's
+        cos / sin, :meth:`lmlab.nn.position.RotaryPosition.rotation`) reuses them from one
+        training step to the next instead of recomputing them every forward. A new tensor under
+        inference mode (no version counter) and torch.compile."""
+        if torch.is_inference_mode_enabled() or torch.compiler.is_compiling():
+            return torch.arange(past, past + t, device=device)
+        memo = self.__dict__.get("_positions_memo")
+        if memo is not None and memo[0] == (past, t, device) and memo[1]._version == memo[2]:
+            return memo[1]
+        positions = torch.arange(past, past + t, device=device)
+        self.__dict__["_positions_memo"] = ((past, t, device), positions, positions._version)
+        return positions
 
     def new_cache(self) -> KVCache:
         """An empty cache with one slot per layer, of the kind each attention needs: dynamic,

@@ -535,7 +535,9 @@ class RotaryPosition(PositionEncoding):
         positions broadcast over heads). Every layer of one forward rotates by the same
         ``positions`` tensor, so the last result is kept and reused while the tensor (the same
         object, unmodified: its version counter), the frequencies, the dtype and the grad /
-        inference mode are those it was computed for: computed once per forward, not per layer."""
+        inference mode are those it was computed for: computed once, not per layer (and, as a
+        decoder passes the same positions tensor while the length is unchanged, not per
+        training step); tables that record gradients are recomputed each call."""
         return self._rotation(positions, dtype)[:2]
 
     def _rotation(
@@ -563,7 +565,11 @@ class RotaryPosition(PositionEncoding):
         if fresh and memo[2] == key:  # type: ignore[index]
             return memo[3]  # type: ignore[index]
         out = self._compute_rotation(positions, dtype)
-        self.__dict__["_rotation_memo"] = (positions, self.inv_freq, key, out)
+        if not out[0].requires_grad:
+            # tables that record a graph (a frequency table made trainable) are not kept: the
+            # positions tensor may be the same object in the next forward
+            # (DecoderLM.arange_positions), whose backward would meet this one's freed graph
+            self.__dict__["_rotation_memo"] = (positions, self.inv_freq, key, out)
         return out
 
     def _compute_rotation(
