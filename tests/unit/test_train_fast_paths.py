@@ -219,3 +219,45 @@ def test_bf16_training_with_and_without_the_fast_paths_follows_the_same_losses(m
     for a, b in zip(fast, ref, strict=True):
         assert abs(a - b) < 0.02, (fast, ref)
 
+
+def test_a_decoder_reuses_its_positions_and_rope_tables_across_training_steps(monkeypatch):
+    from lmlab.nn import position
+
+    m = build_model(tiny_model_config(V, attention={"n_heads": 2}))
+    p1 = m.arange_positions(0, 6, torch.device("cpu"))
+    assert m.arange_positions(0, 6, torch.device("cpu")) is p1
+    assert torch.equal(p1, torch.arange(6))
+    assert m.arange_positions(0, 7, torch.device("cpu")) is not p1  # another length: new
+    p2 = m.arange_positions(0, 7, torch.device("cpu"))
+    p2.add_(1)  # its values changed in place: never handed out again
+    p3 = m.arange_positions(0, 7, torch.device("cpu"))
+    assert p3 is not p2 and torch.equal(p3, torch.arange(7))
+    with torch.inference_mode():
+        assert m.arange_positions(0, 7, torch.device("cpu")) is not p3
+
+    computed = []
+    real = position.RotaryPosition._compute_rotation
+    monkeypatch.setattr(
+        position.RotaryPosition,
+        "_compute_rotation",
+        lambda self, pos, dtype: computed.append(1) or real(self, pos, dtype),
+    )
+    x = torch.randint(0, V, (2, 6))
+    losses = []
+    for _ in range(3):  # three training steps' forwards: the tables once
+        loss = m(x, targets=x).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert len(computed) == 1 and losses[0] == losses[1] == losses[2]
+
+
+def test_residual_dropout_at_p0_skips_the_module_call_unless_it_is_hooked():
+    m = build_model(tiny_model_config(V, attention={"n_heads": 2}))
+    m.train()
+    block = m.layers[0]
+    x = torch.randn(2, 3, 32)
+    assert block.drop.p == 0.0 and block.dropped(x) is x
+    seen = []
+    block.drop.register_forward_hook(lambda mod, inp, out: seen.append(out.shape))
+    out = block.dropped(x)
+    assert seen == [x.shape] and torch.equal(out, x)

@@ -14,7 +14,7 @@ from torch import nn
 from lmlab.nn.attention import ATTENTION
 from lmlab.nn.cross_attention import CrossAttention
 from lmlab.nn.ffn import build_ffn
-from lmlab.nn.fused import torch_hooks
+from lmlab.nn.fused import global_hooks, torch_hooks
 from lmlab.nn.hooks import HookPoint
 from lmlab.nn.kv_cache import CrossAttentionCache, LayerCache
 from lmlab.nn.norm import build_norm, norm_for_matmuls
@@ -65,8 +65,11 @@ class Block(nn.Module):
 
     def dropped(self, x: torch.Tensor) -> torch.Tensor:
         """Residual dropout of a branch: ``self.drop(x)``; x itself (what Dropout returns) in eval
-        mode, without the module call."""
-        return self.drop(x) if self.drop.training else x
+        mode or at p = 0 (with no hooks on the module), without the module call."""
+        d = self.drop
+        if not d.training or (d.p == 0.0 and not torch_hooks(d) and not global_hooks()):
+            return x  # p = 0: what Dropout returns, without the module call
+        return d(x)
 
     def expand_stream(self, x: torch.Tensor) -> torch.Tensor:
         """The embedding x (B, T, D) -> the residual stream the first layer reads: x itself (a
@@ -128,21 +131,9 @@ class PreNormBlock(Block):
         (bf16 straight from the norm in bf16 CPU training) when ``consumer`` is a module that
         only feeds its input to matmuls (softmax attention's projections, an MLP's up or gate
         projections) and neither it nor a module inside it has torch hooks, else ``norm(x)``."""
-        if (
-            type(consumer) in _MATMUL_INPUT
-            and torch.is_grad_enabled()  # where the kernel can be taken: the module walk
-            and torch.is_autocast_enabled("cpu")  # of _hooked only there (not in decoding)
-            and not _hooked(consumer)
-        ):
-            return norm_for_matmuls(norm, x)
+        if type(consumer) in _MATMUL_INPUT:
+            return norm_for_matmuls(norm, x, consumer)
         return norm(x)
-
-
-def _hooked(m: nn.Module) -> bool:
-    """Whether ``m`` or a module inside it has a torch hook: forward hooks on it or on its
-    projections see the norm's output as their input, backward hooks its gradient (and may
-    return one of their own), float32 as without the kernel; so they keep torch's norm."""
-    return any(torch_hooks(s) for s in m.modules())
 
 
 @BLOCK.register("post")

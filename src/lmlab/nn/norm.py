@@ -59,7 +59,9 @@ TRAIN_NORM_KERNEL = True
 TRAIN_NORM_KERNEL_MIN_ELEMENTS = 1 << 18
 
 
-def norm_for_matmuls(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def norm_for_matmuls(
+    norm: nn.Module, x: torch.Tensor, consumer: nn.Module | None = None
+) -> torch.Tensor:
     """``norm(x)`` for a caller whose only use of the result is as matmul input (under
     autocast, which casts it to bfloat16 there anyway): x (..., D) -> (..., D). While gradients
     are recorded under CPU bf16 autocast, for lmlab's LayerNorm (over the last dim, x with at
@@ -67,7 +69,10 @@ def norm_for_matmuls(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     and no hooks, x float32, :data:`TRAIN_NORM_KERNEL` on, not under
     torch.compile and the kernel compiled, the result comes as bfloat16 from one C++ pass each
     way (:func:`lmlab.nn.train_kernel.norm_bf16`; its float32 values to float32 rounding of
-    torch's, then the one rounding autocast makes). Otherwise ``norm(x)``."""
+    torch's, then the one rounding autocast makes). ``consumer``: the module that takes the
+    result (softmax attention, an MLP); when it or a module inside it has a torch hook, its
+    forward hooks would see bfloat16 where they see float32 without the kernel, so
+    ``norm(x)`` (checked last: it walks the consumer's modules). Otherwise ``norm(x)``."""
     if not (TRAIN_NORM_KERNEL and torch.is_grad_enabled()) or torch.compiler.is_compiling():
         return norm(x)
     if x.device.type != "cpu" or x.dtype != torch.float32:
@@ -90,9 +95,11 @@ def norm_for_matmuls(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     ):
         return norm(x)
     from lmlab.nn import train_kernel
-    from lmlab.nn.fused import global_hooks, torch_hooks
+    from lmlab.nn.fused import global_hooks, hooked_within, torch_hooks
 
     if torch_hooks(norm) or global_hooks():  # calling the norm would run more than its forward
+        return norm(x)
+    if consumer is not None and hooked_within(consumer):
         return norm(x)
 
     if not train_kernel.available():
