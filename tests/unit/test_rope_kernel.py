@@ -175,10 +175,12 @@ def test_bf16_training_takes_the_split_and_hooks_see_the_same_q_k_v(monkeypatch)
         (torch.float32, torch.float32),
     ],
 )
-def test_split_adds_the_bias_first_and_sums_its_gradient(dtype, bias_dtype):
+@pytest.mark.parametrize("hd", [32, 40, 8])  # whole vectors; vectors and a tail; a tail only
+def test_split_adds_the_bias_first_and_sums_its_gradient(dtype, bias_dtype, hd):
     torch.manual_seed(2)
-    b, t, h, kv, hd = 2, 7, 4, 2, 32
+    b, t, h, kv = 2, 7, 4, 2
     proj = torch.randn(b, t, h + 2 * kv, hd, dtype=dtype)  # a bias-free matmul's output
+    proj[1, 3, 2, 5] = float("nan")  # a NaN sum stays NaN, in its own channel
     bias = torch.randn((h + 2 * kv) * hd).to(bias_dtype)
     cos, signed = torch.randn(t, hd).to(dtype), torch.randn(t, hd).to(dtype)
     a, bb = proj.clone().requires_grad_(), bias.clone().requires_grad_()
@@ -189,7 +191,8 @@ def test_split_adds_the_bias_first_and_sums_its_gradient(dtype, bias_dtype):
     r = biased.clone().requires_grad_()
     ref = rope_kernel.rope_split(r, cos, signed, h, kv)
     for out, want in zip((q, k, v), ref, strict=True):
-        assert torch.equal(out, want)
+        torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
+    assert q[1, 2, 3].isnan().sum() == 2  # channel 5 and its partner, 5 + hd / 2
     gs = [torch.randn_like(z) for z in ref]
     torch.autograd.backward(ref, gs)
     torch.autograd.backward((q, k, v), gs)

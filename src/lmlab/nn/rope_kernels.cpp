@@ -121,20 +121,39 @@ inline void rotate_head(const T* __restrict x, const float* __restrict c,
   }
 }
 
+// One row's tables as float32: cf = cos[0..hd), sf = sgn[0..hd) (forward) or sgn[j], j = (i +
+// hd/2) mod hd (the inverse rotation); sixteen channels at a time when both halves are whole
+// vectors (the same values: a widening is exact).
+template <typename T>
+inline void load_tables(const T* cos, const T* sgn, float* cf, float* sf, int64_t hd,
+                        bool inverse) {
+  const int64_t half = hd / 2;
+#if defined(__AVX512F__)
+  if (half % 16 == 0) {
+    for (int64_t i = 0; i < hd; i += 16) {
+      _mm512_storeu_ps(cf + i, load16(cos + i));
+      const int64_t j = !inverse ? i : (i < half ? i + half : i - half);
+      _mm512_storeu_ps(sf + i, load16(sgn + j));
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < hd; ++i) {
+    const int64_t j = i < half ? i + half : i - half;
+    cf[i] = load(cos[i]);
+    sf[i] = load(sgn[inverse ? j : i]);
+  }
+}
+
 template <typename T, int64_t HD>
 void rope(const T* x, int64_t nb, int64_t nh, int64_t nt, int64_t hd, int64_t sxb, int64_t sxn,
           int64_t sxt, const T* cos, const T* sgn, T* y, int64_t syb, int64_t syn, int64_t syt,
           bool inverse) {
   at::parallel_for(0, nb * nt, 8, [&](int64_t begin, int64_t end) {
     float cf[kMaxHeadDim], sf[kMaxHeadDim];
-    const int64_t h = hd / 2;
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / nt, t = row % nt;
-      for (int64_t i = 0; i < hd; ++i) {
-        const int64_t j = i < h ? i + h : i - h;
-        cf[i] = load(cos[t * hd + i]);
-        sf[i] = load(sgn[t * hd + (inverse ? j : i)]);
-      }
+      load_tables(cos + t * hd, sgn + t * hd, cf, sf, hd, inverse);
       for (int64_t n = 0; n < nh; ++n) {
         rotate_head<T, HD>(x + b * sxb + n * sxn + t * sxt, cf, sf, y + b * syb + n * syn + t * syt,
                            hd);
@@ -176,6 +195,35 @@ inline float add_rounded(float a, float b, uint16_t) {
   return v != v ? v : round_bf16(v);  // an added float32 NaN may carry any payload
 }
 
+// xb[i] = x[i] + bias[i] rounded to T (add_rounded), sixteen lanes at a time when hd allows: the
+// same sum and rounding per element (a NaN sum kept as is, then truncated as store truncates).
+template <typename T, typename BT>
+inline void add_bias_row(const T* x, const BT* bias, T* xb, int64_t hd) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= hd; i += 16) {
+    __m512 v = _mm512_add_ps(load16(x + i), load16(bias + i));
+    if (sizeof(T) == 2) {
+      const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      v = _mm512_mask_blend_ps(nan, round16(v), v);
+    }
+    store16(v, xb + i);
+  }
+#endif
+  for (; i < hd; ++i) store(add_rounded(load(x[i]), load(bias[i]), T()), &xb[i]);
+}
+
+// acc[i] += out[i] (float32), sixteen lanes at a time when hd allows (the same sums).
+template <typename T>
+inline void accumulate_row(const T* out, float* acc, int64_t hd) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= hd; i += 16)
+    _mm512_storeu_ps(acc + i, _mm512_add_ps(_mm512_loadu_ps(acc + i), load16(out + i)));
+#endif
+  for (; i < hd; ++i) acc[i] += load(out[i]);
+}
+
 template <typename T, typename BT, int64_t HD>
 void rope_split(const T* qkv, const BT* bias, int64_t nb, int64_t nt, int64_t h, int64_t kv,
                 int64_t hd, const T* cos, const T* sgn, T* q, T* k, T* v) {
@@ -185,14 +233,11 @@ void rope_split(const T* qkv, const BT* bias, int64_t nb, int64_t nt, int64_t h,
     T xb[kMaxHeadDim];
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / nt, t = row % nt;
-      for (int64_t i = 0; i < hd; ++i) {
-        cf[i] = load(cos[t * hd + i]);
-        sf[i] = load(sgn[t * hd + i]);
-      }
+      load_tables(cos + t * hd, sgn + t * hd, cf, sf, hd, false);
       for (int64_t n = 0; n < heads; ++n) {
         const T* x = qkv + (row * heads + n) * hd;
         if (bias) {
-          for (int64_t i = 0; i < hd; ++i) store(add_rounded(load(x[i]), load(bias[n * hd + i]), T()), &xb[i]);
+          add_bias_row(x, bias + n * hd, xb, hd);
           x = xb;
         }
         if (n < h) {
@@ -224,12 +269,8 @@ void rope_split_backward(const T* dq, const T* dk, const T* dv, int64_t nb, int6
       float* acc = dbias ? sums.data() + blk * width : nullptr;
       const int64_t r1 = (blk + 1) * per < rows ? (blk + 1) * per : rows;
       for (int64_t row = blk * per; row < r1; ++row) {
-        const int64_t b = row / nt, t = row % nt, half = hd / 2;
-        for (int64_t i = 0; i < hd; ++i) {
-          const int64_t j = i < half ? i + half : i - half;
-          cf[i] = load(cos[t * hd + i]);
-          sf[i] = load(sgn[t * hd + j]);
-        }
+        const int64_t b = row / nt, t = row % nt;
+        load_tables(cos + t * hd, sgn + t * hd, cf, sf, hd, true);
         for (int64_t n = 0; n < heads; ++n) {
           T* out = dqkv + (row * heads + n) * hd;
           const T* g = n < h ? (dq ? dq + ((b * h + n) * nt + t) * hd : nullptr)
@@ -242,8 +283,7 @@ void rope_split_backward(const T* dq, const T* dk, const T* dv, int64_t nb, int6
           } else {
             std::memcpy(out, g, hd * sizeof(T));
           }
-          if (acc)
-            for (int64_t i = 0; i < hd; ++i) acc[n * hd + i] += load(out[i]);
+          if (acc) accumulate_row(out, acc + n * hd, hd);
         }
       }
     }
