@@ -234,8 +234,10 @@ def test_a_long_cjk_map_is_labelled_at_a_stride_and_fits_the_figure_cap():
     fig = plot_map(torch.linspace(-2, 2, 3 * 300).reshape(3, 300), labels, "position")
     (ax,) = [a for a in fig.axes if a.get_label() == "map"]
     ticks = [t.get_text() for t in ax.get_xticklabels()]
-    assert 8 <= len(ticks) <= 150 and ticks[0] == "0 中0"  # "POSITION label" at a stride
-    assert all(re.fullmatch(r"(\d+) 中\1", t) for t in ticks)
+    # "POSITION label" at a stride; without a CJK font the label is its code point (a warning)
+    zh = "中" if "中" in ticks[0] else "U+4E2D"
+    assert 8 <= len(ticks) <= 150 and ticks[0] == f"0 {zh}0"
+    assert all(re.fullmatch(rf"(\d+) {re.escape(zh)}\1", t) for t in ticks)
     assert max(fig.get_size_inches()) <= MAX_FIGURE_INCHES
     short = plot_map(torch.zeros(2, 4), ["a", "<b>", "满", "x"], "position")
     (ax,) = [a for a in short.axes if a.get_label() == "map"]
