@@ -129,13 +129,13 @@ def test_the_bmm_count_is_what_a_bf16_training_forward_calls(model, monkeypatch)
     import lmlab.nn.attention_core as core
 
     calls: list[int] = []
-    apply = core._CausalAttentionBmm.apply
+    real = core.causal_attention_bmm
 
     def spy(q, k, v, scale):
         calls.append(q.shape[1] * q.shape[2])  # H T per query token
-        return apply(q, k, v, scale)
+        return real(q, k, v, scale)
 
-    monkeypatch.setattr(core._CausalAttentionBmm, "apply", spy)
+    monkeypatch.setattr(core, "causal_attention_bmm", spy)
     cfg = tiny_config(
         model={"max_seq_len": 32, **model},
         train={"batch_size": 2, "precision": "bf16", "device": "cpu"},

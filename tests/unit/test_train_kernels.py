@@ -57,25 +57,55 @@ def test_causal_softmax_keeps_nan_in_its_row():
 
 
 @needs_kernel
-def test_bmm_attention_takes_the_softmax_kernel_with_the_same_function(monkeypatch):
+def test_bmm_attention_operator_is_the_kernel_formula_bit_for_bit(monkeypatch):
+    # torch.ops.lmlab.causal_attention_bmm (train_ops.cpp) against the same steps by hand with
+    # the ctypes-called kernels: forward and backward equal, bit for bit
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 40, 16).bfloat16().requires_grad_() for _ in range(3))
-    g = torch.randn(2, 3, 40, 16).bfloat16()
-    took: list[int] = []
-    real = train_kernel.causal_softmax_
-    monkeypatch.setattr(train_kernel, "causal_softmax_", lambda s: took.append(1) or real(s))
-    results = []
-    for flag in (False, True):
-        monkeypatch.setattr(core, "TRAIN_SOFTMAX_KERNEL", flag)
-        out = core.causal_attention_bmm(q, k, v, 0.25)
-        results.append((out, *torch.autograd.grad(out, (q, k, v), g)))
-    assert took == [1]
+    b, h, t, hd = 2, 3, 40, 16
+    q, k, v = (torch.randn(b, h, t, hd).bfloat16().requires_grad_() for _ in range(3))
+    g = torch.randn(b, h, t, hd).bfloat16()
+    monkeypatch.setattr(core, "TRAIN_SOFTMAX_KERNEL", True)
+    out = core.causal_attention_bmm(q, k, v, 0.25)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    with torch.no_grad():
+        qs = (q * 0.25).reshape(b * h, t, hd)
+        k3, v3, g3 = k.reshape(b * h, t, hd), v.reshape(b * h, t, hd), g.reshape(b * h, t, hd)
+        p = train_kernel.causal_softmax_(torch.bmm(qs, k3.transpose(1, 2)))
+        want = torch.bmm(p, v3).view(b, h, t, hd)
+        dv = torch.bmm(p.transpose(1, 2), g3)
+        ds = train_kernel.causal_softmax_backward_(p, torch.bmm(g3, v3.transpose(1, 2)))
+        dq = torch.bmm(ds, k3).mul_(0.25)
+        dk = torch.bmm(ds.transpose(1, 2), qs)
+    assert torch.equal(out, want)
+    for got, ref in zip(grads, (dq, dk, dv), strict=True):
+        assert torch.equal(got, ref.view(b, h, t, hd))
     exact = F.scaled_dot_product_attention(
         *(x.double() for x in (q, k, v)), is_causal=True, scale=0.25
     )
-    for a, b in zip(results[0], results[1], strict=True):  # the same to bf16 rounding
-        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
-    assert (results[1][0].double() - exact).abs().max() < 2e-2
+    assert (out.double() - exact).abs().max() < 2e-2
+
+
+def test_bmm_attention_without_the_kernel_library_is_the_same_function(monkeypatch):
+    # the softmax kernel off: the operator runs torch's masked softmax, bit-equal to the Python
+    # Function that runs where the library is not compiled; with the kernel on, equal to
+    # bf16 rounding
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, 3, 33, 16).bfloat16().requires_grad_() for _ in range(3))
+    g = torch.randn(2, 3, 33, 16).bfloat16()
+
+    def run() -> list[torch.Tensor]:
+        out = core.causal_attention_bmm(q, k, v, 0.25)
+        return [out, *torch.autograd.grad(out, (q, k, v), g)]
+
+    monkeypatch.setattr(core, "TRAIN_SOFTMAX_KERNEL", False)
+    with train_kernel.disabled():
+        python = run()
+    if train_kernel.available():
+        for a, b in zip(run(), python, strict=True):
+            assert torch.equal(a, b)
+        monkeypatch.setattr(core, "TRAIN_SOFTMAX_KERNEL", True)
+        for a, b in zip(run(), python, strict=True):
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize(
@@ -174,8 +204,8 @@ def test_pre_norm_blocks_take_the_norm_kernel_with_the_same_function(norm_kind, 
                 p.add_(torch.randn_like(p) * 0.3)
     x = torch.randint(0, 37, (2, 12))
     took: list[int] = []
-    real = train_kernel.norm_bf16
-    monkeypatch.setattr(train_kernel, "norm_bf16", lambda *a, **k: took.append(1) or real(*a, **k))
+    real = train_kernel.norm_bf16_op  # what norm_for_matmuls calls
+    monkeypatch.setattr(train_kernel, "norm_bf16_op", lambda *a: took.append(1) or real(*a))
     monkeypatch.setattr(norm_mod, "TRAIN_NORM_KERNEL_MIN_ELEMENTS", 0)  # tiny shapes here
 
     def step(flag: bool, autocast: bool = True) -> tuple[float, dict[str, torch.Tensor]]:
@@ -233,8 +263,8 @@ def test_hooks_inside_the_consumer_or_on_its_backward_keep_the_norm_float32(monk
     m = build_model(tiny_model_config(37, attention={"n_heads": 4}))
     x = torch.randint(0, 37, (2, 12))
     took: list[int] = []
-    real = train_kernel.norm_bf16
-    monkeypatch.setattr(train_kernel, "norm_bf16", lambda *a, **k: took.append(1) or real(*a, **k))
+    real = train_kernel.norm_bf16_op  # what norm_for_matmuls calls
+    monkeypatch.setattr(train_kernel, "norm_bf16_op", lambda *a: took.append(1) or real(*a))
     layer, seen = m.layers[0], []
     handles = [
         layer.attn.q_proj.register_forward_pre_hook(lambda mod, a: seen.append(a[0].dtype)),

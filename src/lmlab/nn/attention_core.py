@@ -156,13 +156,6 @@ def bmm_causal_applies(q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> bo
     )
 
 
-def _softmax_kernel_applies(scores: torch.Tensor) -> bool:
-    """Whether :class:`_CausalAttentionBmm` runs its softmax through lmlab's C++ kernel."""
-    from lmlab.nn import train_kernel
-
-    return train_kernel.causal_softmax_applies(scores)
-
-
 def causal_above(t: int, device: torch.device) -> torch.Tensor:
     """(T, T) bool, True above the diagonal: the keys a causal query may not see (a constant,
     kept per size and device)."""
@@ -178,9 +171,10 @@ class _CausalAttentionBmm(torch.autograd.Function):
     of its six ops, no pass that autograd would add over the (B H, T, T) scores): forward
     S = (q scale) k^T with -inf above the diagonal, P = softmax(S), out = P v; backward
     dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(P dP)) (softmax's backward), dQ = dS K scale,
-    dK = dS^T (q scale). Saves q scale, k, v and P. With :data:`TRAIN_SOFTMAX_KERNEL` and the
-    C++ kernel compiled, the mask, the softmax and its backward run in lmlab's causal softmax
-    kernel (:func:`lmlab.nn.train_kernel.causal_softmax_`, in place, the lower triangle only)."""
+    dK = dS^T (q scale). Saves q scale, k, v and P. Where lmlab's training kernels are compiled
+    the operator torch.ops.lmlab.causal_attention_bmm (train_ops.cpp) runs instead: these same
+    steps in C++, with the mask and softmax (and its backward) in lmlab's causal softmax kernel
+    when :data:`TRAIN_SOFTMAX_KERNEL` is on."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale):
@@ -191,14 +185,8 @@ class _CausalAttentionBmm(torch.autograd.Function):
         k3 = k.reshape(b * h, t, hd)
         v3 = v.reshape(b * h, t, v.shape[-1])
         scores = torch.bmm(qs, k3.transpose(1, 2))  # (B H, T, T)
-        ctx.kernel = TRAIN_SOFTMAX_KERNEL and _softmax_kernel_applies(scores)
-        if ctx.kernel:
-            from lmlab.nn.train_kernel import causal_softmax_
-
-            probs = causal_softmax_(scores)  # in place: P over the scores
-        else:
-            scores.masked_fill_(causal_above(t, q.device), float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
+        scores.masked_fill_(causal_above(t, q.device), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
         ctx.save_for_backward(qs, k3, v3, probs)
         ctx.scale, ctx.shape = scale, (b, h, t, hd, v.shape[-1])
         return torch.bmm(probs, v3).view(b, h, t, v.shape[-1])
@@ -210,13 +198,7 @@ class _CausalAttentionBmm(torch.autograd.Function):
         g = grad_out.reshape(b * h, t, hdv)
         dv = torch.bmm(probs.transpose(1, 2), g)
         dp = torch.bmm(g, v3.transpose(1, 2))
-        # not for a dP that records gradients (create_graph): the kernel writes outside autograd
-        if ctx.kernel and dp.is_contiguous() and dp.dtype == probs.dtype and not dp.requires_grad:
-            from lmlab.nn.train_kernel import causal_softmax_backward_
-
-            ds = causal_softmax_backward_(probs, dp)  # in place: dS over dP
-        else:
-            ds = torch._softmax_backward_data(dp, probs, -1, probs.dtype)
+        ds = torch._softmax_backward_data(dp, probs, -1, probs.dtype)
         dq = torch.bmm(ds, k3).mul_(ctx.scale)
         dk = torch.bmm(ds.transpose(1, 2), qs)
         return dq.view(b, h, t, hd), dk.view(b, h, t, hd), dv.view(b, h, t, hdv), None
@@ -232,7 +214,17 @@ def causal_attention_bmm(
     attention computes (the scores rounded to bf16 before the softmax); the fused kernel keeps
     them in float32, so the two agree to bf16 rounding (tests/unit/test_train_fast_paths.py).
     Keeps the (B H, T, T) probabilities for backward: B H T^2 elements, hence the size bound
-    :data:`BMM_CAUSAL_MAX_T`. Returns (B, H, T, hd)."""
+    :data:`BMM_CAUSAL_MAX_T`. Returns (B, H, T, hd).
+
+    With lmlab's training kernels compiled (:func:`lmlab.nn.train_kernel.available`) it runs
+    as the operator torch.ops.lmlab.causal_attention_bmm (train_ops.cpp: the same ATen calls
+    and kernel, the same bits, its autograd in C++, without the Python Function's overhead of
+    some 20-50 us a call); otherwise as :class:`_CausalAttentionBmm`."""
+    from lmlab.nn import train_kernel
+
+    if train_kernel.available():
+        kernel = TRAIN_SOFTMAX_KERNEL and q.dtype in (torch.bfloat16, torch.float32)
+        return torch.ops.lmlab.causal_attention_bmm(q, k, v, scale, kernel)
     return _CausalAttentionBmm.apply(q, k, v, scale)
 
 

@@ -73,25 +73,27 @@ def norm_for_matmuls(
     result (softmax attention, an MLP); when it or a module inside it has a torch hook, its
     forward hooks would see bfloat16 where they see float32 without the kernel, so
     ``norm(x)`` (checked last: it walks the consumer's modules). Otherwise ``norm(x)``."""
-    if not (TRAIN_NORM_KERNEL and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+    # the cheap checks first (a training step asks this twice a layer)
+    kind = type(norm)
+    if not TRAIN_NORM_KERNEL or (kind is not LayerNorm and kind is not RMSNorm):
         return norm(x)
-    if x.device.type != "cpu" or x.dtype != torch.float32:
+    if x.dtype is not torch.float32 or not x.is_cpu or not torch.is_grad_enabled():
+        return norm(x)
+    if kind is LayerNorm and x.numel() < TRAIN_NORM_KERNEL_MIN_ELEMENTS:
         return norm(x)
     if not torch.is_autocast_enabled("cpu") or torch.get_autocast_dtype("cpu") != torch.bfloat16:
         return norm(x)
-    kind = type(norm)
+    if torch.compiler.is_compiling():
+        return norm(x)
     params = norm._parameters
     weight, bias = params.get("weight"), params.get("bias")
-    if kind is LayerNorm:
-        if tuple(norm.normalized_shape) != (x.shape[-1],):  # type: ignore[arg-type]
-            return norm(x)
-        if x.numel() < TRAIN_NORM_KERNEL_MIN_ELEMENTS:
-            return norm(x)
-    elif kind is not RMSNorm:
+    d = x.shape[-1] if x.dim() else 0
+    if kind is LayerNorm and tuple(norm.normalized_shape) != (d,):  # type: ignore[arg-type]
         return norm(x)
-    d = (x.shape[-1],)
-    if weight is None or any(
-        p is not None and (p.dtype != torch.float32 or p.shape != d) for p in (weight, bias)
+    if (
+        weight is None
+        or not _kernel_param(weight, d)
+        or (bias is not None and not _kernel_param(bias, d))
     ):
         return norm(x)
     from lmlab.nn import train_kernel
@@ -101,11 +103,23 @@ def norm_for_matmuls(
         return norm(x)
     if consumer is not None and hooked_within(consumer):
         return norm(x)
-
     if not train_kernel.available():
         return norm(x)
+    # norm_bf16's checks hold here (x float32 on the CPU, D >= 1, the parameters float32 (D,)
+    # contiguous on the CPU): its operator directly
     eps = float(norm.eps)  # type: ignore[arg-type]
-    return train_kernel.norm_bf16(x, weight, bias, eps, rms=kind is RMSNorm)
+    return train_kernel.norm_bf16_op(x, weight, bias, eps, kind is RMSNorm)
+
+
+def _kernel_param(p: torch.Tensor, d: int) -> bool:
+    """A norm parameter the kernel reads: float32 (D,) contiguous on the CPU, D >= 1."""
+    return (
+        p.dtype is torch.float32
+        and p.dim() == 1
+        and p.shape[0] == d >= 1
+        and p.is_cpu
+        and (p.is_contiguous())
+    )
 
 
 def build_norm(cfg: ModelConfig) -> nn.Module:

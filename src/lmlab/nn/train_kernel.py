@@ -39,11 +39,14 @@ import torch
 from lmlab.nn import cpp_build
 
 SOURCE = Path(__file__).with_name("train_kernels.cpp")
+# the operators torch.ops.lmlab.norm_bf16 and causal_attention_bmm, their autograd in C++
+OPS_SOURCE = Path(__file__).with_name("train_ops.cpp")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _build() -> ctypes.CDLL:
-    """Compile (or load from the cache) train_kernels.cpp; raises on any failure."""
+    """Compile (or load from the cache) train_kernels.cpp and train_ops.cpp into one library,
+    which registers the operators torch.ops.lmlab.*; raises on any failure."""
     flags = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
     avx512 = cpp_build.cpu_has_avx2_fma() and cpp_build.cpu_has_avx512f()
     avx512bw = avx512 and {"avx512bw", "avx512vl", "avx512dq"} <= cpp_build.cpu_flags()
@@ -52,7 +55,10 @@ def _build() -> ctypes.CDLL:
         flags += ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
     flags += ["-mavx512bf16"] if bf16 else []
     kind = "avx512bf16" if bf16 else "avx512" if avx512bw else "generic"
-    path = cpp_build.build(f"lmlab_train_kernels_{kind}", [str(SOURCE)], flags, ["-fopenmp"])
+    sources = [str(SOURCE), str(OPS_SOURCE)]
+    path = cpp_build.build(f"lmlab_train_kernels_{kind}", sources, flags, ["-fopenmp"])
+    if not hasattr(torch.ops.lmlab, "norm_bf16"):  # registered when the library was loaded
+        raise RuntimeError(f"{path} did not register torch.ops.lmlab.norm_bf16")
     lib = ctypes.CDLL(str(path))
     i64, fp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.lmlab_causal_softmax_forward.argtypes = [ci, fp, fp, i64, i64]
@@ -181,76 +187,18 @@ def causal_softmax_backward_(probs: torch.Tensor, grad: torch.Tensor) -> torch.T
     return grad
 
 
-class NormBf16Function(torch.autograd.Function):
-    """LayerNorm (``rms`` False) or RMSNorm of x (..., D) float32 -> bfloat16 (..., D), one
-    kernel pass each way (see :func:`norm_bf16`). Saves x, weight, bias and the per-row mean and
-    rstd (what torch's layer_norm saves). A backward that records its own graph (``create_graph``,
-    a gradient penalty) runs the norm's torch ops instead: the kernel's gradients carry no graph,
-    so the second-order terms through the norm would be silently missing."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps, rms):
-        xc = x.contiguous()
-        w = weight.detach().contiguous()
-        b = None if bias is None else bias.detach().contiguous()
-        d = x.shape[-1]
-        rows = x.numel() // d
-        # every buffer on x's device (the CPU), whatever torch's default device is: the kernel
-        # writes through their data pointers
-        y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
-        mean = torch.empty(rows, dtype=torch.float32, device=x.device)
-        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
-        _lib().lmlab_norm_bf16_forward(
-            int(rms), xc.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(),
-            y.data_ptr(), mean.data_ptr(), rstd.data_ptr(), rows, d, float(eps),
-        )  # fmt: skip
-        ctx.save_for_backward(x, weight, bias, mean, rstd)
-        ctx.rms, ctx.eps = rms, eps
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        x, weight, bias, mean, rstd = ctx.saved_tensors
-        if torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (g, x, weight, bias)
-        ):  # create_graph: gradients that are themselves differentiable
-            return (*_norm_grads_with_graph(ctx, g, x, weight, bias), None, None)
-        g = g.to(torch.bfloat16).contiguous()
-        x = x.contiguous()
-        w = weight.detach().contiguous()
-        d = x.shape[-1]
-        dx = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        dw = torch.empty(d, dtype=torch.float32, device=x.device)
-        db = None if bias is None else torch.empty(d, dtype=torch.float32, device=x.device)
-        _lib().lmlab_norm_bf16_backward(
-            int(ctx.rms), g.data_ptr(), x.data_ptr(), w.data_ptr(), mean.data_ptr(),
-            rstd.data_ptr(), dx.data_ptr(), dw.data_ptr(), None if db is None else db.data_ptr(),
-            x.numel() // d, d,
-        )  # fmt: skip
-        return dx, dw, db, None, None
-
-
-def _norm_grads_with_graph(
-    ctx, g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """dx, dweight, dbias of :class:`NormBf16Function` for the upstream gradient g, through the
-    norm's float32 torch ops (recomputed from x), each recording its graph (None for an input
-    that needs no gradient)."""
-    eps = ctx.eps
-    if ctx.rms:
-        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-    else:
-        y = torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps)
-    wanted = [
-        (i, t) for i, t in enumerate((x, weight, bias)) if t is not None and ctx.needs_input_grad[i]
-    ]
-    grads = torch.autograd.grad(
-        y, [t for _, t in wanted], g.to(y.dtype), create_graph=True, allow_unused=True
-    )
-    out: list[torch.Tensor | None] = [None, None, None]
-    for (i, t), gr in zip(wanted, grads, strict=True):
-        out[i] = torch.zeros_like(t) if gr is None else gr
-    return out[0], out[1], out[2]
+def norm_bf16_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, rms: bool
+) -> torch.Tensor:
+    """:func:`norm_bf16` without its checks, for callers that made them
+    (:func:`lmlab.nn.norm.norm_for_matmuls`): torch.ops.lmlab.norm_bf16 (train_ops.cpp), its
+    forward and backward one kernel pass each, the autograd in C++. Saves x, weight, bias and
+    the per-row mean and rstd (what torch's layer_norm saves); a backward that records its own
+    graph (``create_graph``, a gradient penalty) runs the norm's ATen ops instead, since the
+    kernel's gradients would carry no graph and second-order terms through the norm would be
+    silently missing. x float32 (..., D), weight and bias float32 (D,) contiguous, all on the
+    CPU; the kernel library loaded (:func:`available`)."""
+    return torch.ops.lmlab.norm_bf16(x, weight, bias, eps, rms)
 
 
 def norm_bf16(
@@ -264,7 +212,7 @@ def norm_bf16(
     or RMSNorm (x / sqrt(mean(x^2) + eps) * weight, Zhang & Sennrich 2019; ``bias`` must be
     None) over the last dim of x (..., D) float32, returned as bfloat16 (..., D): what autocast's
     float32 norm and the next matmul's bf16 cast give, in one pass, the float32 output never
-    written. Differentiable in x, weight and bias (:class:`NormBf16Function`; dy bfloat16 in,
+    written. Differentiable in x, weight and bias (:func:`norm_bf16_op`; dy bfloat16 in,
     float32 gradients out). x, weight (D,) and bias (D,) float32 CPU tensors, else ValueError;
     RuntimeError when the kernel is unavailable."""
     d = x.shape[-1] if x.dim() else 0
@@ -279,7 +227,10 @@ def norm_bf16(
             f"norm_bf16: x must be float32 (..., D >= 1) on the CPU with weight (and a LayerNorm's "
             f"bias) float32 (D,), not x {x.dtype} {tuple(x.shape)} on {x.device}"
         )
-    return NormBf16Function.apply(x, weight, bias, eps, rms)
+    if not available():
+        raise RuntimeError(f"lmlab's training kernels are not available: {status()}")
+    bias = None if bias is None else bias.contiguous()
+    return norm_bf16_op(x, weight.contiguous(), bias, eps, rms)
 
 
 def grads_applicable(grads: list[torch.Tensor]) -> bool:

@@ -198,6 +198,98 @@ void softmax_backward_row(const T* p, const T* dp, T* ds, int64_t n, int64_t t) 
   std::memset(static_cast<void*>(ds + n), 0, static_cast<size_t>(t - n) * sizeof(T));
 }
 
+#ifdef LMLAB_TRAIN_AVX512
+// Stores the lanes of v selected by m, rounded to T (store16's rounding).
+inline void store16_masked(__m512 v, float* p, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16_masked(__m512 v, uint16_t* p, __mmask16 m) {
+  alignas(64) uint16_t tmp[16];
+  store16(v, tmp);
+  _mm256_mask_storeu_epi16(p, m, _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp)));
+}
+
+// Lanes j < n of vector v (channels 16 v .. 16 v + 15).
+inline __mmask16 lanes_below(int64_t n, int64_t v) {
+  const int64_t left = n - 16 * v;
+  return left >= 16 ? static_cast<__mmask16>(0xffff) : left <= 0 ? 0 : tail_mask(left);
+}
+
+// softmax_row for a row of n <= 16 NV entries, held in NV registers (one read of s, one write of
+// p, no scratch row, no scalar tail); the same formulas, so the same values as softmax_row.
+template <int NV, typename T>
+void softmax_row_regs(const T* s, T* p, int64_t n, int64_t t) {
+  __m512 v[NV];
+  __m512 vm = _mm512_set1_ps(-INFINITY);
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  for (int i = 0; i < NV; ++i) {
+    v[i] = load16_masked(s + 16 * i, lanes_below(n, i), ninf);
+    vm = _mm512_max_ps(vm, v[i]);
+  }
+  const __m512 bm = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
+  __m512 vsum = _mm512_setzero_ps();
+  for (int i = 0; i < NV; ++i) {
+    v[i] = _mm512_maskz_mov_ps(lanes_below(n, i), exp16(_mm512_sub_ps(v[i], bm)));
+    vsum = _mm512_add_ps(vsum, v[i]);
+  }
+  const __m512 vinv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
+  for (int i = 0; i < NV; ++i) {
+    const __mmask16 m = lanes_below(n, i);
+    if (m == 0xffff) store16(_mm512_mul_ps(v[i], vinv), p + 16 * i);
+    else if (m) store16_masked(_mm512_mul_ps(v[i], vinv), p + 16 * i, m);
+  }
+  std::memset(static_cast<void*>(p + n), 0, static_cast<size_t>(t - n) * sizeof(T));
+}
+
+// softmax_backward_row for n <= 16 NV entries in registers, the same formulas.
+template <int NV, typename T>
+void softmax_backward_row_regs(const T* p, const T* dp, T* ds, int64_t n, int64_t t) {
+  __m512 vp[NV], vd[NV];
+  __m512 vdot = _mm512_setzero_ps();
+  const __m512 z = _mm512_setzero_ps();
+  for (int i = 0; i < NV; ++i) {
+    const __mmask16 m = lanes_below(n, i);
+    vp[i] = load16_masked(p + 16 * i, m, z);
+    vd[i] = load16_masked(dp + 16 * i, m, z);
+    vdot = _mm512_fmadd_ps(vp[i], vd[i], vdot);
+  }
+  const __m512 bdot = _mm512_set1_ps(_mm512_reduce_add_ps(vdot));
+  for (int i = 0; i < NV; ++i) {
+    const __mmask16 m = lanes_below(n, i);
+    const __m512 r = _mm512_mul_ps(vp[i], _mm512_sub_ps(vd[i], bdot));
+    if (m == 0xffff) store16(r, ds + 16 * i);
+    else if (m) store16_masked(r, ds + 16 * i, m);
+  }
+  std::memset(static_cast<void*>(ds + n), 0, static_cast<size_t>(t - n) * sizeof(T));
+}
+
+// A row of n entries through the register version holding it (n <= 256), else false.
+template <typename T>
+bool softmax_row_fast(const T* s, T* p, int64_t n, int64_t t) {
+  if (n <= 16) softmax_row_regs<1>(s, p, n, t);
+  else if (n <= 32) softmax_row_regs<2>(s, p, n, t);
+  else if (n <= 64) softmax_row_regs<4>(s, p, n, t);
+  else if (n <= 128) softmax_row_regs<8>(s, p, n, t);
+  else if (n <= 256) softmax_row_regs<16>(s, p, n, t);
+  else return false;
+  return true;
+}
+
+template <typename T>
+bool softmax_backward_row_fast(const T* p, const T* dp, T* ds, int64_t n, int64_t t) {
+  if (n <= 16) softmax_backward_row_regs<1>(p, dp, ds, n, t);
+  else if (n <= 32) softmax_backward_row_regs<2>(p, dp, ds, n, t);
+  else if (n <= 64) softmax_backward_row_regs<4>(p, dp, ds, n, t);
+  else if (n <= 128) softmax_backward_row_regs<8>(p, dp, ds, n, t);
+  else if (n <= 256) softmax_backward_row_regs<16>(p, dp, ds, n, t);
+  else return false;
+  return true;
+}
+#else
+template <typename T>
+bool softmax_row_fast(const T*, T*, int64_t, int64_t) { return false; }
+template <typename T>
+bool softmax_backward_row_fast(const T*, const T*, T*, int64_t, int64_t) { return false; }
+#endif
+
 template <typename T>
 void causal_softmax(const void* s, void* p, int64_t batch, int64_t t) {
   // each task: whole (T, T) matrices, so every task has the same triangle of work
@@ -206,7 +298,9 @@ void causal_softmax(const void* s, void* p, int64_t batch, int64_t t) {
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t i = 0; i < t; ++i) {
         int64_t off = (b * t + i) * t;
-        softmax_row(static_cast<const T*>(s) + off, static_cast<T*>(p) + off, e.data(), i + 1, t);
+        const T* si = static_cast<const T*>(s) + off;
+        T* pi = static_cast<T*>(p) + off;
+        if (!softmax_row_fast(si, pi, i + 1, t)) softmax_row(si, pi, e.data(), i + 1, t);
       }
   });
 }
@@ -217,8 +311,11 @@ void causal_softmax_backward(const void* p, const void* dp, void* ds, int64_t ba
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t i = 0; i < t; ++i) {
         int64_t off = (b * t + i) * t;
-        softmax_backward_row(static_cast<const T*>(p) + off, static_cast<const T*>(dp) + off,
-                             static_cast<T*>(ds) + off, i + 1, t);
+        const T* pi = static_cast<const T*>(p) + off;
+        const T* dpi = static_cast<const T*>(dp) + off;
+        T* dsi = static_cast<T*>(ds) + off;
+        if (!softmax_backward_row_fast(pi, dpi, dsi, i + 1, t))
+          softmax_backward_row(pi, dpi, dsi, i + 1, t);
       }
   });
 }

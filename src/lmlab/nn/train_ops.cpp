@@ -1,0 +1,185 @@
+// lmlab's training kernels as torch operators with their autograd in C++ (torch.ops.lmlab.*).
+//
+// The kernels of train_kernels.cpp (compiled into the same library) are also reachable through
+// ctypes; these operators wrap two of them with their forward and backward written as
+// torch::autograd::Function, so that a training step enters them through the dispatcher
+// instead of a Python autograd.Function (whose apply and backward cost some 20-50 us of Python
+// each, comparable to the kernels themselves at small shapes; lmlab.nn.train_kernel):
+//
+//   norm_bf16(x, weight, bias, eps, rms) -> y          LayerNorm / RMSNorm, float32 -> bfloat16
+//   causal_attention_bmm(q, k, v, scale, kernel) -> y  causal softmax(q k^T scale) v, three
+//                                                      batched matmuls, the softmax in the kernel
+//
+// Each computes what its Python twin computes (lmlab.nn.train_kernel.NormBf16Function,
+// lmlab.nn.attention_core._CausalAttentionBmm), the same kernels and ATen calls in the same
+// order, so the same bits. A backward that records its own graph (create_graph) runs
+// differentiable ATen ops instead of the kernels, as the Python twins do.
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/library.h>
+
+extern "C" int lmlab_causal_softmax_forward(int dtype, const void* s, void* p, int64_t n, int64_t t);
+extern "C" int lmlab_causal_softmax_backward(int dtype, const void* p, const void* dp, void* ds,
+                                             int64_t n, int64_t t);
+extern "C" int lmlab_norm_bf16_forward(int kind, const float* x, const float* w, const float* b,
+                                       void* y, float* mean, float* rstd, int64_t rows, int64_t d,
+                                       float eps);
+extern "C" int lmlab_norm_bf16_backward(int kind, const void* dy, const float* x, const float* w,
+                                        const float* mean, const float* rstd, float* dx, float* dw,
+                                        float* db, int64_t rows, int64_t d);
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+int softmax_dtype(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? 1 : 0; }
+
+// ---- norm_bf16 ------------------------------------------------------------------------------
+
+struct NormBf16 : public torch::autograd::Function<NormBf16> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, double eps, bool rms) {
+    const at::Tensor xc = x.contiguous();
+    const int64_t d = x.size(-1), rows = x.numel() / d;
+    at::Tensor y = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
+    at::Tensor stats = at::empty({2, rows}, x.options().dtype(at::kFloat));  // mean, rstd
+    float* st = stats.data_ptr<float>();
+    const bool has_bias = bias.has_value() && bias->defined();
+    lmlab_norm_bf16_forward(rms ? 1 : 0, xc.data_ptr<float>(), weight.data_ptr<float>(),
+                            has_bias ? bias->data_ptr<float>() : nullptr, y.data_ptr(), st,
+                            st + rows, rows, d, static_cast<float>(eps));
+    ctx->save_for_backward({x, weight, has_bias ? *bias : at::Tensor(), stats});
+    ctx->saved_data["rms"] = rms;
+    ctx->saved_data["eps"] = eps;
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1], &bias = saved[2], &stats = saved[3];
+    const bool rms = ctx->saved_data["rms"].toBool();
+    const at::Tensor& g = grads[0];
+    const bool graph = at::GradMode::is_enabled() &&
+                       (g.requires_grad() || x.requires_grad() || weight.requires_grad() ||
+                        (bias.defined() && bias.requires_grad()));
+    if (graph) {  // create_graph: the norm's ATen ops, differentiated (gradients with a graph)
+      const double eps = ctx->saved_data["eps"].toDouble();
+      const int64_t d = x.size(-1);
+      const at::Tensor y = rms ? x * at::rsqrt(x.pow(2).mean(-1, true) + eps) * weight
+                               : at::layer_norm(x, {d}, weight, bias, eps);
+      const at::Tensor* ins[3] = {&x, &weight, &bias};
+      variable_list wanted;
+      std::vector<int> index;
+      for (int i = 0; i < 3; ++i)
+        if (ins[i]->defined() && ins[i]->requires_grad()) {
+          wanted.push_back(*ins[i]);
+          index.push_back(i);
+        }
+      variable_list out(5);
+      if (!wanted.empty()) {
+        const variable_list got = torch::autograd::grad({y}, wanted, {g.to(y.scalar_type())},
+                                                        /*retain_graph=*/true,
+                                                        /*create_graph=*/true,
+                                                        /*allow_unused=*/true);
+        for (size_t j = 0; j < index.size(); ++j)
+          out[index[j]] = got[j].defined() ? got[j] : at::zeros_like(wanted[j]);
+      }
+      return out;
+    }
+    const at::Tensor gb = g.to(at::kBFloat16).contiguous();
+    const at::Tensor xc = x.contiguous();
+    const int64_t d = x.size(-1), rows = x.numel() / d;
+    at::Tensor dx = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+    at::Tensor dw = at::empty({d}, x.options().dtype(at::kFloat));
+    at::Tensor db = bias.defined() ? at::empty({d}, x.options().dtype(at::kFloat)) : at::Tensor();
+    const float* st = stats.data_ptr<float>();
+    lmlab_norm_bf16_backward(rms ? 1 : 0, gb.data_ptr(), xc.data_ptr<float>(),
+                             weight.data_ptr<float>(), st, st + rows, dx.data_ptr<float>(),
+                             dw.data_ptr<float>(), bias.defined() ? db.data_ptr<float>() : nullptr,
+                             rows, d);
+    return {dx, dw, db, at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor norm_bf16(const at::Tensor& x, const at::Tensor& weight,
+                     const std::optional<at::Tensor>& bias, double eps, bool rms) {
+  return NormBf16::apply(x, weight, bias, eps, rms);
+}
+
+// ---- causal_attention_bmm -------------------------------------------------------------------
+
+at::Tensor causal_above(int64_t t, const at::Device& device) {
+  return at::ones({t, t}, at::TensorOptions().dtype(at::kBool).device(device)).triu(1);
+}
+
+struct CausalAttentionBmm : public torch::autograd::Function<CausalAttentionBmm> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, double scale, bool kernel) {
+    const int64_t b = q.size(0), h = q.size(1), t = q.size(2), hd = q.size(3), hdv = v.size(3);
+    at::Tensor qs = at::empty({b, h, t, hd}, q.options());
+    at::mul_out(qs, q, scale);  // scaled, contiguous: one pass
+    qs = qs.view({b * h, t, hd});
+    const at::Tensor k3 = k.reshape({b * h, t, hd});
+    const at::Tensor v3 = v.reshape({b * h, t, hdv});
+    at::Tensor scores = at::bmm(qs, k3.transpose(1, 2));  // (B H, T, T)
+    at::Tensor probs;
+    if (kernel) {
+      lmlab_causal_softmax_forward(softmax_dtype(scores), scores.data_ptr(), scores.data_ptr(),
+                                   b * h, t);
+      probs = scores;  // in place: P over the scores
+    } else {
+      scores.masked_fill_(causal_above(t, q.device()), -std::numeric_limits<double>::infinity());
+      probs = at::softmax(scores, -1);
+    }
+    ctx->save_for_backward({qs, k3, v3, probs});
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["kernel"] = kernel;
+    ctx->saved_data["shape"] = std::vector<int64_t>{b, h, t, hd, hdv};
+    return at::bmm(probs, v3).view({b, h, t, hdv});
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &qs = saved[0], &k3 = saved[1], &v3 = saved[2], &probs = saved[3];
+    const auto shape = ctx->saved_data["shape"].toIntVector();
+    const int64_t b = shape[0], h = shape[1], t = shape[2], hd = shape[3], hdv = shape[4];
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const at::Tensor g = grads[0].reshape({b * h, t, hdv});
+    const at::Tensor dv = at::bmm(probs.transpose(1, 2), g);
+    at::Tensor dp = at::bmm(g, v3.transpose(1, 2));
+    at::Tensor ds;
+    // not for a dP that records gradients (create_graph): the kernel writes outside autograd
+    if (ctx->saved_data["kernel"].toBool() && dp.is_contiguous() &&
+        dp.scalar_type() == probs.scalar_type() && !dp.requires_grad()) {
+      lmlab_causal_softmax_backward(softmax_dtype(probs), probs.data_ptr(), dp.data_ptr(),
+                                    dp.data_ptr(), b * h, t);
+      ds = dp;  // in place: dS over dP
+    } else {
+      ds = at::_softmax_backward_data(dp, probs, -1, probs.scalar_type());
+    }
+    const at::Tensor dq = at::bmm(ds, k3).mul_(scale);
+    const at::Tensor dk = at::bmm(ds.transpose(1, 2), qs);
+    return {dq.view({b, h, t, hd}), dk.view({b, h, t, hd}), dv.view({b, h, t, hdv}), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+at::Tensor causal_attention_bmm(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                double scale, bool kernel) {
+  return CausalAttentionBmm::apply(q, k, v, scale, kernel);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(lmlab, m) {
+  m.def("norm_bf16(Tensor x, Tensor weight, Tensor? bias, float eps, bool rms) -> Tensor");
+  m.def("causal_attention_bmm(Tensor q, Tensor k, Tensor v, float scale, bool kernel) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(lmlab, CompositeImplicitAutograd, m) {
+  m.impl("norm_bf16", norm_bf16);
+  m.impl("causal_attention_bmm", causal_attention_bmm);
+}
