@@ -146,7 +146,7 @@ def test_bf16_training_takes_the_split_and_hooks_see_the_same_q_k_v(monkeypatch)
 
     def record(out: torch.Tensor, name: str) -> None:
         seen.append(out.detach())
-        kinds.add(type(out.grad_fn).__name__)
+        kinds.add("RopeSplit" if "RopeSplit" in out.grad_fn.name() else out.grad_fn.name())
 
     for point in (attn.hook_q, attn.hook_k, attn.hook_v):  # lmlab's hook points (lmlab.hooks)
         point.fns.append(record)
@@ -158,7 +158,7 @@ def test_bf16_training_takes_the_split_and_hooks_see_the_same_q_k_v(monkeypatch)
         kinds.clear()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = m(x, targets=x).loss
-        assert ("RopeSplitFunctionBackward" in kinds) == kernel, kinds
+        assert ("RopeSplit" in kinds) == kernel, kinds
         loss.backward()
         return [*seen, loss.detach(), *(p.grad.clone() for p in m.parameters())]
 
@@ -218,7 +218,9 @@ def test_training_with_attention_biases_folds_them_into_the_split(monkeypatch):
         monkeypatch.setattr(position, "TRAIN_ROPE_KERNEL", kernel)
         m.zero_grad(set_to_none=True)
         kinds: set[str] = set()
-        m.layers[0].attn.hook_q.fns.append(lambda out, name: kinds.add(type(out.grad_fn).__name__))
+        m.layers[0].attn.hook_q.fns.append(
+            lambda out, name: kinds.add("RopeSplit" if "RopeSplit" in out.grad_fn.name() else "")
+        )
         try:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = m(x, targets=x).loss
@@ -229,7 +231,7 @@ def test_training_with_attention_biases_folds_them_into_the_split(monkeypatch):
 
     loss1, g1, kinds1 = run(True)
     loss0, g0, kinds0 = run(False)
-    assert "RopeSplitFunctionBackward" in kinds1 and "RopeSplitFunctionBackward" not in kinds0
+    assert "RopeSplit" in kinds1 and "RopeSplit" not in kinds0
     assert abs(loss1 - loss0) < 2e-3
     top = max(g.abs().max().item() for g in g0.values())
     for name, g in g0.items():  # to bf16 rounding (the bias is now rounded with the sum once)

@@ -524,9 +524,12 @@ class RotaryPosition(PositionEncoding):
             return None
         if bias is not None and bias.dtype not in (torch.float32, qkv.dtype):
             return None
-        from lmlab.nn.rope_kernel import rope_split
+        from lmlab.nn.rope_kernel import rope_split_op
 
-        return rope_split(qkv, cos, signed, h, kv, bias)
+        # rope_split's checks hold here (_rope_kernel_applies: a CPU float32 or bfloat16 qkv
+        # with a unit last stride, 2-d tables of its dtype and shape that record no gradient,
+        # an even head_dim; the bias dtype above; qkv is (B, T, H + 2 K, hd) by construction)
+        return rope_split_op(qkv, cos, signed, h, kv, bias)
 
     def rotation(
         self, positions: torch.Tensor, dtype: torch.dtype

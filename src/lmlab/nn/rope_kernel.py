@@ -28,19 +28,24 @@ import torch
 from lmlab.nn import cpp_build
 
 SOURCE = Path(__file__).with_name("rope_kernels.cpp")
+OPS_SOURCE = Path(__file__).with_name("rope_ops.cpp")  # torch.ops.lmlab.rope_split
 MAX_HEAD_DIM = 1024  # the kernel's per-row buffers (rope_kernels.cpp kMaxHeadDim)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _build() -> ctypes.CDLL:
-    """Compile (or load from the cache) rope_kernels.cpp; raises on any failure."""
+    """Compile (or load from the cache) rope_kernels.cpp and rope_ops.cpp into one library,
+    which registers torch.ops.lmlab.rope_split; raises on any failure."""
     avx2 = cpp_build.cpu_has_avx2_fma()
     avx512 = avx2 and cpp_build.cpu_has_avx512f()
     # no fused multiply-add (-ffp-contract=off): each product rounds as torch's eager mul does
     flags = ["-O3", "-fopenmp", "-ffp-contract=off", *(["-mavx2"] if avx2 else [])]
     flags += ["-mavx512f"] if avx512 else []
     kind = "avx512" if avx512 else "avx2" if avx2 else "generic"
-    path = cpp_build.build(f"lmlab_rope_kernels_{kind}", [str(SOURCE)], flags, ["-fopenmp"])
+    sources = [str(SOURCE), str(OPS_SOURCE)]
+    path = cpp_build.build(f"lmlab_rope_kernels_{kind}", sources, flags, ["-fopenmp"])
+    if not hasattr(torch.ops.lmlab, "rope_split"):  # registered when the library was loaded
+        raise RuntimeError(f"{path} did not register torch.ops.lmlab.rope_split")
     lib = ctypes.CDLL(str(path))
     i64, fp = ctypes.c_int64, ctypes.c_void_p
     # argtypes set whole: ctypes converts arguments by the list given at assignment (an
@@ -179,76 +184,27 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed: torch.Tensor) -> torch.Tens
     return RopeFunction.apply(x, cos, signed)
 
 
-class RopeSplitFunction(torch.autograd.Function):
-    """qkv (B, T, H + 2 K, hd), one projection's output -> q (B, H, T, hd) and k (B, K, T, hd)
-    rotated, v (B, K, T, hd), each contiguous (what batched-matmul attention reads without a
-    copy), in ONE kernel call; with ``bias`` ((H + 2 K) hd,), the projection's bias, added first
-    (qkv is then the bias-free matmul's output; each sum rounded to qkv's dtype, as a biased
-    matmul's output is). Backward, one call: the three gradients into one (B, T, H + 2 K, hd)
-    tensor, q's and k's rotated back (no concatenation, no transposed copies), and the bias
-    gradient (its column sums, in float32, in the same pass). Without a bias the values and
-    gradients are :func:`rope`'s (the rolled formula), bit for bit; cos and signed (T, hd) of
-    qkv's dtype."""
-
-    @staticmethod
-    def forward(ctx, qkv, cos, signed, h, kv, bias=None):
-        lib = _load()
-        if lib is None:
-            raise RuntimeError(f"lmlab's RoPE kernel is not available: {status()}")
-        qkv = qkv.contiguous()
-        b, t, heads, hd = qkv.shape
-        cos, signed = cos.contiguous(), signed.contiguous()
-        new = lambda n: torch.empty(b, n, t, hd, dtype=qkv.dtype, device=qkv.device)  # noqa: E731
-        q, k, v = new(h), new(kv), new(kv)
-        bias_c = None if bias is None else bias.detach().contiguous()
-        rc = lib.lmlab_rope_split(
-            _DTYPES[qkv.dtype], qkv.data_ptr(),
-            None if bias_c is None else bias_c.data_ptr(),
-            0 if bias_c is None or bias_c.dtype == torch.float32 else 1,
-            b, t, h, kv, hd, cos.data_ptr(), signed.data_ptr(), q.data_ptr(), k.data_ptr(),
-            v.data_ptr(),
-        )  # fmt: skip
-        if rc:
-            raise ValueError(f"the RoPE kernel refused head_dim {hd} or its dtypes")
-        ctx.save_for_backward(cos, signed)
-        ctx.h, ctx.kv = h, kv
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return q, k, v
-
-    @staticmethod
-    def backward(ctx, dq, dk, dv):
-        cos, signed = ctx.saved_tensors
-        h, kv = ctx.h, ctx.kv
-        ref = next(g for g in (dq, dk, dv) if g is not None)
-        b, _, t, hd = ref.shape
-        want_bias = ctx.bias_dtype is not None and ctx.needs_input_grad[5]
-        if torch.is_grad_enabled() and any(g is not None and g.requires_grad for g in (dq, dk, dv)):
-            # create_graph: the same values as torch ops autograd records (see _inverse_ops)
-            parts = [
-                torch.zeros(b, n, t, hd, dtype=ref.dtype, device=ref.device) if g is None
-                else (_inverse_ops(g, cos, signed) if i < 2 else g)
-                for i, (g, n) in enumerate(((dq, h), (dk, kv), (dv, kv)))
-            ]  # fmt: skip
-            dqkv_g = torch.cat(parts, dim=1).transpose(1, 2)  # (B, T, H + 2 K, hd)
-            db = dqkv_g.float().sum(dim=(0, 1)).reshape(-1) if want_bias else None
-            return dqkv_g, None, None, None, None, None if db is None else db.to(ctx.bias_dtype)
-        grads = [None if g is None else g.contiguous() for g in (dq, dk, dv)]
-        dqkv = torch.empty(b, t, h + 2 * kv, hd, dtype=ref.dtype, device=ref.device)
-        dbias = (
-            torch.empty((h + 2 * kv) * hd, dtype=torch.float32, device=ref.device)
-            if want_bias
-            else None
-        )
-        ptr = lambda g: None if g is None else g.data_ptr()  # noqa: E731
-        lib = _load()
-        assert lib is not None  # the forward ran it
-        lib.lmlab_rope_split_backward(
-            _DTYPES[ref.dtype], *(ptr(g) for g in grads), b, t, h, kv, hd, cos.data_ptr(),
-            signed.data_ptr(), dqkv.data_ptr(), ptr(dbias),
-        )  # fmt: skip
-        if dbias is not None and dbias.dtype != ctx.bias_dtype:
-            dbias = dbias.to(ctx.bias_dtype)
-        return dqkv, None, None, None, None, dbias
+def rope_split_op(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    signed: torch.Tensor,
+    h: int,
+    kv: int,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`rope_split` without its checks, for callers that made them
+    (:meth:`lmlab.nn.position.RotaryPosition.rotate_split`): torch.ops.lmlab.rope_split
+    (rope_ops.cpp), the autograd in C++. qkv (B, T, H + 2 K, hd) -> q (B, H, T, hd) and k (B,
+    K, T, hd) rotated, v (B, K, T, hd), each contiguous (what batched-matmul attention reads
+    without a copy), in ONE kernel call; with ``bias`` ((H + 2 K) hd,), the projection's bias,
+    added first (qkv is then the bias-free matmul's output; each sum rounded to qkv's dtype, as
+    a biased matmul's output is). Backward, one call: the three gradients into one (B, T, H +
+    2 K, hd) tensor, q's and k's rotated back (no concatenation, no transposed copies), and the
+    bias gradient (its column sums, in float32, in the same pass). A backward that records its
+    own graph (create_graph) runs the gradient as ATen ops (the same values). Without a bias
+    the values and gradients are :func:`rope`'s (the rolled formula), bit for bit."""
+    q, k, v = torch.ops.lmlab.rope_split(qkv, cos, signed, h, kv, bias)
+    return q, k, v
 
 
 def rope_split(
@@ -262,7 +218,7 @@ def rope_split(
     """qkv (B, T, H + 2 K, hd) float32 or bfloat16 (+ ``bias`` ((H + 2 K) hd,) float32 or qkv's
     dtype, or None) -> (q (B, H, T, hd), k (B, K, T, hd)) rotated as :func:`rope` rotates them
     and v (B, K, T, hd), each contiguous; differentiable in qkv and bias
-    (:class:`RopeSplitFunction`). Raises ValueError for inputs it cannot read (h or kv negative
+    (:func:`rope_split_op`). Raises ValueError for inputs it cannot read (h or kv negative
     or not ints, shapes, dtypes, devices) and RuntimeError when the kernel is unavailable."""
     if not (isinstance(h, int) and isinstance(kv, int) and h >= 0 and kv >= 0):
         raise ValueError(f"rope_split: h and kv must be head counts (ints >= 0), not {h}, {kv}")
@@ -290,5 +246,6 @@ def rope_split(
             f"rope_split: bias must be ({heads * hd},) float32 or qkv's dtype on the CPU, not "
             f"{bias.dtype} {tuple(bias.shape)} on {bias.device}"
         )
-    q, k, v = RopeSplitFunction.apply(qkv, cos, signed, h, kv, bias)
-    return q, k, v
+    if not available():
+        raise RuntimeError(f"lmlab's RoPE kernel is not available: {status()}")
+    return rope_split_op(qkv, cos, signed, h, kv, bias)
