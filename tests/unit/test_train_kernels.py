@@ -485,3 +485,50 @@ def test_clip_gradients_takes_the_kernel_and_names_a_nan_gradient(monkeypatch):
     dict(model.named_parameters())[name].grad.view(-1)[0] = float("nan")
     norm, bad = guard.clip_gradients(model, 0.5)
     assert math.isnan(norm) and bad == name
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 8192 * 3 + 5])  # a tail; blocks and a tail
+def test_residual_add_is_torchs_mixed_add_bit_for_bit(n):
+    torch.manual_seed(n)
+    x = torch.randn(n, requires_grad=True)
+    y = (torch.randn(n) * 3).bfloat16().requires_grad_()
+    if n > 2:
+        x.data[1], y.data[2] = float("nan"), float("inf")
+    out = train_kernel.residual_add(x, y)
+    assert "AddF32Bf16" in out.grad_fn.name()
+    ref = x + y
+    torch.testing.assert_close(out, ref, rtol=0, atol=0, equal_nan=True)
+    g = torch.randn(n)
+    got, want = torch.autograd.grad(out, (x, y), g), torch.autograd.grad(ref, (x, y), g)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_residual_add_leaves_what_it_does_not_take_to_torch():
+    x, y = torch.randn(4, 6, requires_grad=True), torch.randn(4, 6).bfloat16()
+    cases = [
+        (x, y.float()),  # both float32
+        (x, y[:, :1]),  # broadcast
+        (x.t(), y.t()),  # not contiguous
+    ]
+    for a, b in cases:
+        out = train_kernel.residual_add(a, b)
+        assert "AddF32Bf16" not in out.grad_fn.name() and torch.equal(out, a + b)
+    with torch.no_grad():  # not training: torch's add
+        assert torch.equal(train_kernel.residual_add(x, y), x + y)
+
+
+@needs_kernel
+def test_pre_norm_blocks_add_their_bf16_branches_with_the_kernel():
+    from lmlab.models import build_model
+    from tests.helpers import tiny_model_config
+
+    torch.manual_seed(0)
+    m = build_model(tiny_model_config(37, attention={"n_heads": 2}))
+    x = torch.randint(0, 37, (2, 9))
+    seen = []
+    m.layers[0].hook_resid_mid.fns.append(lambda out, name: seen.append(out.grad_fn.name()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m(x, targets=x).loss.backward()
+    assert len(seen) == 1 and "AddF32Bf16" in seen[0]

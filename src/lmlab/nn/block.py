@@ -61,7 +61,13 @@ class Block(nn.Module):
     def add(self, x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
         """The residual connection x + branch (He et al. 2016); only branch with
         ``block.residual: false``, the ablation that removes the skip path."""
-        return x + branch if self.residual else branch
+        if not self.residual:
+            return branch
+        if branch.dtype is torch.bfloat16 and x.dtype is torch.float32:  # bf16 training
+            from lmlab.nn.train_kernel import residual_add
+
+            return residual_add(x, branch)
+        return x + branch
 
     def dropped(self, x: torch.Tensor) -> torch.Tensor:
         """Residual dropout of a branch: ``self.drop(x)``; x itself (what Dropout returns) in eval

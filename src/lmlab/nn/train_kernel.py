@@ -277,3 +277,31 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float) -> tuple[float, floa
         for g in grads:
             _written(g)
     return norm.value, coef.value
+
+
+# The residual add of a bf16 branch to the float32 stream in one pass (torch.ops.lmlab.
+# add_f32_bf16); False: torch's x + y (A/B benchmarks).
+TRAIN_ADD_KERNEL = True
+
+
+def residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x + y``. For a float32 x and a bfloat16 y of the same shape, both contiguous on the
+    CPU, while gradients are recorded (bf16 autocast training: the residual stream and a
+    branch's output): torch.ops.lmlab.add_f32_bf16, one pass, the same bits (torch widens y
+    into a float32 temporary first, then adds: 0.5 ms of a 1 ms add at the Mini-GPT shape);
+    its backward is add's (g to x, g cast to bfloat16 to y)."""
+    if (
+        TRAIN_ADD_KERNEL
+        and x.dtype is torch.float32
+        and y.dtype is torch.bfloat16
+        and torch.is_grad_enabled()
+        and x.is_cpu
+        and y.is_cpu
+        and x.shape == y.shape
+        and x.is_contiguous()
+        and y.is_contiguous()
+        and not torch.compiler.is_compiling()
+        and available()
+    ):
+        return torch.ops.lmlab.add_f32_bf16(x, y)
+    return x + y

@@ -465,6 +465,28 @@ void norm_backward(const uint16_t* dy, const float* x, const float* w, const flo
   if (HasB) add_blocks(sb, blocks, d, db);
 }
 
+// ---- the residual add: a float32 stream plus a bfloat16 branch --------------------------------
+//
+// out = x + y, x float32, y bfloat16 (widened exactly), one float32 add per element: what
+// torch's x + y computes (the same bits), in one pass; torch first writes y widened to a
+// float32 temporary, then adds (two passes and a buffer the size of the stream).
+
+constexpr int64_t kAddBlock = 8192;
+
+void add_f32_bf16(const float* x, const uint16_t* y, float* out, int64_t n) {
+  at::parallel_for(0, (n + kAddBlock - 1) / kAddBlock, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t i1 = (blk + 1) * kAddBlock < n ? (blk + 1) * kAddBlock : n;
+      int64_t i = blk * kAddBlock;
+#ifdef LMLAB_TRAIN_AVX512
+      for (; i + 16 <= i1; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_add_ps(_mm512_loadu_ps(x + i), load16(y + i)));
+#endif
+      for (; i < i1; ++i) out[i] = x[i] + bf16_to_f32(y[i]);
+    }
+  });
+}
+
 // ---- gradient clipping: the global L2 norm and the scaling, one call each ---------------------
 //
 // The gradients are cut into blocks of kGradBlock elements (a tensor's last block shorter);
@@ -579,5 +601,11 @@ extern "C" int lmlab_norm_bf16_backward(int kind, const void* dy, const float* x
   if (kind == 1) norm_backward<true, false>(g, x, w, mean, rstd, dx, dw, nullptr, rows, d);
   else if (db) norm_backward<false, true>(g, x, w, mean, rstd, dx, dw, db, rows, d);
   else norm_backward<false, false>(g, x, w, mean, rstd, dx, dw, nullptr, rows, d);
+  return 0;
+}
+
+// x float32, y bfloat16, out float32, each (n,) contiguous (out may be x): out = x + y. Returns 0.
+extern "C" int lmlab_add_f32_bf16(const float* x, const void* y, float* out, int64_t n) {
+  add_f32_bf16(x, static_cast<const uint16_t*>(y), out, n);
   return 0;
 }

@@ -29,6 +29,7 @@ extern "C" int lmlab_norm_bf16_forward(int kind, const float* x, const float* w,
 extern "C" int lmlab_norm_bf16_backward(int kind, const void* dy, const float* x, const float* w,
                                         const float* mean, const float* rstd, float* dx, float* dw,
                                         float* db, int64_t rows, int64_t d);
+extern "C" int lmlab_add_f32_bf16(const float* x, const void* y, float* out, int64_t n);
 
 namespace {
 
@@ -172,14 +173,37 @@ at::Tensor causal_attention_bmm(const at::Tensor& q, const at::Tensor& k, const 
   return CausalAttentionBmm::apply(q, k, v, scale, kernel);
 }
 
+// ---- add_f32_bf16 ---------------------------------------------------------------------------
+
+struct AddF32Bf16 : public torch::autograd::Function<AddF32Bf16> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& y) {
+    at::Tensor out = at::empty(x.sizes(), x.options());
+    lmlab_add_f32_bf16(x.data_ptr<float>(), y.data_ptr(), out.data_ptr<float>(), x.numel());
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    // add's gradient: g to both; the branch's cast to its dtype (autograd casts it so after
+    // torch's AddBackward); with create_graph both are recorded as the ATen ops they are
+    const at::Tensor& g = grads[0];
+    return {g, g.to(at::kBFloat16)};
+  }
+};
+
+at::Tensor add_f32_bf16(const at::Tensor& x, const at::Tensor& y) {
+  return AddF32Bf16::apply(x, y);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lmlab, m) {
   m.def("norm_bf16(Tensor x, Tensor weight, Tensor? bias, float eps, bool rms) -> Tensor");
   m.def("causal_attention_bmm(Tensor q, Tensor k, Tensor v, float scale, bool kernel) -> Tensor");
+  m.def("add_f32_bf16(Tensor x, Tensor y) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lmlab, CompositeImplicitAutograd, m) {
   m.impl("norm_bf16", norm_bf16);
   m.impl("causal_attention_bmm", causal_attention_bmm);
+  m.impl("add_f32_bf16", add_f32_bf16);
 }
