@@ -206,7 +206,6 @@ def test_pre_norm_blocks_take_the_norm_kernel_with_the_same_function(norm_kind, 
     took: list[int] = []
     real = train_kernel.norm_bf16_op  # what norm_for_matmuls calls
     monkeypatch.setattr(train_kernel, "norm_bf16_op", lambda *a: took.append(1) or real(*a))
-    monkeypatch.setattr(norm_mod, "TRAIN_NORM_KERNEL_MIN_ELEMENTS", 0)  # tiny shapes here
 
     def step(flag: bool, autocast: bool = True) -> tuple[float, dict[str, torch.Tensor]]:
         monkeypatch.setattr(norm_mod, "TRAIN_NORM_KERNEL", flag)
@@ -225,12 +224,8 @@ def test_pre_norm_blocks_take_the_norm_kernel_with_the_same_function(norm_kind, 
     for name, g in g0.items():  # to bf16 rounding
         assert (g1[name] - g).abs().max() <= 0.06 * g.abs().max() + 1e-3 * top, name
     took.clear()
-    monkeypatch.setattr(norm_mod, "TRAIN_NORM_KERNEL_MIN_ELEMENTS", 1 << 18)  # the default
-    step(True)  # a LayerNorm this small keeps torch's op; an RMSNorm (five torch ops) does not
-    assert len(took) == (2 * len(m.layers) if norm_kind == "rmsnorm" else 0)
-    monkeypatch.setattr(norm_mod, "TRAIN_NORM_KERNEL_MIN_ELEMENTS", 0)
-    took.clear()
     step(True, autocast=False)  # float32 training: torch's norm
+    assert not took
     handle = m.layers[0].attn_norm.register_forward_hook(lambda *a: None)
     try:  # a hooked norm is called as a module (its hook runs); the other layers' norms fuse
         step(True)
@@ -254,11 +249,9 @@ def test_hooks_inside_the_consumer_or_on_its_backward_keep_the_norm_float32(monk
     # a forward hook on a projection the norm feeds saw bf16 input, a full backward hook on the
     # consumer a bf16 grad_input (and one returning a float32 grad, fine without the kernel,
     # raised "hook has changed the type of value")
-    import lmlab.nn.norm as norm_mod
     from lmlab.models import build_model
     from tests.helpers import tiny_model_config
 
-    monkeypatch.setattr(norm_mod, "TRAIN_NORM_KERNEL_MIN_ELEMENTS", 0)
     torch.manual_seed(0)
     m = build_model(tiny_model_config(37, attention={"n_heads": 4}))
     x = torch.randint(0, 37, (2, 12))

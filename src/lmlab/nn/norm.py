@@ -51,12 +51,10 @@ class RMSNorm(nn.Module):
 # autocast's float32 norm and the matmul's cast give, without the float32 output:
 # lmlab.nn.train_kernel.norm_bf16). False keeps torch's ops (A/B benchmarks).
 TRAIN_NORM_KERNEL = True
-# ... a LayerNorm for inputs of at least this many elements (B T D): below it the kernel's
-# Python autograd.Function costs what it saves (nanoGPT's CPU shape, 768 x 128: 156 vs 139 us
-# forward and backward alone, step 0.96x; the Mini-GPT shape, 4096 x 256: 1.3 vs 2.6 ms, step
-# 1.01-1.02x). An RMSNorm takes it at any size: torch runs it as five float32 ops (step 1.24x
-# at the Mini-GPT shape, 1.07x at nanoGPT's, benchmarks/README.md).
-TRAIN_NORM_KERNEL_MIN_ELEMENTS = 1 << 18
+# At any size: through its C++ operator (torch.ops.lmlab.norm_bf16, autograd in C++) the kernel
+# gains at nanoGPT's CPU shape too (768 x 128: step 1.04x, LayerNorm), where the Python
+# autograd.Function it replaced cost what it saved (step 0.96-0.99x, hence a size gate then);
+# the Mini-GPT shape 1.04-1.09x (LayerNorm), 1.29x (RMSNorm, five float32 ops in torch).
 
 
 def norm_for_matmuls(
@@ -64,8 +62,8 @@ def norm_for_matmuls(
 ) -> torch.Tensor:
     """``norm(x)`` for a caller whose only use of the result is as matmul input (under
     autocast, which casts it to bfloat16 there anyway): x (..., D) -> (..., D). While gradients
-    are recorded under CPU bf16 autocast, for lmlab's LayerNorm (over the last dim, x with at
-    least :data:`TRAIN_NORM_KERNEL_MIN_ELEMENTS` elements) or RMSNorm with float32 parameters
+    are recorded under CPU bf16 autocast, for lmlab's LayerNorm (over the last dim) or
+    RMSNorm with float32 parameters
     and no hooks, x float32, :data:`TRAIN_NORM_KERNEL` on, not under
     torch.compile and the kernel compiled, the result comes as bfloat16 from one C++ pass each
     way (:func:`lmlab.nn.train_kernel.norm_bf16`; its float32 values to float32 rounding of
@@ -78,8 +76,6 @@ def norm_for_matmuls(
     if not TRAIN_NORM_KERNEL or (kind is not LayerNorm and kind is not RMSNorm):
         return norm(x)
     if x.dtype is not torch.float32 or not x.is_cpu or not torch.is_grad_enabled():
-        return norm(x)
-    if kind is LayerNorm and x.numel() < TRAIN_NORM_KERNEL_MIN_ELEMENTS:
         return norm(x)
     if not torch.is_autocast_enabled("cpu") or torch.get_autocast_dtype("cpu") != torch.bfloat16:
         return norm(x)
