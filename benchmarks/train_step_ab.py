@@ -3,7 +3,7 @@
     python benchmarks/train_step_ab.py --profile-arch minigpt,bf16 --rounds 4  # op by op
     python benchmarks/train_step_ab.py [--shapes nanogpt,minigpt] [--precisions fp32,bf16]
         [--rounds 20] [--threads 1] [--config CONFIG] [--reference] [--rope-kernel]
-        [--softmax-kernel] [--norm-kernel]
+        [--softmax-kernel] [--norm-kernel] [--add-kernel] [--clip-kernel]
 
 For each shape and precision it builds, in this one process:
 
@@ -29,6 +29,10 @@ For each shape and precision it builds, in this one process:
 - **torchnorm** (``--norm-kernel``): lmlab's default with only the C++ norm-to-bf16 kernel
   (:func:`lmlab.nn.train_kernel.norm_bf16`) off, the pre-norm blocks' norms as torch's float32
   norm then autocast's cast: ``lmlab norm kernel on/off``.
+- **torchadd** (``--add-kernel``) and **torchclip** (``--clip-kernel``): lmlab's default with only
+  the one-pass residual add (``lmlab.nn.train_kernel.residual_add``) or only the one-call
+  gradient clipping (``lmlab.nn.train_kernel.clip_grads_``) off: ``lmlab residual add kernel
+  on/off``, ``lmlab clip kernel on/off``.
 - **plain**: lmlab with nanoGPT's architecture (learned positions, no biases in linears or
   norms), the same Trainer step: ``lmlab default / plain`` is what lmlab's default architecture
   costs.
@@ -162,6 +166,16 @@ def main(argv: list[str] | None = None) -> None:
         help="also lmlab with only its C++ norm-to-bf16 kernel off (torchnorm)",
     )
     ap.add_argument(
+        "--add-kernel",
+        action="store_true",
+        help="also lmlab with only its one-pass residual add off (torchadd)",
+    )
+    ap.add_argument(
+        "--clip-kernel",
+        action="store_true",
+        help="also lmlab with only its one-call gradient clipping off (torchclip)",
+    )
+    ap.add_argument(
         "--attention", action="store_true", help="only the bf16 attention paths (see attention_ab)"
     )
     ap.add_argument(
@@ -265,6 +279,8 @@ OFF_CONTENDERS = (
     ("torchrope", "rope_kernel", "rope_kernel", "rope kernel"),
     ("torchsoftmax", "softmax_kernel", "softmax_kernel", "softmax kernel"),
     ("torchnorm", "norm_kernel", "norm_kernel", "norm kernel"),
+    ("torchadd", "add_kernel", "add_kernel", "residual add kernel"),
+    ("torchclip", "clip_kernel", "clip_kernel", "clip kernel"),
 )
 
 
@@ -493,18 +509,24 @@ def trainer_step(
     rope_kernel: bool = True,
     softmax_kernel: bool = True,
     norm_kernel: bool = True,
+    add_kernel: bool = True,
+    clip_kernel: bool = True,
 ) -> Callable[[], None]:
     """One ``Trainer.train_step`` per call, at the next step number; ``fast_paths`` False runs
     it with the training fast paths switched off (the q/k/v fusion, the bf16 batched-matmul
     attention, the bf16 RoPE function, the C++ RoPE, causal softmax and norm kernels): the
     reference path they replace; ``rope_kernel`` False only the C++ RoPE kernel (RoPE as torch
     ops, as before it); ``softmax_kernel`` False only the causal softmax kernel (masked_fill +
-    softmax); ``norm_kernel`` False only the norm-to-bf16 kernel (torch's norm, then a cast).
-    The module flags are set for the step and restored after it."""
+    softmax); ``norm_kernel`` False only the norm-to-bf16 kernel (torch's norm, then a cast);
+    ``add_kernel`` False only the one-pass residual add (torch's x + y); ``clip_kernel`` False
+    only the one-call gradient clipping (torch's clip_grad_norm_). The module flags are set for
+    the step and restored after it."""
     import lmlab.nn.attention as attention
     import lmlab.nn.attention_core as core
     import lmlab.nn.norm as norm
     import lmlab.nn.position as position
+    import lmlab.nn.train_kernel as train_kernel
+    import lmlab.training.guard as guard
 
     overrides: list[tuple[object, str, object]] = []  # (module, flag, value during the step)
     if not fast_paths:
@@ -516,6 +538,10 @@ def trainer_step(
         overrides.append((core, "TRAIN_SOFTMAX_KERNEL", False))
     if not (fast_paths and norm_kernel):
         overrides.append((norm, "TRAIN_NORM_KERNEL", False))
+    if not (fast_paths and add_kernel):
+        overrides.append((train_kernel, "TRAIN_ADD_KERNEL", False))
+    if not (fast_paths and clip_kernel):
+        overrides.append((guard, "CLIP_KERNEL", False))
     count = [0]
 
     def step() -> None:
