@@ -525,3 +525,38 @@ def test_pre_norm_blocks_add_their_bf16_branches_with_the_kernel():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         m(x, targets=x).loss.backward()
     assert len(seen) == 1 and "AddF32Bf16" in seen[0]
+
+
+def _bad_operator_calls():
+    o = torch.ops.lmlab
+    f, b = torch.ones, torch.bfloat16
+    return {
+        "norm int x": lambda: o.norm_bf16(f(3, 4, dtype=torch.int32), f(4), None, 1e-5, False),
+        "norm short weight": lambda: o.norm_bf16(f(3, 4), f(2), None, 1e-5, False),
+        "norm rms bias": lambda: o.norm_bf16(f(3, 4), f(4), f(4), 1e-5, True),
+        "norm 0-d": lambda: o.norm_bf16(torch.tensor(1.0), f(1), None, 1e-5, False),
+        "attention k length": lambda: o.causal_attention_bmm(
+            f(2, 2, 4, 8), f(2, 2, 5, 8), f(2, 2, 4, 8), 1.0, True
+        ),
+        "attention 3-d": lambda: o.causal_attention_bmm(*[f(1, 4, 8)] * 3, 1.0, True),
+        "rope heads": lambda: o.rope_split(f(1, 3, 5, 8), f(3, 8), f(3, 8), 2, 2, None),
+        "rope odd hd": lambda: o.rope_split(f(1, 3, 6, 7), f(3, 7), f(3, 7), 2, 2, None),
+        "rope table": lambda: o.rope_split(f(1, 3, 6, 8), f(2, 8), f(3, 8), 2, 2, None),
+        "rope bias": lambda: o.rope_split(f(1, 3, 6, 8), f(3, 8), f(3, 8), 2, 2, f(5)),
+        "add shapes": lambda: o.add_f32_bf16(f(3), f(4).to(b)),
+        "add dtypes": lambda: o.add_f32_bf16(f(3).to(b), f(3)),
+        "add strided": lambda: o.add_f32_bf16(f(3, 3).t(), f(3, 3).to(b)),
+        "add meta": lambda: o.add_f32_bf16(f(3, device="meta"), f(3, device="meta").to(b)),
+    }
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", sorted(_bad_operator_calls()))
+def test_the_operators_refuse_what_their_kernels_cannot_read(case):
+    # torch.ops.lmlab.* are reachable by anyone: a wrong shape, dtype, layout or device is a
+    # RuntimeError before any kernel reads or writes through a data pointer
+    from lmlab.nn import rope_kernel
+
+    assert rope_kernel.available()
+    with pytest.raises(RuntimeError):
+        _bad_operator_calls()[case]()

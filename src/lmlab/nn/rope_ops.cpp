@@ -103,6 +103,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_split(const at::Tensor& qkv,
                                                           const at::Tensor& sgn, int64_t h,
                                                           int64_t kv,
                                                           const std::optional<at::Tensor>& bias) {
+  // reachable by anyone as torch.ops.lmlab.rope_split: the kernel reads and writes through
+  // data pointers, so what it cannot read is refused here (a RuntimeError), never read
+  auto dense_cpu = [](const at::Tensor& t) {
+    return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided;
+  };
+  const bool fp = qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(dense_cpu(qkv) && fp && qkv.dim() == 4 && h >= 0 && kv >= 0 &&
+                  qkv.size(2) == h + 2 * kv,
+              "lmlab.rope_split: qkv must be a float32 or bfloat16 CPU tensor (B, T, h + 2 kv, hd)");
+  const int64_t t = qkv.size(1), hd = qkv.size(3);
+  for (const auto* table : {&cos, &sgn})
+    TORCH_CHECK(dense_cpu(*table) && table->scalar_type() == qkv.scalar_type() &&
+                    table->dim() == 2 && table->size(0) == t && table->size(1) == hd,
+                "lmlab.rope_split: cos and signed must be (T, hd) CPU tensors of qkv's dtype");
+  if (bias.has_value() && bias->defined())
+    TORCH_CHECK(dense_cpu(*bias) && bias->dim() == 1 && bias->size(0) == (h + 2 * kv) * hd &&
+                    (bias->scalar_type() == at::kFloat || bias->scalar_type() == qkv.scalar_type()),
+                "lmlab.rope_split: bias must be ((h + 2 kv) hd,) float32 or qkv's dtype on the CPU");
   auto out = RopeSplit::apply(qkv, cos, sgn, h, kv, bias);
   return {out[0], out[1], out[2]};
 }

@@ -38,6 +38,21 @@ using torch::autograd::variable_list;
 
 int softmax_dtype(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? 1 : 0; }
 
+// The operators are reachable by anyone as torch.ops.lmlab.*: every kernel reads and writes
+// through data pointers, so what it cannot read is refused here (a RuntimeError), never read.
+void check_cpu(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.defined() && t.device().is_cpu() && t.layout() == at::kStrided, "lmlab.", op,
+              ": ", name, " must be a dense CPU tensor");
+}
+
+void check_param(const std::optional<at::Tensor>& p, int64_t d, const char* name) {
+  if (!p.has_value() || !p->defined()) return;
+  check_cpu(*p, "norm_bf16", name);
+  TORCH_CHECK(p->scalar_type() == at::kFloat && p->dim() == 1 && p->size(0) == d &&
+                  p->is_contiguous(),
+              "lmlab.norm_bf16: ", name, " must be float32 (", d, ",) contiguous");
+}
+
 // ---- norm_bf16 ------------------------------------------------------------------------------
 
 struct NormBf16 : public torch::autograd::Function<NormBf16> {
@@ -107,6 +122,12 @@ struct NormBf16 : public torch::autograd::Function<NormBf16> {
 
 at::Tensor norm_bf16(const at::Tensor& x, const at::Tensor& weight,
                      const std::optional<at::Tensor>& bias, double eps, bool rms) {
+  check_cpu(x, "norm_bf16", "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) >= 1,
+              "lmlab.norm_bf16: x must be float32 (..., D >= 1)");
+  check_param(weight, x.size(-1), "weight");
+  check_param(bias, x.size(-1), "bias");
+  TORCH_CHECK(!(rms && bias.has_value() && bias->defined()), "lmlab.norm_bf16: RMSNorm has no bias");
   return NormBf16::apply(x, weight, bias, eps, rms);
 }
 
@@ -170,7 +191,13 @@ struct CausalAttentionBmm : public torch::autograd::Function<CausalAttentionBmm>
 
 at::Tensor causal_attention_bmm(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 double scale, bool kernel) {
-  return CausalAttentionBmm::apply(q, k, v, scale, kernel);
+  for (const auto* t : {&q, &k, &v}) check_cpu(*t, "causal_attention_bmm", "q, k and v");
+  TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.dim() == 4 &&
+                  v.sizes().slice(0, 3) == q.sizes().slice(0, 3) &&
+                  k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "lmlab.causal_attention_bmm: q and k (B, H, T, hd), v (B, H, T, hdv), one dtype");
+  const bool readable = q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16;
+  return CausalAttentionBmm::apply(q, k, v, scale, kernel && readable);
 }
 
 // ---- add_f32_bf16 ---------------------------------------------------------------------------
@@ -191,6 +218,11 @@ struct AddF32Bf16 : public torch::autograd::Function<AddF32Bf16> {
 };
 
 at::Tensor add_f32_bf16(const at::Tensor& x, const at::Tensor& y) {
+  check_cpu(x, "add_f32_bf16", "x");
+  check_cpu(y, "add_f32_bf16", "y");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && y.scalar_type() == at::kBFloat16 &&
+                  x.sizes() == y.sizes() && x.is_contiguous() && y.is_contiguous(),
+              "lmlab.add_f32_bf16: x float32 and y bfloat16 of one shape, both contiguous");
   return AddF32Bf16::apply(x, y);
 }
 
