@@ -17,11 +17,22 @@ for plain float32 CPU gradients): the global L2 norm in one threaded float64 pas
 the coefficient is below 1, one scaling pass; one call in place of torch's per-tensor norms,
 their stack and norm, and a multiply by 1 when nothing is clipped.
 
-In ``train_kernels.cpp``, compiled on first use by :func:`lmlab.nn.cpp_build.build` (a few
-seconds once, then a cached load) and called through ctypes with the tensors' data pointers, as
-:mod:`lmlab.nn.rope_kernel` is. When it cannot be used (``LMLAB_NO_CPP_KERNELS=1``, no C++
-compiler, a failed build) :func:`available` is False, the reason is in :func:`status`, and
-training runs torch's ops.
+**Norms straight to bf16** (:func:`norm_bf16`, :func:`norm_bf16_op`) and the **residual add**
+of a bf16 branch to the float32 stream (:func:`residual_add`), see their docstrings.
+
+In ``train_kernels.cpp``, compiled on first use by :func:`lmlab.nn.cpp_build.build` (some
+seconds once, then a cached load) together with ``train_ops.cpp``, which registers torch
+operators with their autograd in C++ (``torch.ops.lmlab.norm_bf16``, ``causal_attention_bmm``,
+``add_f32_bf16``): the training path enters the kernels through them, without a Python
+``autograd.Function`` (20-50 us a call each way). The functions here that take tensors
+directly (the causal softmax, clipping) call the kernels through ctypes with the tensors' data
+pointers, as :mod:`lmlab.nn.rope_kernel` does. When the library cannot be used
+(``LMLAB_NO_CPP_KERNELS=1``, no C++ compiler, a failed build) :func:`available` is False, the
+reason is in :func:`status`, and training runs torch's ops.
+
+A GELU kernel whose forward also kept the derivative (so the backward is one multiply) and a
+bf16 linear operator with the bias inside oneDNN's matmul were built in the fifth session and
+measured 1.007x and 1.00x of the step; neither was kept (benchmarks/README.md, "Fifth pass").
 
 A bias + GELU kernel for the MLP's up projection (one pass each way, the bias gradient summed
 in the backward pass) was built here and measured 1.00x of the Mini-GPT bf16 step (30
