@@ -444,6 +444,20 @@ def test_clip_grads_with_a_non_finite_gradient_scales_nothing(bad):
     assert all(torch.equal(g, b) for g, b in zip(grads[:1], before[:1], strict=True))
 
 
+@needs_kernel
+@pytest.mark.parametrize("max_norm", [1.0, 0.0])
+def test_clip_grads_norm_past_float32_range_is_inf_and_scales_nothing(max_norm):
+    # finite float32 gradients whose global norm overflows float32 (torch's get_total_norm:
+    # inf, the step skipped); the float64 norm is finite, and its float32 coefficient
+    # max_norm / inf was 0: every gradient zeroed, reported as a finite norm
+    grads = [torch.full((2,), 3e38), torch.full((3,), 1e38)]
+    before = [g.clone() for g in grads]
+    norm, coef = train_kernel.clip_grads_(grads, max_norm)
+    assert norm == float(torch.nn.utils.get_total_norm(before)) == math.inf
+    assert coef == 1.0
+    assert all(torch.equal(g, b) for g, b in zip(grads, before, strict=True))
+
+
 def test_grads_applicable_refuses_what_the_kernel_would_misread():
     a = torch.zeros(10, 10)
     assert train_kernel.grads_applicable([a, torch.zeros(3)])
