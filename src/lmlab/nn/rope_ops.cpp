@@ -117,6 +117,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_split(const at::Tensor& qkv,
     TORCH_CHECK(dense_cpu(*table) && table->scalar_type() == qkv.scalar_type() &&
                     table->dim() == 2 && table->size(0) == t && table->size(1) == hd,
                 "lmlab.rope_split: cos and signed must be (T, hd) CPU tensors of qkv's dtype");
+  // the tables get no gradient from the backward: one that records a graph (trainable
+  // frequencies) is refused rather than silently left without its gradient
+  TORCH_CHECK(!at::GradMode::is_enabled() || !(cos.requires_grad() || sgn.requires_grad()),
+              "lmlab.rope_split: cos and signed must not require grad (their gradient is not "
+              "computed)");
   if (bias.has_value() && bias->defined())
     TORCH_CHECK(dense_cpu(*bias) && bias->dim() == 1 && bias->size(0) == (h + 2 * kv) * hd &&
                     (bias->scalar_type() == at::kFloat || bias->scalar_type() == qkv.scalar_type()),
