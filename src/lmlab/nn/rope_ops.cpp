@@ -105,8 +105,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_split(const at::Tensor& qkv,
                                                           const std::optional<at::Tensor>& bias) {
   // reachable by anyone as torch.ops.lmlab.rope_split: the kernel reads and writes through
   // data pointers, so what it cannot read is refused here (a RuntimeError), never read
+  // (with data: a fake tensor (FakeTensorMode, torch.compile's tracing) says CPU but its
+  // untyped data_ptr() is null, and the kernel would write through it)
   auto dense_cpu = [](const at::Tensor& t) {
-    return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided;
+    return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided &&
+           (t.numel() == 0 || (t.has_storage() && t.storage().data() != nullptr));
   };
   const bool fp = qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16;
   TORCH_CHECK(dense_cpu(qkv) && fp && qkv.dim() == 4 && h >= 0 && kv >= 0 &&
