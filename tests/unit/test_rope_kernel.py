@@ -257,6 +257,20 @@ def test_split_refuses_what_the_kernel_cannot_read():
 
 
 @needs_kernel
+def test_the_split_operator_refuses_tables_that_record_gradients():
+    # torch.ops.lmlab.rope_split, reachable without rope_split's checks: its backward returns
+    # no gradient for the tables, so one that records a graph was silently left without it
+    qkv, cs = torch.randn(1, 3, 4, 8), torch.randn(3, 8)
+    trainable = cs.clone().requires_grad_()
+    for cos, sgn in ((trainable, cs), (cs, trainable)):
+        with pytest.raises(RuntimeError, match="must not require grad"):
+            torch.ops.lmlab.rope_split(qkv, cos, sgn, 2, 1, None)
+    with torch.no_grad():  # nothing recorded: nothing lost
+        q, _, _ = torch.ops.lmlab.rope_split(qkv, trainable, cs, 2, 1, None)
+    assert q.shape == (1, 2, 3, 8)
+
+
+@needs_kernel
 def test_a_trainable_frequency_table_gets_its_gradient_with_the_kernel_on(monkeypatch):
     # the kernel returns no gradient for cos and signed: tables that record one keep torch's ops
     torch.manual_seed(0)

@@ -444,6 +444,20 @@ def test_clip_grads_with_a_non_finite_gradient_scales_nothing(bad):
     assert all(torch.equal(g, b) for g, b in zip(grads[:1], before[:1], strict=True))
 
 
+@needs_kernel
+@pytest.mark.parametrize("max_norm", [1.0, 0.0])
+def test_clip_grads_norm_past_float32_range_is_inf_and_scales_nothing(max_norm):
+    # finite float32 gradients whose global norm overflows float32 (torch's get_total_norm:
+    # inf, the step skipped); the float64 norm is finite, and its float32 coefficient
+    # max_norm / inf was 0: every gradient zeroed, reported as a finite norm
+    grads = [torch.full((2,), 3e38), torch.full((3,), 1e38)]
+    before = [g.clone() for g in grads]
+    norm, coef = train_kernel.clip_grads_(grads, max_norm)
+    assert norm == float(torch.nn.utils.get_total_norm(before)) == math.inf
+    assert coef == 1.0
+    assert all(torch.equal(g, b) for g, b in zip(grads, before, strict=True))
+
+
 def test_grads_applicable_refuses_what_the_kernel_would_misread():
     a = torch.zeros(10, 10)
     assert train_kernel.grads_applicable([a, torch.zeros(3)])
@@ -560,3 +574,47 @@ def test_the_operators_refuse_what_their_kernels_cannot_read(case):
     assert rope_kernel.available()
     with pytest.raises(RuntimeError):
         _bad_operator_calls()[case]()
+
+
+_FAKE_CALLS = """
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from lmlab.nn import rope_kernel, train_kernel
+assert train_kernel.available() and rope_kernel.available()
+o, f, b = torch.ops.lmlab, torch.randn, torch.bfloat16
+calls = {
+    "norm": lambda: o.norm_bf16(f(3, 4), f(4), None, 1e-5, False),
+    "attention": lambda: o.causal_attention_bmm(*[f(1, 2, 5, 8, dtype=b)] * 3, 0.5, True),
+    "rope": lambda: o.rope_split(f(1, 3, 4, 8), f(3, 8), f(3, 8), 2, 1, None),
+    "add": lambda: o.add_f32_bf16(f(3), f(3, dtype=b)),
+}
+for name, call in calls.items():
+    with FakeTensorMode():
+        try:
+            call()
+        except RuntimeError as e:
+            assert "lmlab." in str(e), (name, str(e))
+        else:
+            raise AssertionError(name + " accepted a fake tensor")
+print("refused")
+"""
+
+
+@needs_kernel
+def test_the_operators_refuse_fake_tensors_without_touching_their_data():
+    # a fake tensor (FakeTensorMode, torch.compile's tracing) is a strided CPU tensor with no
+    # data: its untyped data_ptr() is null, and the attention's and the RoPE split's kernels
+    # wrote through it (a segfault, hence the child process)
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import lmlab
+
+    src = str(Path(lmlab.__file__).resolve().parents[1])  # this checkout's lmlab in the child
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run(
+        [sys.executable, "-c", _FAKE_CALLS], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert run.returncode == 0 and "refused" in run.stdout, (run.returncode, run.stderr[-2000:])

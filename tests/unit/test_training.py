@@ -277,3 +277,29 @@ def test_the_progress_bar_shows_validation_even_on_a_zero_column_terminal(tmp_pa
     assert "val_loss=" in shown  # the bar carries the latest validation loss
     for step in (5, 10, 15):  # and each periodic validation line is printed above it
         assert f"step {step}/20  val_loss " in shown, shown[-2000:]
+
+
+def test_a_gradient_norm_past_float32_range_skips_the_step(tmp_path: Path, monkeypatch):
+    # every gradient finite, their global norm inf in float32 (torch's and the clip kernel's):
+    # clip_gradients names no parameter and scales nothing, so the step must be skipped on the
+    # norm itself (it was taken, with gradients of 1e38)
+    from lmlab.training.metrics import read_metrics
+
+    param, calls = "layers.1.ffn.down_proj.weight", []
+    real_build = trainer_module.build_model
+
+    def build(cfg):
+        model = real_build(cfg)
+        p = dict(model.named_parameters())[param]
+        p.register_hook(
+            lambda g: calls.append(1) or (torch.full_like(g, 1e38) if len(calls) == 2 else g)
+        )
+        return model
+
+    monkeypatch.setattr(trainer_module, "build_model", build)
+    cfg = tiny_config(train={"max_steps": 3, "max_skipped_steps": 2})
+    res = trainer_module.train(cfg, out=tmp_path / "run", progress=False)
+    assert res.step == 3
+    skips = [r for r in read_metrics(tmp_path / "run") if "skipped" in r]
+    assert [r["step"] for r in skips] == [2]
+    assert skips[0]["skipped"].startswith("non-finite gradient (loss ")

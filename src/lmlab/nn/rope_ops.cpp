@@ -105,8 +105,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_split(const at::Tensor& qkv,
                                                           const std::optional<at::Tensor>& bias) {
   // reachable by anyone as torch.ops.lmlab.rope_split: the kernel reads and writes through
   // data pointers, so what it cannot read is refused here (a RuntimeError), never read
+  // (with data: a fake tensor (FakeTensorMode, torch.compile's tracing) says CPU but its
+  // untyped data_ptr() is null, and the kernel would write through it)
   auto dense_cpu = [](const at::Tensor& t) {
-    return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided;
+    return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided &&
+           (t.numel() == 0 || (t.has_storage() && t.storage().data() != nullptr));
   };
   const bool fp = qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16;
   TORCH_CHECK(dense_cpu(qkv) && fp && qkv.dim() == 4 && h >= 0 && kv >= 0 &&
@@ -117,6 +120,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_split(const at::Tensor& qkv,
     TORCH_CHECK(dense_cpu(*table) && table->scalar_type() == qkv.scalar_type() &&
                     table->dim() == 2 && table->size(0) == t && table->size(1) == hd,
                 "lmlab.rope_split: cos and signed must be (T, hd) CPU tensors of qkv's dtype");
+  // the tables get no gradient from the backward: one that records a graph (trainable
+  // frequencies) is refused rather than silently left without its gradient
+  TORCH_CHECK(!at::GradMode::is_enabled() || !(cos.requires_grad() || sgn.requires_grad()),
+              "lmlab.rope_split: cos and signed must not require grad (their gradient is not "
+              "computed)");
   if (bias.has_value() && bias->defined())
     TORCH_CHECK(dense_cpu(*bias) && bias->dim() == 1 && bias->size(0) == (h + 2 * kv) * hd &&
                     (bias->scalar_type() == at::kFloat || bias->scalar_type() == qkv.scalar_type()),

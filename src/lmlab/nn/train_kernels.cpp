@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -549,6 +550,9 @@ extern "C" int lmlab_grad_clip(int64_t count, float* const* ptrs, const int64_t*
   for (double v : sums) total += v;
   *norm = std::sqrt(total);
   *coef_out = 1.0f;
+  // a norm past float32's range is inf, as torch's float32 norm is (the coefficient below
+  // would be max_norm / inf = 0, zeroing every gradient of a step the caller must skip)
+  if (std::isinf(static_cast<float>(*norm))) *norm = std::numeric_limits<double>::infinity();
   if (!std::isfinite(*norm) || !(max_norm > 0)) return 0;
   volatile float shifted = static_cast<float>(*norm) + static_cast<float>(1e-6);  // no fusing
   volatile float inv = 1.0f / shifted;

@@ -38,11 +38,19 @@ using torch::autograd::variable_list;
 
 int softmax_dtype(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? 1 : 0; }
 
+// Whether the elements of t (a CPU tensor) are allocated: none to read, or real storage.
+bool has_data(const at::Tensor& t) {
+  return t.numel() == 0 || (t.has_storage() && t.storage().data() != nullptr);
+}
+
 // The operators are reachable by anyone as torch.ops.lmlab.*: every kernel reads and writes
 // through data pointers, so what it cannot read is refused here (a RuntimeError), never read.
 void check_cpu(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(t.defined() && t.device().is_cpu() && t.layout() == at::kStrided, "lmlab.", op,
               ": ", name, " must be a dense CPU tensor");
+  // a fake tensor (FakeTensorMode, torch.compile's tracing) says CPU but has no data: its
+  // untyped data_ptr() is null, and the kernels would write through it
+  TORCH_CHECK(has_data(t), "lmlab.", op, ": ", name, " has no data (a fake tensor?)");
 }
 
 void check_param(const std::optional<at::Tensor>& p, int64_t d, const char* name) {

@@ -297,7 +297,8 @@ class Trainer:
         grad_norm, bad_grad = clip_gradients(self.model, tc.grad_clip, self.params)
         # the mean over every target of the step (over ranks: mean * world_size = sum)
         step_loss = loss_sum / accum if uniform else weighted_sum * world_size / n_total
-        finite = bad_grad is None and math.isfinite(step_loss)  # the same on every rank
+        # the same on every rank; a norm past float32's range is inf with no gradient to name
+        finite = bad_grad is None and math.isfinite(grad_norm) and math.isfinite(step_loss)
         if finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
