@@ -166,12 +166,21 @@ def causal_above(t: int, device: torch.device) -> torch.Tensor:
     return above
 
 
+NO_DOUBLE_BACKWARD = (
+    "lmlab's batched-matmul causal attention (bf16 CPU training, the sdpa backend) has no "
+    "second-order gradients (create_graph=True, e.g. a gradient penalty); use "
+    "model.attention.backend: math for them (torch's fused CPU attention has none either)"
+)
+
+
 class _CausalAttentionBmm(torch.autograd.Function):
     """The forward and backward of :func:`causal_attention_bmm` written out (no autograd graph
     of its six ops, no pass that autograd would add over the (B H, T, T) scores): forward
     S = (q scale) k^T with -inf above the diagonal, P = softmax(S), out = P v; backward
     dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(P dP)) (softmax's backward), dQ = dS K scale,
-    dK = dS^T (q scale). Saves q scale, k, v and P. Where lmlab's training kernels are compiled
+    dK = dS^T (q scale). Saves q scale, k, v and P (made without a graph back to q, k and v, so
+    a backward that records its own, create_graph, raises: no second-order gradients, as
+    torch's fused CPU attention). Where lmlab's training kernels are compiled
     the operator torch.ops.lmlab.causal_attention_bmm (train_ops.cpp) runs instead: these same
     steps in C++, with the mask and softmax (and its backward) in lmlab's causal softmax kernel
     when :data:`TRAIN_SOFTMAX_KERNEL` is on."""
@@ -193,6 +202,8 @@ class _CausalAttentionBmm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if torch.is_grad_enabled():  # create_graph: the saved tensors have no graph to q, k, v
+            raise RuntimeError(NO_DOUBLE_BACKWARD)
         qs, k3, v3, probs = ctx.saved_tensors
         b, h, t, hd, hdv = ctx.shape
         g = grad_out.reshape(b * h, t, hdv)

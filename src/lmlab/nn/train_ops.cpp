@@ -145,6 +145,11 @@ at::Tensor causal_above(int64_t t, const at::Device& device) {
   return at::ones({t, t}, at::TensorOptions().dtype(at::kBool).device(device)).triu(1);
 }
 
+constexpr const char* kNoDoubleBackward =
+    "lmlab's batched-matmul causal attention (bf16 CPU training, the sdpa backend) has no "
+    "second-order gradients (create_graph=True, e.g. a gradient penalty); use "
+    "model.attention.backend: math for them (torch's fused CPU attention has none either)";
+
 struct CausalAttentionBmm : public torch::autograd::Function<CausalAttentionBmm> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, double scale, bool kernel) {
@@ -172,6 +177,9 @@ struct CausalAttentionBmm : public torch::autograd::Function<CausalAttentionBmm>
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    // its saved tensors were made without a graph back to q, k and v: a backward that records
+    // its own (create_graph) would give second-order gradients without those terms, silently
+    TORCH_CHECK(!at::GradMode::is_enabled(), kNoDoubleBackward);
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &qs = saved[0], &k3 = saved[1], &v3 = saved[2], &probs = saved[3];
     const auto shape = ctx->saved_data["shape"].toIntVector();
