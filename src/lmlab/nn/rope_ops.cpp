@@ -1,8 +1,9 @@
 // The RoPE split kernel (rope_kernels.cpp, compiled into the same library) as a torch operator
 // with its autograd in C++: torch.ops.lmlab.rope_split(qkv, cos, signed, h, kv, bias) -> (q, k,
-// v), what lmlab.nn.rope_kernel.RopeSplitFunction computes (the same kernel calls, the same
-// bits), entered through the dispatcher instead of a Python autograd.Function (20-50 us of
-// Python a call each way, comparable to the kernel itself at small shapes). A backward that
+// v), what the Python autograd.Function it replaced (rope_kernel.RopeSplitFunction, until the
+// fifth session) computed (the same kernel calls, the same bits), entered through the
+// dispatcher instead (20-50 us of Python a call each way, comparable to the kernel itself at
+// small shapes). A backward that
 // records its own graph (create_graph) runs the rotation's gradient as ATen ops, as the Python
 // Function does.
 

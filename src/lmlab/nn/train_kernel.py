@@ -1,7 +1,8 @@
 """lmlab's CPU kernels for training: passes torch's eager graph makes separately, made once.
 
-**Causal softmax** (:func:`causal_softmax_`, used by
-:func:`lmlab.nn.attention_core.causal_attention_bmm` in bf16 training). Legend: N batch x
+**Causal softmax** (:func:`causal_softmax_`; in bf16 training
+:func:`lmlab.nn.attention_core.causal_attention_bmm` calls the same kernel from its C++
+operator). Legend: N batch x
 heads, T tokens. Scores S (N, T, T) -> P, P[n, i, j] the softmax over j <= i of row i for j <=
 i and 0 above the diagonal, in one pass over the lower triangle (torch: masked_fill of -inf
 above the diagonal, then softmax over whole rows: two passes over all T^2 entries); its

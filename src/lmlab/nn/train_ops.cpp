@@ -1,7 +1,7 @@
 // lmlab's training kernels as torch operators with their autograd in C++ (torch.ops.lmlab.*).
 //
 // The kernels of train_kernels.cpp (compiled into the same library) are also reachable through
-// ctypes; these operators wrap two of them with their forward and backward written as
+// ctypes; these operators wrap three of them with their forward and backward written as
 // torch::autograd::Function, so that a training step enters them through the dispatcher
 // instead of a Python autograd.Function (whose apply and backward cost some 20-50 us of Python
 // each, comparable to the kernels themselves at small shapes; lmlab.nn.train_kernel):
@@ -9,11 +9,15 @@
 //   norm_bf16(x, weight, bias, eps, rms) -> y          LayerNorm / RMSNorm, float32 -> bfloat16
 //   causal_attention_bmm(q, k, v, scale, kernel) -> y  causal softmax(q k^T scale) v, three
 //                                                      batched matmuls, the softmax in the kernel
+//   add_f32_bf16(x, y) -> x + y                        the residual add of a bf16 branch
 //
-// Each computes what its Python twin computes (lmlab.nn.train_kernel.NormBf16Function,
-// lmlab.nn.attention_core._CausalAttentionBmm), the same kernels and ATen calls in the same
-// order, so the same bits. A backward that records its own graph (create_graph) runs
-// differentiable ATen ops instead of the kernels, as the Python twins do.
+// Each computes what its Python twin computed (lmlab.nn.train_kernel.NormBf16Function until
+// the fifth session; lmlab.nn.attention_core._CausalAttentionBmm, still the fallback where the
+// library is not built, with torch's softmax; torch's x + y), the same kernels and ATen calls
+// in the same order, so the same bits. A backward that records its own graph (create_graph)
+// runs differentiable ATen ops instead of the kernels (norm_bf16; add_f32_bf16's backward is
+// ATen ops anyway); causal_attention_bmm refuses it (its saved tensors carry no graph back to
+// q, k and v). Each refuses, before any pointer is read, what its kernel cannot read.
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
