@@ -61,9 +61,7 @@ def hooked_within(m: nn.Module) -> bool:
     """Whether ``m`` or a module inside it has a torch hook of its own (:func:`torch_hooks`):
     a walk over ``_modules`` by hand (``m.modules()`` builds names and a memo set, several
     times slower, and a training step asks this every layer)."""
-    if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
-        return True
-    return any(c is not None and hooked_within(c) for c in m._modules.values())
+    return torch_hooks(m) or any(c is not None and hooked_within(c) for c in m._modules.values())
 
 
 def plain_linear(m: nn.Module) -> bool:
