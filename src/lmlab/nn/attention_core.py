@@ -233,9 +233,8 @@ def causal_attention_bmm(
     some 20-50 us a call); otherwise as :class:`_CausalAttentionBmm`."""
     from lmlab.nn import train_kernel
 
-    if train_kernel.available():
-        kernel = TRAIN_SOFTMAX_KERNEL and q.dtype in (torch.bfloat16, torch.float32)
-        return torch.ops.lmlab.causal_attention_bmm(q, k, v, scale, kernel)
+    if train_kernel.available():  # the operator takes the kernel for float32 / bf16 only
+        return torch.ops.lmlab.causal_attention_bmm(q, k, v, scale, TRAIN_SOFTMAX_KERNEL)
     return _CausalAttentionBmm.apply(q, k, v, scale)
 
 

@@ -144,12 +144,6 @@ def _written(x: torch.Tensor) -> None:
     torch.autograd.graph.increment_version(x)
 
 
-def causal_softmax_applies(scores: torch.Tensor) -> bool:
-    """Whether :func:`causal_softmax_` takes ``scores``: a contiguous (N, T, T) float32 or
-    bfloat16 CPU tensor, and the kernel available."""
-    return _scores_ok(scores) and available()
-
-
 def causal_softmax_(scores: torch.Tensor) -> torch.Tensor:
     """In place: scores (N, T, T) -> P, softmax over j <= i of each row i, 0 above the
     diagonal (what ``masked_fill(above, -inf)`` then ``softmax(-1)`` give, to one rounding of
