@@ -514,7 +514,8 @@ def trainer_step(
 ) -> Callable[[], None]:
     """One ``Trainer.train_step`` per call, at the next step number; ``fast_paths`` False runs
     it with the training fast paths switched off (the q/k/v fusion, the bf16 batched-matmul
-    attention, the bf16 RoPE function, the C++ RoPE, causal softmax and norm kernels): the
+    attention, the bf16 RoPE function, the C++ RoPE, causal softmax, norm, residual add and
+    clipping kernels): the
     reference path they replace; ``rope_kernel`` False only the C++ RoPE kernel (RoPE as torch
     ops, as before it); ``softmax_kernel`` False only the causal softmax kernel (masked_fill +
     softmax); ``norm_kernel`` False only the norm-to-bf16 kernel (torch's norm, then a cast);

@@ -49,12 +49,12 @@ class RMSNorm(nn.Module):
 # Training under bf16 autocast on a CPU: a norm whose output only feeds matmuls (a pre-norm
 # block's attention or MLP input) is computed by lmlab's C++ kernel straight to bfloat16 (what
 # autocast's float32 norm and the matmul's cast give, without the float32 output:
-# lmlab.nn.train_kernel.norm_bf16). False keeps torch's ops (A/B benchmarks).
+# lmlab.nn.train_kernel.norm_bf16), at any size: through its C++ operator (torch.ops.lmlab.
+# norm_bf16) it gains at nanoGPT's CPU shape too (768 x 128: step 1.04x, LayerNorm), where the
+# Python autograd.Function it replaced cost what it saved (0.96-0.99x, hence a size gate then);
+# the Mini-GPT shape 1.04-1.09x (LayerNorm), 1.29x (RMSNorm, five float32 ops in torch). False
+# keeps torch's ops (A/B benchmarks).
 TRAIN_NORM_KERNEL = True
-# At any size: through its C++ operator (torch.ops.lmlab.norm_bf16, autograd in C++) the kernel
-# gains at nanoGPT's CPU shape too (768 x 128: step 1.04x, LayerNorm), where the Python
-# autograd.Function it replaced cost what it saved (step 0.96-0.99x, hence a size gate then);
-# the Mini-GPT shape 1.04-1.09x (LayerNorm), 1.29x (RMSNorm, five float32 ops in torch).
 
 
 def norm_for_matmuls(
@@ -114,7 +114,7 @@ def _kernel_param(p: torch.Tensor, d: int) -> bool:
         and p.dim() == 1
         and p.shape[0] == d >= 1
         and p.is_cpu
-        and (p.is_contiguous())
+        and p.is_contiguous()
     )
 
 
