@@ -48,7 +48,8 @@ struct RopeSplit : public torch::autograd::Function<RopeSplit> {
                                     has_bias && bc.scalar_type() != at::kFloat ? 1 : 0, b, t, h,
                                     kv, hd, c.data_ptr(), s.data_ptr(), q.data_ptr(), k.data_ptr(),
                                     v.data_ptr());
-    TORCH_CHECK(rc == 0, "the RoPE kernel refused head_dim ", hd, " or its dtypes");
+    TORCH_CHECK(rc == 0, "lmlab.rope_split: the RoPE kernel refused head_dim ", hd,
+                " (even, at most 1024) or its dtypes");
     ctx->save_for_backward({c, s});
     ctx->saved_data["h"] = h;
     ctx->saved_data["kv"] = kv;
