@@ -68,6 +68,17 @@ def setup():
     return model, src, bad, dec
 
 
+# The float64 model's logits and scores to float64 rounding, not bit for bit: a patched run is
+# one row of a batch, and whether a BLAS computes a row with the same bits at every batch size
+# depends on the machine (MKL on a Xeon did here; on an AMD EPYC (Zen 5) rows came out 1e-15
+# apart: another kernel for another row count).
+ROUNDING = 1e-12
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool((a - b).abs().max() <= ROUNDING * (1 + b.abs().max()))
+
+
 def run(model, src, dec, **kw):
     return model(input_ids=src, decoder_input_ids=dec, **kw).logits
 
@@ -85,9 +96,9 @@ def test_patching_every_activation_of_a_run_into_itself_gives_its_logits_exactly
         assert sum(n.startswith("encoder.") for n in names) >= 10
         assert sum(".cross_attn." in n for n in names) >= 8
         got = run_patched(model, dec, cache, [[Patch(n)] for n in names], source_ids=src)
-        assert all(torch.equal(got[r : r + 1], plain) for r in range(len(names)))
+        assert all(_same(got[r : r + 1], plain) for r in range(len(names)))
         every = run_patched(model, dec, cache, [[Patch(n) for n in names]], source_ids=src)
-        assert torch.equal(every, plain)
+        assert _same(every, plain)
 
 
 def test_the_clean_encoder_output_restores_the_clean_logits_exactly(setup):
@@ -100,7 +111,7 @@ def test_the_clean_encoder_output_restores_the_clean_logits_exactly(setup):
         got = run_patched(model, dec, cache, [[Patch(last)], [Patch(last, s) for s in range(S)]],
                           source_ids=bad)  # fmt: skip
     assert not torch.equal(clean, corrupt)
-    assert torch.equal(got[0:1], clean) and torch.equal(got[1:2], clean)
+    assert _same(got[0:1], clean) and _same(got[1:2], clean)
 
 
 def test_layer_0_source_patches_score_1_at_the_changed_token_and_0_elsewhere(setup):
@@ -109,11 +120,11 @@ def test_layer_0_source_patches_score_1_at_the_changed_token_and_0_elsewhere(set
                           clean_source=src, corrupted_source=bad)  # fmt: skip
     e = r.scores["encoder.resid_pre"]
     assert e.shape == (2, S) and e.dtype == torch.float64 and r.n_source == S
-    assert e[0, 2] == 1.0  # the whole source difference enters there
-    assert e[0, [0, 1, 3, 4, 5]].abs().max() == 0.0  # identical values: an exact no-op
+    assert abs(e[0, 2] - 1.0) < ROUNDING  # the whole source difference enters there
+    assert e[0, [0, 1, 3, 4, 5]].abs().max() < ROUNDING  # identical values: a no-op
     # the decoder input is the same in both runs: layer 0's decoder residual carries nothing
     d = r.scores["resid_pre"]
-    assert d.shape == (3, T) and d[0].abs().max() == 0.0
+    assert d.shape == (3, T) and d[0].abs().max() < ROUNDING
     assert d[-1, -1] != 0.0  # later layers carry the source through cross-attention
     assert r.as_dict()["n_source"] == S
 
@@ -172,8 +183,8 @@ def test_the_default_maps_and_a_decoder_only_difference(setup):
     other[0, 2] = 3 + (dec[0, 2] - 3 + 5) % (V - 3)  # the decoder input differs, not the source
     r = patch_activations(model, dec, other, 3, 5, clean_source=src, corrupted_source=src)
     assert tuple(r.scores) == ENCODER_DECODER_DEFAULT_WHAT
-    assert r.scores["encoder.resid_pre"].abs().max() == 0.0  # the sources are the same
-    assert r.scores["resid_pre"][0, 2] == 1.0
+    assert r.scores["encoder.resid_pre"].abs().max() < ROUNDING  # the sources are the same
+    assert abs(r.scores["resid_pre"][0, 2] - 1.0) < ROUNDING
     assert set(ENCODER_DECODER_POINTS) >= {"encoder.heads", "cross_out", "resid_cross"}
 
 
