@@ -340,12 +340,16 @@ ARCH_VARIANTS = {
     "rope-nobias": PLAIN[1:],
     "learned-bias": PLAIN[:1],
     "plain": PLAIN,
+    "no-attn-bias": PLAIN[1:2],
+    "no-ffn-bias": PLAIN[2:3],
+    "no-norm-bias": PLAIN[3:4],
 }
 
 
 def arch_ab(args: argparse.Namespace, shape: str) -> None:
     """lmlab's default architecture vs the same without biases, with learned positions instead
-    of RoPE, and with both (plain): Trainer steps at ``shape`` in the first of ``--precisions``,
+    of RoPE, and with both (plain), and without one family of biases each (attention's q/k/v/o,
+    the FFN's, the norms'): Trainer steps at ``shape`` in the first of ``--precisions``,
     interleaved (a random order each round), medians; ratio = variant step time / default's."""
     precision = args.precisions.split(",")[0]
     over = shape_overrides(shape, precision)
