@@ -12,14 +12,19 @@ fallback with the reason). The build folder, its parent and the library must bel
 user and be writable by nobody else (else PermissionError, the same fallback): ninja keeps a
 library newer than its sources, so a folder others can write would let them plant code.
 
-Folders: ``<torch's build root>/lmlab_py<major><minor>_torch<version>/<name>`` (the root is
+Folders: ``<torch's build root>/lmlab_py<major><minor>_torch<version>/<name>_<tag>`` (the root is
 ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, as torch's own), one per source and
-flag set (``name`` carries the flag set, as the callers choose it).
+flag set (``name`` carries the flag set, as the callers choose it) and per checkout: ``tag``
+hashes the folders the sources are in (:func:`checkout_tag`), because ninja rebuilds a library
+whenever its build command changes, so two clones (or a clone and a worktree) sharing one
+folder recompiled every kernel each time the other had run. The first build of a folder says so
+on stderr (it takes 10-60 s, and the first training steps wait for it).
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import sys
 import time
@@ -50,8 +55,19 @@ def cpu_has_avx512f() -> bool:
     return torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512f" in cpu_flags()
 
 
-def build_dir(name: str) -> Path:
-    """The folder lmlab builds extension ``name`` in (created by :func:`build`)."""
+def checkout_tag(sources: list[str]) -> str:
+    """Eight hex digits naming the folders ``sources`` are in (resolved): the same for every
+    build from one checkout, another for another checkout of the same code."""
+    folders = sorted({str(Path(s).resolve().parent) for s in sources})
+    return hashlib.sha256("\0".join(folders).encode()).hexdigest()[:8]
+
+
+def build_dir(name: str, sources: list[str] | None = None) -> Path:
+    """The folder lmlab builds extension ``name`` from ``sources`` in (created by
+    :func:`build`): ``name`` tagged with :func:`checkout_tag` of the sources (as given, when
+    None)."""
+    if sources is not None:
+        name = f"{name}_{checkout_tag(sources)}"
     from torch.utils.cpp_extension import get_default_build_root
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
@@ -65,7 +81,8 @@ def build(name: str, sources: list[str], cflags: list[str], ldflags: list[str]) 
     waiting for another process that is building the same ``name``."""
     from torch.utils.cpp_extension import load
 
-    folder = build_dir(name)
+    folder = build_dir(name, sources)
+    name = folder.name  # the library and its lock files are named for the checkout too
     old_umask = os.umask(0o022)  # our folders and files writable by us only, whatever the umask
     try:
         folder.parent.parent.mkdir(parents=True, exist_ok=True)
@@ -91,7 +108,8 @@ def build(name: str, sources: list[str], cflags: list[str], ldflags: list[str]) 
                         told = True
                         print(
                             f"lmlab: waiting for another process that is building {name} in "
-                            f"{folder} (at most {WAIT_S:.0f} s)",
+                            f"{folder} (another rank of this run, or another lmlab; at most "
+                            f"{WAIT_S:.0f} s)",
                             file=sys.stderr,
                         )
                     if time.monotonic() > deadline:
@@ -101,8 +119,15 @@ def build(name: str, sources: list[str], cflags: list[str], ldflags: list[str]) 
                         ) from None
                     time.sleep(POLL_S)
             (folder / "lock").unlink(missing_ok=True)  # a killed build's baton: nobody holds it
+        built = False
         for old in folder.glob(name + ".*"):  # a library load() would dlopen without rebuilding
             _check_private(old)
+            built = True
+        if not built:
+            print(
+                f"lmlab: compiling {name} (once for this checkout: 10-60 s) into {folder}",
+                file=sys.stderr,
+            )
         old_umask = os.umask(0o022)
         try:
             path = load(
