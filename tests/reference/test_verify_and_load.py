@@ -61,6 +61,15 @@ def test_verify_every_shipped_preset():
     assert not [c for c in checks if c.status == "FAIL"], [c for c in checks if c.status == "FAIL"]
 
 
+def test_verify_says_why_an_encoder_has_no_reference_check():
+    # BERT folders load into lmlab, but lmlab writes no BertConfig: the skip names that (it read
+    # "no Hugging Face counterpart ()" while the family was filed under the decoder kind)
+    preset = Path(__file__).resolve().parents[2] / "configs" / "bert-mini.yaml"
+    (check,) = [c for c in verify(str(preset)) if c.name == "reference"]
+    assert check.status == "skip"
+    assert "bert: lmlab reads its Hugging Face folders, but writes no config" in check.detail
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_load_a_hugging_face_folder(tmp_path: Path, family: str):
     torch.manual_seed(0)

@@ -151,7 +151,10 @@ def check_reference(cfg: ModelConfig, x: torch.Tensor) -> tuple[bool | None, str
     reasons = []
     for name in HF_FAMILIES.names():
         family = HF_FAMILIES.get(name)
-        if family.from_config is None or family.model_kind != cfg.kind:
+        if family.model_kind != cfg.kind:
+            continue
+        if family.from_config is None:  # its folders load into lmlab; no config the other way
+            reasons.append(f"{name}: lmlab reads its Hugging Face folders, but writes no config")
             continue
         try:
             kwargs = family.from_config(cfg)

@@ -146,5 +146,6 @@ HF_FAMILIES.register(
         hf_bert.bert_model_config,
         hf_bert.bert_state_dict,
         fit_config=hf_bert.fit_bert_config,
+        model_kind="encoder",
     )
 )
