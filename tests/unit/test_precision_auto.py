@@ -103,3 +103,15 @@ def test_the_log_says_what_auto_chose(tmp_path: Path, monkeypatch, capsys):
     explicit = tiny_config(train={"precision": "fp32", "max_steps": 1, "eval_every": 1})
     trainer.train(explicit, out=tmp_path / "run2", progress=None)
     assert "precision: auto" not in capsys.readouterr().err
+
+
+def test_the_log_notes_a_warmup_longer_than_the_run(tmp_path: Path, capsys):
+    from lmlab.training import trainer
+
+    cfg = tiny_config(train={"max_steps": 2, "eval_every": 2, "warmup_steps": 8})
+    trainer.train(cfg, out=tmp_path / "run", progress=None)
+    err = capsys.readouterr().err
+    assert "note: train.warmup_steps 8 > max_steps 2: the learning rate ends at 25% of" in err
+    ok = tiny_config(train={"max_steps": 2, "eval_every": 2, "warmup_steps": 2})
+    trainer.train(ok, out=tmp_path / "run2", progress=None)
+    assert "warmup_steps" not in capsys.readouterr().err

@@ -56,7 +56,7 @@ lmlab: build, train, probe and compare Transformer language models.
   lmlab generate runs/seq2seq-reverse --source "abcdefgh" --temperature 0
   lmlab compare experiments/positions.yaml   train variants x seeds, report.md + plots
   lmlab eval runs/minigpt --lengths 128,256,512 --set model.position.scaling.kind=ntk
-                                      perplexity per context length (length extrapolation)
+      --set model.position.scaling.factor=4   loss per context length, RoPE scaled 4x (NTK)
   lmlab list                          every component variant a config can name
   lmlab export runs/minigpt --format hf --out hf/minigpt    a Hugging Face folder (checked)
   lmlab import hf/minigpt --out runs/imported               any loadable model as a run
