@@ -47,13 +47,15 @@ follow the same one, which biased the one after nanoGPT by 2-3%); the figure is 
 medians (and of bests) of the per-step seconds. Printed per shape (all of a shape's
 contenders, both precisions, in one interleaved loop)::
 
-    step lmlab/nanogpt (minigpt shape, bf16) = N.NNx   (best-of-N: N.NNx)
-    step lmlab bf16/nanogpt fp32 (minigpt shape, default precision) = N.NNx
-    step lmlab default/plain (minigpt shape, bf16) = N.NNx
+    step lmlab/nanogpt (minigpt shape, bf16) = N.NNx   (best-of-N: N.NNx; paired N.NNx, 90% CI ...)
+    step lmlab bf16/nanogpt fp32 (minigpt shape, default precision) = N.NNx   (...)
+    step lmlab default/plain (minigpt shape, bf16) = N.NNx   (...)
 
 the first per precision (nanoGPT under the same autocast as lmlab), the second lmlab's default
 precision here (``train.precision: auto`` = bf16 autocast on a CPU with bf16 units) against
-nanoGPT as its README runs on a CPU (float32); ratios of medians, best-of-N beside them.
+nanoGPT as its README runs on a CPU (float32); ratios of medians, best-of-N beside them, and
+the paired figure (:func:`paired_ratio`): the median of the per-round ratios with a 90%
+bootstrap interval, which tells a 1-2% effect from a noisy machine's drift.
 
 and each contender's tokens/s and model FLOP/s as a fraction of the matmul peak measured in
 this process at that precision (:func:`lmlab.training.hardware.measure_matmul_peak`, best of the
@@ -268,7 +270,8 @@ def main(argv: list[str] | None = None) -> None:
             if (a, pa) in med and (b, pb) in med:
                 r = med[b, pb] / med[a, pa]
                 rb = best[b, pb] / best[a, pa]
-                print(f"step {what} = {r:.2f}x   (best-of-N: {rb:.2f}x)")
+                paired = paired_ratio(times[a, pa], times[b, pb])
+                print(f"step {what} = {r:.2f}x   (best-of-N: {rb:.2f}x; {paired})")
     print(f"matmul peak (best of before/after), FLOP/s: {peaks}")
 
 
@@ -282,6 +285,19 @@ OFF_CONTENDERS = (
     ("torchadd", "add_kernel", "add_kernel", "residual add kernel"),
     ("torchclip", "clip_kernel", "clip_kernel", "clip kernel"),
 )
+
+
+def paired_ratio(a: list[float], b: list[float], resamples: int = 2000) -> str:
+    """The median of the per-round ratios b[i] / a[i] (the same round: both steps ran within one
+    random order, so a slow minute of the machine falls on both) and a 90% bootstrap interval
+    of that median (seeded), as ``paired N.NNx, 90% CI N.NN-N.NNx``: a ratio whose interval
+    holds 1.00 is not shown to differ from 1. On a noisy machine this separates a 1-2% effect
+    from the noise better than the ratio of the two medians."""
+    ratios = [y / x for x, y in zip(a, b, strict=True)]
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    lo, hi = meds[int(0.05 * resamples)], meds[int(0.95 * resamples) - 1]
+    return f"paired {statistics.median(ratios):.2f}x, 90% CI {lo:.2f}-{hi:.2f}x"
 
 
 def round_order(names: list, rng: random.Random) -> list:
@@ -374,7 +390,8 @@ def arch_ab(args: argparse.Namespace, shape: str) -> None:
         print(
             f"step lmlab default/{k} ({shape} shape, {precision}) = "
             f"{med[k] / med['default']:.2f}x   "
-            f"({1e3 * med['default']:.1f} vs {1e3 * med[k]:.1f} ms)"
+            f"({1e3 * med['default']:.1f} vs {1e3 * med[k]:.1f} ms; "
+            f"{paired_ratio(times['default'], times[k])})"
         )
 
 
