@@ -62,12 +62,10 @@ def checkout_tag(sources: list[str]) -> str:
     return hashlib.sha256("\0".join(folders).encode()).hexdigest()[:8]
 
 
-def build_dir(name: str, sources: list[str] | None = None) -> Path:
+def build_dir(name: str, sources: list[str]) -> Path:
     """The folder lmlab builds extension ``name`` from ``sources`` in (created by
-    :func:`build`): ``name`` tagged with :func:`checkout_tag` of the sources (as given, when
-    None)."""
-    if sources is not None:
-        name = f"{name}_{checkout_tag(sources)}"
+    :func:`build`): ``name`` tagged with :func:`checkout_tag` of the sources."""
+    name = f"{name}_{checkout_tag(sources)}"
     from torch.utils.cpp_extension import get_default_build_root
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
@@ -119,11 +117,10 @@ def build(name: str, sources: list[str], cflags: list[str], ldflags: list[str]) 
                         ) from None
                     time.sleep(POLL_S)
             (folder / "lock").unlink(missing_ok=True)  # a killed build's baton: nobody holds it
-        built = False
-        for old in folder.glob(name + ".*"):  # a library load() would dlopen without rebuilding
+        libraries = list(folder.glob(name + ".*"))  # what load() would dlopen without rebuilding
+        for old in libraries:
             _check_private(old)
-            built = True
-        if not built:
+        if not libraries:
             print(
                 f"lmlab: compiling {name} (once for this checkout: 10-60 s) into {folder}",
                 file=sys.stderr,
