@@ -467,7 +467,8 @@ def export_gguf(
             if arch == "starcoder2" and cfg.ffn.activation == "gelu":
                 approx, _ = load_gguf(tmp, "cpu", lmlab_keys=False)
                 gap = _compare(model, approx, cfg)[0]
-                tanh_gap = _compare(back, approx, cfg)[0]  # the same weights: the GELU alone
+                if quant != "f32":  # back has the file's rounded weights: the GELU alone
+                    tanh_gap = _compare(back, approx, cfg)[0]
             n_bytes = tmp.stat().st_size
             if force:
                 os.replace(tmp, final)
@@ -493,7 +494,7 @@ def export_gguf(
     if gap is not None:
         rounding = (
             ""
-            if quant == "f32"
+            if tanh_gap is None
             else f", {quant}'s rounding included (the tanh GELU alone: {tanh_gap:.1e})"
         )
         notes.append(
