@@ -164,14 +164,14 @@ class Trainer:
                     file=sys.stderr,
                 )
             print(f"MFU denominator (matmul peak): {source}", file=sys.stderr, flush=True)
-            if tc.warmup_steps > tc.max_steps:  # the schedule never reaches train.lr
-                print(
-                    f"note: train.warmup_steps {tc.warmup_steps} > max_steps {tc.max_steps}: "
-                    f"the learning rate ends at {tc.max_steps / tc.warmup_steps:.0%} of "
-                    f"train.lr, still warming up",
-                    file=sys.stderr,
-                    flush=True,
-                )
+        if self.is_main and progress is not False and tc.warmup_steps > tc.max_steps:
+            print(  # the schedule never reaches train.lr
+                f"note: train.warmup_steps {tc.warmup_steps} > max_steps {tc.max_steps}: "
+                f"the learning rate ends at {tc.max_steps / tc.warmup_steps:.0%} of "
+                f"train.lr, still warming up",
+                file=sys.stderr,
+                flush=True,
+            )
         purge = self.start_step if self.resuming else None
         self.logger = MetricsLogger(self.run_dir, purge_step=purge) if self.is_main else None
         self.bar = _progress_bar(tc.max_steps, self.start_step, progress) if self.is_main else None
