@@ -3,7 +3,7 @@
     python benchmarks/train_step_ab.py --profile-arch minigpt,bf16 --rounds 4  # op by op
     python benchmarks/train_step_ab.py [--shapes nanogpt,minigpt] [--precisions fp32,bf16]
         [--rounds 20] [--threads 1] [--config CONFIG] [--reference] [--rope-kernel]
-        [--softmax-kernel] [--norm-kernel] [--add-kernel] [--clip-kernel]
+        [--softmax-kernel] [--norm-kernel] [--add-kernel] [--clip-kernel] [--allocator]
 
 For each shape and precision it builds, in this one process:
 
@@ -33,6 +33,9 @@ For each shape and precision it builds, in this one process:
   the one-pass residual add (``lmlab.nn.train_kernel.residual_add``) or only the one-call
   gradient clipping (``lmlab.nn.train_kernel.clip_grads_``) off: ``lmlab residual add kernel
   on/off``, ``lmlab clip kernel on/off``.
+- **untuned** (``--allocator``): lmlab's default with glibc's own malloc policy instead of
+  lmlab's thresholds (:mod:`lmlab.training.allocator`; :func:`untuned_allocator`): ``lmlab malloc
+  tuning on/off``. nanoGPT's step always runs under glibc's own policy, as in its own process.
 - **plain**: lmlab with nanoGPT's architecture (learned positions, no biases in linears or
   norms), the same Trainer step: ``lmlab default / plain`` is what lmlab's default architecture
   costs.
@@ -70,11 +73,12 @@ from __future__ import annotations
 import argparse
 import functools
 import random
+import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable
-from contextlib import ExitStack, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +87,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from time_to_loss import NanoConfig, NanoGPT, lmlab_session, nanogpt_optimizer  # noqa: E402
 
+from lmlab.training import allocator  # noqa: E402
 from lmlab.training.hardware import measure_matmul_peak  # noqa: E402
 
 SHAPES = {  # n_layers, d_model, n_heads, ctx, batch
@@ -95,6 +100,24 @@ PLAIN = [  # nanoGPT's architecture in lmlab's fields
     "model.ffn.bias=false",
     "model.norm.bias=false",
 ]
+
+
+@contextmanager
+def untuned_allocator() -> Iterator[None]:
+    """Within: glibc's own malloc policy at its most generous (``allocator.GLIBC_DEFAULT_MAX``:
+    the 32 MiB mmap / 64 MiB trim thresholds its dynamic threshold reaches at most), as in a
+    process that never tuned it (nanoGPT's, or lmlab's with ``LMLAB_NO_MALLOC_TUNING=1``); after:
+    lmlab's thresholds again when :func:`allocator.keep_freed_memory` put them in force. Switched
+    per step, the untuned step starts from a heap the tuned one grew and trims it at once, and
+    the tuned step after it grows it again: this understates what the tuning gains."""
+    if not allocator.keep_freed_memory():
+        yield
+        return
+    allocator.set_malloc_thresholds(*allocator.GLIBC_DEFAULT_MAX)
+    try:
+        yield
+    finally:
+        allocator.set_malloc_thresholds(allocator.MMAP_THRESHOLD, allocator.TRIM_THRESHOLD)
 
 
 def shape_overrides(shape: str, precision: str) -> list[str]:
@@ -125,15 +148,16 @@ def nanogpt_step(shape: str, precision: str, ids: torch.Tensor) -> Callable[[], 
     amp = precision == "bf16"
 
     def step() -> None:
-        ix = torch.randint(len(ids) - ctx, (batch,))
-        x = torch.stack([ids[i : i + ctx] for i in ix])
-        y = torch.stack([ids[i + 1 : i + 1 + ctx] for i in ix])
-        with torch.autocast("cpu", dtype=torch.bfloat16) if amp else nullcontext():
-            loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with untuned_allocator():  # nanoGPT's process keeps glibc's own malloc policy
+            ix = torch.randint(len(ids) - ctx, (batch,))
+            x = torch.stack([ids[i : i + ctx] for i in ix])
+            y = torch.stack([ids[i + 1 : i + 1 + ctx] for i in ix])
+            with torch.autocast("cpu", dtype=torch.bfloat16) if amp else nullcontext():
+                loss = model(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
     return step
 
@@ -176,6 +200,11 @@ def main(argv: list[str] | None = None) -> None:
         "--clip-kernel",
         action="store_true",
         help="also lmlab with only its one-call gradient clipping off (torchclip)",
+    )
+    ap.add_argument(
+        "--allocator",
+        action="store_true",
+        help="also lmlab with glibc's own malloc policy, not lmlab's thresholds (untuned)",
     )
     ap.add_argument(
         "--attention", action="store_true", help="only the bf16 attention paths (see attention_ab)"
@@ -284,6 +313,7 @@ OFF_CONTENDERS = (
     ("torchnorm", "norm_kernel", "norm_kernel", "norm kernel"),
     ("torchadd", "add_kernel", "add_kernel", "residual add kernel"),
     ("torchclip", "clip_kernel", "clip_kernel", "clip kernel"),
+    ("untuned", "allocator", "allocator", "malloc tuning"),
 )
 
 
@@ -338,14 +368,22 @@ def run_shape(args: argparse.Namespace, shape: str, precisions: list[str], ids: 
         names = list(steps)
         times: dict[tuple[str, str], list[float]] = {k: [] for k in names}
         rng = random.Random(0)
+        faults: dict[tuple[str, str], int] = dict.fromkeys(names, 0)  # minor page faults
         for _ in range(args.rounds):  # a new random order each round (see round_order)
             for k in round_order(names, rng):
+                f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 t = time.perf_counter()
                 steps[k]()
                 times[k].append(time.perf_counter() - t)
+                faults[k] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f
         med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
         print(
             f"{shape} shape: " + ", ".join(f"{a} {p} {v:.1f} ms" for (a, p), v in med.items()),
+            flush=True,
+        )
+        print(  # pages the kernel zeroed on first touch: memory malloc gave back and took anew
+            f"{shape} shape, minor page faults per step: "
+            + ", ".join(f"{a} {p} {n / args.rounds:,.0f}" for (a, p), n in faults.items()),
             flush=True,
         )
     return shape, times, tokens, flops
@@ -532,6 +570,7 @@ def trainer_step(
     norm_kernel: bool = True,
     add_kernel: bool = True,
     clip_kernel: bool = True,
+    allocator: bool = True,
 ) -> Callable[[], None]:
     """One ``Trainer.train_step`` per call, at the next step number; ``fast_paths`` False runs
     it with the training fast paths switched off (the q/k/v fusion, the bf16 batched-matmul
@@ -541,8 +580,9 @@ def trainer_step(
     ops, as before it); ``softmax_kernel`` False only the causal softmax kernel (masked_fill +
     softmax); ``norm_kernel`` False only the norm-to-bf16 kernel (torch's norm, then a cast);
     ``add_kernel`` False only the one-pass residual add (torch's x + y); ``clip_kernel`` False
-    only the one-call gradient clipping (torch's clip_grad_norm_). The module flags are set for
-    the step and restored after it."""
+    only the one-call gradient clipping (torch's clip_grad_norm_); ``allocator`` False only
+    lmlab's malloc thresholds (the step runs under :func:`untuned_allocator`). The module flags
+    are set for the step and restored after it."""
     import lmlab.nn.attention as attention
     import lmlab.nn.attention_core as core
     import lmlab.nn.norm as norm
@@ -571,7 +611,8 @@ def trainer_step(
         for m, name, value in overrides:
             setattr(m, name, value)
         try:
-            trainer.train_step(count[0])
+            with nullcontext() if allocator else untuned_allocator():
+                trainer.train_step(count[0])
         finally:
             for m, name, value in saved:
                 setattr(m, name, value)

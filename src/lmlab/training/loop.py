@@ -25,6 +25,7 @@ from lmlab.data.dataset import batch_rng
 from lmlab.errors import Interrupted, LmlabError
 from lmlab.run import CONFIG_FILE
 from lmlab.training import checkpoint as ckpt_io
+from lmlab.training.allocator import keep_freed_memory
 from lmlab.training.checkpoint import has_checkpoint
 from lmlab.training.distributed import Parallel
 from lmlab.training.evaluate import estimate_loss
@@ -144,6 +145,8 @@ class Trainer:
     def _start(self, progress: bool | None) -> None:
         """The forward function, throughput counters, MFU peak, logger and progress bar."""
         tc, par, model = self.tc, self.par, self.model
+        if self.dev.type == "cpu":  # the same large tensors every step: keep their pages mapped
+            keep_freed_memory()
         self.fwd = torch.compile(par.wrap(model)) if tc.compile else par.wrap(model)
         self.tokens_per_step = (
             self.objective.tokens_per_batch(tc.batch_size) * tc.grad_accum_steps * par.world_size
