@@ -70,7 +70,8 @@ def test_the_opt_out_and_a_users_own_settings_leave_malloc_alone(fake_libc, monk
 
 
 def test_an_empty_or_zero_opt_out_and_other_tunables_still_tune(fake_libc, monkeypatch):
-    assert allocator.tuning_wanted({"LMLAB_NO_MALLOC_TUNING": "0"})
+    for value in ("0", "false", "No", " off "):
+        assert allocator.tuning_wanted({"LMLAB_NO_MALLOC_TUNING": value})
     assert allocator.tuning_wanted({"LMLAB_NO_MALLOC_TUNING": ""})
     assert allocator.tuning_wanted({"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX2"})
 

@@ -45,6 +45,7 @@ TRIM_THRESHOLD = 512 << 20  # bytes of free heap kept mapped before malloc retur
 GLIBC_DEFAULT_MAX = (32 << 20, 64 << 20)
 
 OPT_OUT_ENV = "LMLAB_NO_MALLOC_TUNING"
+OFF_VALUES = ("", "0", "false", "no", "off")  # LMLAB_NO_MALLOC_TUNING values that still tune
 USER_SETTINGS_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 _applied: bool | None = None  # keep_freed_memory's answer, once per process
@@ -78,10 +79,11 @@ def set_malloc_thresholds(mmap_threshold: int, trim_threshold: int) -> bool:
 
 
 def tuning_wanted(environ: dict[str, str] | os._Environ[str] | None = None) -> bool:
-    """False where ``LMLAB_NO_MALLOC_TUNING`` is set (to anything but ``""`` or ``0``) or the user
-    set glibc's malloc thresholds themselves (environment or ``GLIBC_TUNABLES``)."""
+    """False where ``LMLAB_NO_MALLOC_TUNING`` is set (to anything but ``""``, ``0``, ``false``,
+    ``no``, ``off``, as ``LMLAB_NO_CPP_KERNELS``) or the user set glibc's malloc thresholds
+    themselves (environment or ``GLIBC_TUNABLES``)."""
     env = os.environ if environ is None else environ
-    if env.get(OPT_OUT_ENV, "") not in ("", "0"):
+    if env.get(OPT_OUT_ENV, "").strip().lower() not in OFF_VALUES:
         return False
     if any(name in env for name in USER_SETTINGS_ENV):
         return False
