@@ -202,6 +202,11 @@ def main(argv: list[str] | None = None) -> None:
         help="also lmlab with only its one-call gradient clipping off (torchclip)",
     )
     ap.add_argument(
+        "--only",
+        metavar="NAMES",
+        help="time only these contenders, e.g. lmlab (alone: no other step trims its heap)",
+    )
+    ap.add_argument(
         "--allocator",
         action="store_true",
         help="also lmlab with glibc's own malloc policy, not lmlab's thresholds (untuned)",
@@ -362,6 +367,8 @@ def run_shape(args: argparse.Namespace, shape: str, precisions: list[str], ids: 
                     steps[name, p] = trainer_step(off.trainer, **{keyword: False})
             tokens = SHAPES[shape][4] * lm.seq_len
             flops = flops_per_token(lm.model, lm.cfg.model, lm.seq_len, True)
+        if args.only:  # only these contenders (e.g. lmlab alone: its MFU with no neighbour)
+            steps = {k: v for k, v in steps.items() if k[0] in args.only.split(",")}
         for fn in steps.values():
             for _ in range(args.warmup):
                 fn()
@@ -412,6 +419,8 @@ def arch_ab(args: argparse.Namespace, shape: str) -> None:
             k: trainer_step(stack.enter_context(lmlab_session(args.config, over + v)).trainer)
             for k, v in ARCH_VARIANTS.items()
         }
+        if args.only:  # only these contenders (e.g. lmlab alone: its MFU with no neighbour)
+            steps = {k: v for k, v in steps.items() if k[0] in args.only.split(",")}
         for fn in steps.values():
             for _ in range(args.warmup):
                 fn()
