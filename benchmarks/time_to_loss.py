@@ -30,7 +30,9 @@ batches of 12 random windows of 64 drawn with torch.randint from the global gene
 loss of 20 random val batches. Difference, stated: nanoGPT's ``estimate_loss`` also scores 20
 train batches at every evaluation; only the val split is scored here (eval seconds are reported
 apart anyway). The loop runs it = 0..max_iters like nanoGPT's (2001 steps; the last evaluation
-is at it = 2000, after 2000 steps).
+is at it = 2000, after 2000 steps). It runs first, under glibc's own malloc policy, as in its own
+process: lmlab's Trainer raises the malloc thresholds (:mod:`lmlab.training.allocator`) only
+when the lmlab run starts.
 
 **lmlab**: the preset through lmlab's own API: ``fit_tokenizer`` / ``resolve_run`` /
 ``build_token_cache`` / ``build_objective`` / ``build_model`` / ``build_optimizer`` and

@@ -4,6 +4,7 @@
     python benchmarks/train_step_ab.py [--shapes nanogpt,minigpt] [--precisions fp32,bf16]
         [--rounds 20] [--threads 1] [--config CONFIG] [--reference] [--rope-kernel]
         [--softmax-kernel] [--norm-kernel] [--add-kernel] [--clip-kernel] [--allocator]
+        [--only lmlab,nanogpt,...]
 
 For each shape and precision it builds, in this one process:
 
@@ -60,7 +61,9 @@ nanoGPT as its README runs on a CPU (float32); ratios of medians, best-of-N besi
 the paired figure (:func:`paired_ratio`): the median of the per-round ratios with a 90%
 bootstrap interval, which tells a 1-2% effect from a noisy machine's drift.
 
-and each contender's tokens/s and model FLOP/s as a fraction of the matmul peak measured in
+each contender's minor page faults per step (``resource.getrusage``: pages the kernel zeroed on
+first write, memory malloc gave back and took again; see :mod:`lmlab.training.allocator`), and
+each contender's tokens/s and model FLOP/s as a fraction of the matmul peak measured in
 this process at that precision (:func:`lmlab.training.hardware.measure_matmul_peak`, best of the
 measurements taken before and after the steps). The FLOPs are lmlab's count
 (``flops_per_token``: 3 x (2 N + 4 L T d) per token, N the matmul parameters with the head) for

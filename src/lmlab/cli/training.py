@@ -201,7 +201,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 TRAIN = Command(
     help="train a model and write a run folder",
     description="Train a language model. Writes RUN/config.yaml, tokenizer.json, "
-    "checkpoints/step-NNNNNN/ (+ latest), metrics.jsonl, tb/ (TensorBoard) and loss.png.",
+    "checkpoints/step-NNNNNN/ (+ latest), metrics.jsonl, tb/ (TensorBoard) and loss.png. "
+    "On a CPU the process keeps freed memory mapped between steps (glibc's malloc thresholds: "
+    "fewer page faults); LMLAB_NO_MALLOC_TUNING=1 turns that off.",
     arguments=_train_arguments,
     run=cmd_train,
     common=("device", "debug", "plugin"),
