@@ -67,9 +67,11 @@ def set_malloc_thresholds(mmap_threshold: int, trim_threshold: int) -> bool:
 
     Setting either turns glibc's dynamic threshold off for the rest of the process. Returns True
     when glibc took both, False on another C library or when it refused a value (glibc refuses an
-    mmap threshold above its maximum heap size). Raises ValueError for a negative size."""
-    if mmap_threshold < 0 or trim_threshold < 0:
-        raise ValueError(f"malloc thresholds must be >= 0: {mmap_threshold}, {trim_threshold}")
+    mmap threshold above its maximum heap size). Raises ValueError for a size outside mallopt's
+    ``int`` (negative or >= 2 GiB)."""
+    for value in (mmap_threshold, trim_threshold):
+        if not 0 <= value < 2**31:
+            raise ValueError(f"a malloc threshold must be 0 <= bytes < 2**31, got {value}")
     libc = _glibc()
     if libc is None:
         return False
