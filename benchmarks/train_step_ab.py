@@ -321,7 +321,7 @@ OFF_CONTENDERS = (
     ("torchnorm", "norm_kernel", "norm_kernel", "norm kernel"),
     ("torchadd", "add_kernel", "add_kernel", "residual add kernel"),
     ("torchclip", "clip_kernel", "clip_kernel", "clip kernel"),
-    ("untuned", "allocator", "allocator", "malloc tuning"),
+    ("untuned", "allocator", "malloc_tuning", "malloc tuning"),
 )
 
 
@@ -422,8 +422,6 @@ def arch_ab(args: argparse.Namespace, shape: str) -> None:
             k: trainer_step(stack.enter_context(lmlab_session(args.config, over + v)).trainer)
             for k, v in ARCH_VARIANTS.items()
         }
-        if args.only:  # only these contenders (e.g. lmlab alone: its MFU with no neighbour)
-            steps = {k: v for k, v in steps.items() if k[0] in args.only.split(",")}
         for fn in steps.values():
             for _ in range(args.warmup):
                 fn()
@@ -582,7 +580,7 @@ def trainer_step(
     norm_kernel: bool = True,
     add_kernel: bool = True,
     clip_kernel: bool = True,
-    allocator: bool = True,
+    malloc_tuning: bool = True,
 ) -> Callable[[], None]:
     """One ``Trainer.train_step`` per call, at the next step number; ``fast_paths`` False runs
     it with the training fast paths switched off (the q/k/v fusion, the bf16 batched-matmul
@@ -592,7 +590,7 @@ def trainer_step(
     ops, as before it); ``softmax_kernel`` False only the causal softmax kernel (masked_fill +
     softmax); ``norm_kernel`` False only the norm-to-bf16 kernel (torch's norm, then a cast);
     ``add_kernel`` False only the one-pass residual add (torch's x + y); ``clip_kernel`` False
-    only the one-call gradient clipping (torch's clip_grad_norm_); ``allocator`` False only
+    only the one-call gradient clipping (torch's clip_grad_norm_); ``malloc_tuning`` False only
     lmlab's malloc thresholds (the step runs under :func:`untuned_allocator`). The module flags
     are set for the step and restored after it."""
     import lmlab.nn.attention as attention
@@ -623,7 +621,7 @@ def trainer_step(
         for m, name, value in overrides:
             setattr(m, name, value)
         try:
-            with nullcontext() if allocator else untuned_allocator():
+            with nullcontext() if malloc_tuning else untuned_allocator():
                 trainer.train_step(count[0])
         finally:
             for m, name, value in saved:

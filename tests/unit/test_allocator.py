@@ -25,12 +25,17 @@ class FakeLibc:
 
 
 @pytest.fixture
-def fake_libc(monkeypatch):
+def no_malloc_env(monkeypatch):
+    """None of the variables that turn the tuning off or hand it to glibc's own settings."""
+    for name in (allocator.OPT_OUT_ENV, "GLIBC_TUNABLES", *allocator.USER_SETTINGS_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def fake_libc(monkeypatch, no_malloc_env):
     libc = FakeLibc()
     monkeypatch.setattr(allocator, "_glibc", lambda: libc)
     monkeypatch.setattr(allocator, "_applied", None)
-    for name in (allocator.OPT_OUT_ENV, "GLIBC_TUNABLES", *allocator.USER_SETTINGS_ENV):
-        monkeypatch.delenv(name, raising=False)
     return libc
 
 
@@ -121,10 +126,7 @@ FAULTS = textwrap.dedent(
 @pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only"
 )
-def test_tuned_thresholds_stop_the_page_faults_of_a_block_freed_and_taken_again(monkeypatch):
-    for name in (allocator.OPT_OUT_ENV, "GLIBC_TUNABLES", *allocator.USER_SETTINGS_ENV):
-        monkeypatch.delenv(name, raising=False)
-
+def test_tuned_thresholds_stop_the_page_faults_of_a_block_freed_and_taken_again(no_malloc_env):
     def faults(mode: str) -> int:
         out = subprocess.run(
             [sys.executable, "-c", FAULTS, mode], capture_output=True, text=True, check=True

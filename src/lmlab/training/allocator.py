@@ -28,7 +28,6 @@ macOS, Windows) it does nothing.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import os
 import platform
@@ -57,7 +56,7 @@ def _glibc() -> ctypes.CDLL | None:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return ctypes.CDLL("libc.so.6")  # glibc's soname: no find_library (it runs ldconfig)
     except OSError:
         return None
 
