@@ -45,7 +45,7 @@ from lmlab.nn.attention import SoftmaxAttention
 from lmlab.nn.attention_core import SDPA_GQA, repeat_kv
 from lmlab.nn.block import PreNormBlock
 from lmlab.nn.ffn import MLP, GatedMLP, gelu_tanh, relu, relu2
-from lmlab.nn.fused import fused_weights, plain_linear, torch_hooks
+from lmlab.nn.fused import dense, fused_weights, plain_linear, torch_hooks
 from lmlab.nn.fused import generation as fused_generation
 from lmlab.nn.hooks import HookPoint
 from lmlab.nn.kv_cache import KVCache, LayerKVCache
@@ -136,16 +136,16 @@ def _norm(op: tuple[torch.Tensor | None, float, nn.Module], x: torch.Tensor) -> 
     return norm.forward(x)
 
 
-# A linear layer's operands, taken once per snapshot: (weight.t(), bias, None) for a float one
-# (a fused q/k/v or gate/up weight from lmlab.nn.fused included; the transposed view of the
-# weight itself, so in-place writes to it are seen), (None, buffers, module) for a quantized
+# A linear layer's operands, taken once per snapshot: (weight, bias, None) for a float one
+# (a fused q/k/v or gate/up weight from lmlab.nn.fused included; the weight itself, so in-place
+# writes to it are seen), (None, buffers, module) for a quantized
 # one (:func:`_quant`; its buffers read once, as module attributes cost ~1.5 us each a call).
 Op = tuple
 
 
 def _op(m: nn.Module) -> Op:
     if type(m) is nn.Linear:
-        return (m.weight.t(), m._parameters["bias"], None)
+        return (m.weight, m._parameters["bias"], None)
     return (None, _quant_buffers(m), m)
 
 
@@ -159,12 +159,13 @@ def _quant_buffers(m: Any) -> tuple | None:
 
 
 def _lin(op: Op, x: torch.Tensor) -> torch.Tensor:
-    """x (B, K) -> (B, N) through ``op``: for a float layer the very product F.linear makes
-    of a 2-D input (mm, or addmm with a bias) without its dispatch and transpose per call."""
-    wt, bias, m = op
+    """x (B, K) -> (B, N) through ``op``: for a float layer the very product the model's
+    forward makes (:func:`lmlab.nn.fused.dense`: oneDNN for float32 on the CPU, else
+    F.linear)."""
+    w, bias, m = op
     if m is not None:
         return _quant(m, x, bias)  # bias: the quantized layer's buffers here
-    return torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
+    return dense(x, w, bias)
 
 
 def _quant(m: Any, x: torch.Tensor, bufs: tuple | None) -> torch.Tensor:
@@ -229,7 +230,7 @@ def _fused_op(owner: nn.Module, key: str, names: tuple[str, ...]) -> Op | None:
         cat = _QuantCat(q)
         return (None, _quant_buffers(cat), cat) if ok else None
     fused = fused_weights(owner, key, names)
-    return None if fused is None else (fused[0].t(), fused[1], None)
+    return None if fused is None else (fused[0], fused[1], None)
 
 
 class LeanStep:
@@ -496,9 +497,9 @@ def _cpp_norm(bld: decode_kernel.Builder, op: tuple) -> decode_kernel.Norm | Non
 def _cpp_lin(bld: decode_kernel.Builder, op: Op | None) -> decode_kernel.Lin | None:
     if op is None:
         return None
-    wt, bias, m = op
+    w, bias, m = op
     if m is None:
-        return bld.float_lin(wt.t(), bias)
+        return bld.float_lin(w, bias)
     if bias is None or not m._cpp_ok:  # bias: the quantized layer's buffers (_quant_buffers)
         return None
     q, sc, z, b = bias

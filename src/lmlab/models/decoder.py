@@ -18,6 +18,7 @@ from lmlab.models.output import ModelOutput
 from lmlab.models.stack import LayerStack, padding_mask
 from lmlab.models.tying import TiedEmbeddingsModule
 from lmlab.nn.block import BLOCK
+from lmlab.nn.fused import linear
 from lmlab.nn.hooks import HookPoint, fast_hook_lookup
 from lmlab.nn.kv_cache import KVCache
 from lmlab.nn.moe import MoE, moe_losses
@@ -107,7 +108,7 @@ class DecoderLM(TiedEmbeddingsModule):
         x = out.x
         if last_only:
             x = x[:, -1:, :]
-        logits = self.hook_logits(self.lm_head(x))  # (B, T, V)
+        logits = self.hook_logits(linear(self.lm_head, x))  # (B, T, V)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(

@@ -212,9 +212,9 @@ class Attention(nn.Module):
         if qkv is not None:  # one matmul (inference: lmlab.nn.fused; training: above)
             q, k, v = qkv.view(b, t, h + 2 * kv, hd).split([h, kv, kv], dim=2)
         else:
-            q = self.q_proj(x).view(b, t, h, hd)
-            k = self.k_proj(x).view(b, t, kv, hd)
-            v = self.v_proj(x).view(b, t, kv, hd)
+            q = linear(self.q_proj, x).view(b, t, h, hd)
+            k = linear(self.k_proj, x).view(b, t, kv, hd)
+            v = linear(self.v_proj, x).view(b, t, kv, hd)
         q = _norm(self.q_norm, q).transpose(1, 2)  # (B, H, T, hd)
         k = _norm(self.k_norm, k).transpose(1, 2)  # (B, K, T, hd)
         v = _norm(self.v_norm, v).transpose(1, 2)

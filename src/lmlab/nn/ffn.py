@@ -150,7 +150,7 @@ class GatedMLP(nn.Module):
         if both is not None:  # inference: one matmul (lmlab.nn.fused)
             gate, up = both.chunk(2, dim=-1)  # (B, T, F) each
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+            gate, up = linear(self.gate_proj, x), linear(self.up_proj, x)
         hidden = self.hook_hidden(self.act(gate) * up)
         return self.hook_out(linear(self.down_proj, hidden))
 

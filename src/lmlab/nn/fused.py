@@ -1,5 +1,6 @@
 """Run-time fast paths for inference: plain linears called without the module machinery, and
-several linears reading the same input fused into one matmul (q/k/v, gate/up).
+several linears reading the same input fused into one matmul (q/k/v, gate/up), float32 ones on
+the CPU through oneDNN's matmul (:func:`dense`).
 
 Legend: B batch, T tokens, D in features, N out features. The parameters and their names stay
 as they are (``q_proj.weight`` ...): what is fused is a cached concatenation of their weights,
@@ -71,13 +72,74 @@ def plain_linear(m: nn.Module) -> bool:
 
 
 def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``m(x)``: x (..., D) -> (..., N), through ``F.linear`` directly when ``m`` is a plain
+    """``m(x)``: x (..., D) -> (..., N), through :func:`dense` directly when ``m`` is a plain
     linear (:func:`plain_linear`; no global module hooks), which skips the microseconds of
     ``nn.Module.__call__`` (a decode step makes hundreds of these calls)."""
     if plain_linear(m) and not global_hooks():
         p = m._parameters  # the dict itself: no nn.Module.__getattr__ per parameter
-        return F.linear(x, p["weight"], p["bias"])  # type: ignore[arg-type]
+        return dense(x, p["weight"], p["bias"])  # type: ignore[arg-type]
     return m(x)
+
+
+# On by default: float32 CPU inference linears through oneDNN (:func:`dense`); False sends them
+# to ``F.linear`` (A/B runs: ``benchmarks/smollm2_decode.py --linear-ab``).
+ONEDNN = True
+_onednn_op: object | None = None  # torch.ops.mkldnn._linear_pointwise, or False: absent
+
+
+def _onednn() -> object | None:
+    """oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``, the op torch's own compiler
+    emits for CPU linears), or None in a torch built without oneDNN."""
+    global _onednn_op
+    if _onednn_op is None:
+        ok = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        _onednn_op = torch.ops.mkldnn._linear_pointwise.default if ok else False
+    return _onednn_op or None
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``: x (..., K) -> (..., N) with weight (N, K), bias (N,).
+
+    With gradients off, float32 on the CPU (no autocast, no torch function or dispatch mode,
+    plain tensors, a contiguous weight, rows to multiply), it runs through oneDNN's matmul
+    instead of ``F.linear``'s BLAS call (MKL's sgemm in torch's x86 wheels): the same product
+    summed in another order (about 1e-6 relative), measured 1.07-1.24x faster on a 2-core AMD
+    EPYC (Zen 4) at a 128-token prefill's shapes and 1.9x at one row, where MKL reads the weight
+    at half the memory bandwidth (``benchmarks/README.md``, "oneDNN for float32 inference").
+    Anything else, and a torch without oneDNN, takes ``F.linear``."""
+    if (
+        ONEDNN
+        and not torch.is_grad_enabled()
+        and x.dtype is torch.float32
+        and weight.dtype is torch.float32
+        and x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and weight.dim() == 2
+        and x.dim() >= 2
+        and x.shape[-1] == weight.shape[1]
+        and x.numel() > 0
+        and weight.is_contiguous()
+        and (bias is None or _plain_bias(bias, weight))
+        and type(x) is torch.Tensor
+        and type(weight) in (torch.Tensor, nn.Parameter)
+        and not torch.is_autocast_enabled("cpu")
+        and not torch._C._len_torch_function_stack()
+        and not torch._C._len_torch_dispatch_stack()
+        and not torch.compiler.is_compiling()
+    ):
+        op = _onednn()
+        if op is not None:
+            return op(x, weight, bias, "none", [], "")  # type: ignore[operator]
+    return F.linear(x, weight, bias)
+
+
+def _plain_bias(bias: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        type(bias) in (torch.Tensor, nn.Parameter)
+        and bias.dtype is torch.float32
+        and bias.device.type == "cpu"
+        and bias.shape == weight.shape[:1]
+    )
 
 
 # On by default; False turns the fused path off (A/B runs, or to save the memory of the copies).
@@ -161,7 +223,7 @@ def fused_linear(
     (:func:`fused_weights`); None when the fast path does not apply (see there). The caller
     then calls the modules one by one."""
     w = fused_weights(owner, key, names)
-    return None if w is None else F.linear(x, w[0], w[1])
+    return None if w is None else dense(x, w[0], w[1])
 
 
 def fused_weights(

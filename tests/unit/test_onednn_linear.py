@@ -1,0 +1,177 @@
+"""lmlab.nn.fused.dense: float32 CPU inference linears through oneDNN compute F.linear's product,
+and every case the fast path must not take goes to F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lmlab.models.decoder import DecoderLM
+from lmlab.nn import fused
+from lmlab.nn.fused import dense
+from tests.helpers import tiny_model_config
+
+pytestmark = pytest.mark.skipif(
+    fused._onednn() is None, reason="this torch has no oneDNN linear (F.linear everywhere)"
+)
+
+
+class Passthrough(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return func(*args, **(kwargs or {}))
+
+
+class DispatchPassthrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return func(*args, **(kwargs or {}))
+
+
+class Spy:
+    """Stands in for torch.ops.mkldnn._linear_pointwise: counts calls, forwards to the op."""
+
+    def __init__(self) -> None:
+        self.real = fused._onednn()
+        self.calls = 0
+
+    def __call__(self, *args: object) -> torch.Tensor:
+        self.calls += 1
+        return self.real(*args)  # type: ignore[operator]
+
+
+@pytest.fixture
+def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
+    s = Spy()
+    monkeypatch.setattr(fused, "_onednn_op", s)
+    monkeypatch.setattr(fused, "ONEDNN", True)
+    return s
+
+
+def _case(
+    m: int, k: int, n: int, bias: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    g = torch.Generator().manual_seed(m * 7 + k + n)
+    x = torch.randn(2, m, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    return x, w, torch.randn(n, generator=g) if bias else None
+
+
+@pytest.mark.parametrize("m", [1, 3, 128])
+@pytest.mark.parametrize("bias", [False, True])
+def test_dense_equals_f_linear_through_onednn(spy: Spy, m: int, bias: bool) -> None:
+    x, w, b = _case(m, 96, 160, bias)
+    with torch.no_grad():
+        got = dense(x, w, b)
+        want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert spy.calls == 1
+    assert got.shape == (2, m, 160) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_dense_reads_a_non_contiguous_input_and_a_parameter(spy: Spy) -> None:
+    lin = nn.Linear(64, 48)
+    x = torch.randn(40, 3, 64).transpose(0, 1)  # (3, 40, 64), not contiguous
+    with torch.inference_mode():
+        got = dense(x, lin.weight, lin.bias)
+    assert spy.calls == 1
+    torch.testing.assert_close(
+        got, F.linear(x, lin.weight, lin.bias).detach(), rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "grad enabled",
+        "bf16",
+        "autocast",
+        "weight transposed",
+        "one-dim x",
+        "empty x",
+        "flag off",
+        "torch function mode",
+        "dispatch mode",
+        "bias of another dtype",
+    ],
+)
+def test_dense_leaves_every_other_case_to_f_linear(spy: Spy, case: str) -> None:
+    x, w, b = _case(4, 32, 16, True)
+    ctx: object = torch.no_grad()
+    if case == "grad enabled":
+        ctx = torch.enable_grad()
+        w.requires_grad_(True)
+    elif case == "bf16":
+        x, w, b = x.bfloat16(), w.bfloat16(), b.bfloat16()  # type: ignore[union-attr]
+    elif case == "weight transposed":
+        w = torch.randn(32, 16).t()
+    elif case == "one-dim x":
+        x = x[0, 0]
+    elif case == "empty x":
+        x = x[:, :0]
+    elif case == "bias of another dtype":
+        b = b.double()  # type: ignore[union-attr]
+    with ctx:  # type: ignore[attr-defined]
+        if case == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                got, want = dense(x, w, b), F.linear(x, w, b)
+        elif case == "flag off":
+            fused.ONEDNN = False
+            got, want = dense(x, w, b), F.linear(x, w, b)
+        elif case == "torch function mode":
+            with Passthrough():
+                got, want = dense(x, w, b), F.linear(x, w, b)
+        elif case == "dispatch mode":
+            with DispatchPassthrough():
+                got, want = dense(x, w, b), F.linear(x, w, b)
+        elif case == "bias of another dtype":
+            with pytest.raises(RuntimeError) as err:
+                dense(x, w, b)
+            with pytest.raises(RuntimeError) as ref:
+                F.linear(x, w, b)
+            assert str(err.value) == str(ref.value)  # F.linear's own error
+            got = want = torch.zeros(())
+        else:
+            got, want = dense(x, w, b), F.linear(x, w, b)
+    assert spy.calls == 0
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    if case == "grad enabled":
+        got.sum().backward()  # a product autograd can differentiate
+        assert w.grad is not None
+
+
+def test_dense_shape_mismatch_is_f_linears_error(spy: Spy) -> None:
+    x, w, _ = _case(4, 32, 16, False)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="cannot be multiplied"):
+        dense(x[..., :31], w, None)
+    assert spy.calls == 0
+
+
+def test_torch_without_onednn_takes_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fused, "_onednn_op", None)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    x, w, b = _case(4, 32, 16, True)
+    with torch.no_grad():
+        assert torch.equal(dense(x, w, b), F.linear(x, w, b))
+    assert fused._onednn_op is False  # probed once, remembered
+
+
+def test_model_logits_and_generation_equal_with_onednn_off(spy: Spy) -> None:
+    """A decoder's no-grad forward (fused q/k/v and gate/up, the LM head) through oneDNN gives
+    the logits F.linear gives, to float32 rounding."""
+    torch.manual_seed(0)
+    cfg = tiny_model_config(
+        norm={"kind": "rmsnorm"}, ffn={"kind": "swiglu"}, attention={"n_heads": 4, "n_kv_heads": 2}
+    )
+    model = DecoderLM(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 12))
+    with torch.no_grad():
+        on = model(ids).logits
+        calls = spy.calls
+        fused.ONEDNN = False
+        off = model(ids).logits
+    assert calls >= 1 + 3 * cfg.n_layers  # q/k/v, o, gate/up, down per layer and the head
+    assert spy.calls == calls  # nothing through oneDNN with the flag off
+    torch.testing.assert_close(on, off, rtol=1e-5, atol=1e-5)
