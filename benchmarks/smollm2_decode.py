@@ -53,7 +53,7 @@ from lmlab.interop.families import family_for
 from lmlab.interop.hf import LLAMA_KEYS, LLAMA_LAYER_KEYS
 from lmlab.interop.load import load
 from lmlab.models import build_model
-from lmlab.nn import decode_kernel
+from lmlab.nn import decode_kernel, fused
 from lmlab.nn.quant import quantized_weight_bytes
 
 CORPUS = Path(__file__).parents[1] / "src/lmlab/data/corpora/tinyshakespeare/input.txt"
@@ -265,6 +265,12 @@ def main() -> None:
         help="also time lmlab with the C++ step off (lmlab_pystep) in every round",
     )
     ap.add_argument(
+        "--linear-ab",
+        action="store_true",
+        help="also time lmlab's prefill with its float32 CPU linears through F.linear instead "
+        "of oneDNN (lmlab.nn.fused.ONEDNN off: lmlab_aten) in the --prefill-runs rotation",
+    )
+    ap.add_argument(
         "--prefill-runs",
         type=int,
         default=10,
@@ -326,11 +332,24 @@ def main() -> None:
     }
     # prefill: one 128-token prompt per round is too few samples on a noisy machine; the same
     # prompt -> first token through the same public paths, --prefill-runs more times, alternating
-    pre: dict[str, list[float]] = {"lmlab": [], "transformers": []}
+    pre_names = ["lmlab", "transformers"] + ["lmlab_aten"] * (
+        args.linear_ab and args.prefill_runs > 0
+    )
+    pre: dict[str, list[float]] = {name: [] for name in pre_names}
+
+    def prefill_once(name: str) -> float:
+        if name == "transformers":
+            return run_hf(hf, prompt, 2)[0]["prefill_tok_s"]
+        fused.ONEDNN = name != "lmlab_aten"
+        try:
+            return run_lmlab(model, prompt, 2)[0]["prefill_tok_s"]
+        finally:
+            fused.ONEDNN = True
+
     for r in range(args.prefill_runs):
-        for name in ("lmlab", "transformers") if r % 2 == 0 else ("transformers", "lmlab"):
-            fn = run_lmlab if name == "lmlab" else run_hf
-            pre[name].append(fn(model if name == "lmlab" else hf, prompt, 2)[0]["prefill_tok_s"])
+        k = r % len(pre_names)
+        for name in pre_names[k:] + pre_names[:k]:
+            pre[name].append(prefill_once(name))
     prefill = {
         name: statistics.median(v) if v else med[name]["prefill_tok_s"] for name, v in pre.items()
     }
@@ -389,6 +408,13 @@ def main() -> None:
         print(
             f"decode C++ step on/off = {on / off:.2f}x ({on:.1f} vs {off:.1f} tok/s; greedy "
             f"tokens equal: {same_py}/{args.new_tokens})"
+        )
+    if args.linear_ab and args.prefill_runs:
+        on, off = prefill["lmlab"], prefill["lmlab_aten"]
+        summary["prefill_onednn_on_off"] = on / off
+        print(
+            f"prefill oneDNN linears on/off = {on / off:.2f}x ({on:.0f} vs {off:.0f} tok/s, "
+            f"medians of {args.prefill_runs} runs)"
         )
     if args.breakdown:
         summary["breakdown_ms"] = parts = breakdown(model, prompt, args.new_tokens)
