@@ -24,6 +24,7 @@ from lmlab.models.stack import LayerStack
 from lmlab.models.tying import TiedEmbeddingsModule
 from lmlab.nn.block import BLOCK
 from lmlab.nn.ffn import ACTIVATIONS
+from lmlab.nn.fused import linear
 from lmlab.nn.hooks import HookPoint, fast_hook_lookup
 from lmlab.nn.norm import build_norm
 from lmlab.nn.position import POSITION
@@ -146,7 +147,9 @@ class EncoderLM(TiedEmbeddingsModule):
         lm_head(LayerNorm(act(dense(h)))) (BERT's ``cls.predictions``)."""
         assert self.mlm_dense is not None and self.mlm_norm is not None
         assert self.lm_head is not None
-        return self.hook_logits(self.lm_head(self.mlm_norm(self.mlm_act(self.mlm_dense(h)))))
+        return self.hook_logits(
+            linear(self.lm_head, self.mlm_norm(self.mlm_act(linear(self.mlm_dense, h))))
+        )
 
     def normed(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm of the last layer's output (B, T, D), through ``hook_final_norm``."""
@@ -157,7 +160,7 @@ class EncoderLM(TiedEmbeddingsModule):
         (B, D). Raises LmlabError when the model has no pooler (``model.pooler`` false)."""
         if self.pooler is None:
             raise LmlabError("this encoder has no pooler (model.pooler=false)")
-        return torch.tanh(self.pooler(last_hidden[:, 0]))
+        return torch.tanh(linear(self.pooler, last_hidden[:, 0]))
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Distinct parameters (tied weights counted once); ``non_embedding`` leaves out the

@@ -17,6 +17,7 @@ import torch
 
 from lmlab.errors import LmlabError
 from lmlab.nn.attention import Attention, AttentionOutput
+from lmlab.nn.fused import linear
 from lmlab.nn.kv_cache import CrossAttentionCache
 
 if TYPE_CHECKING:
@@ -31,8 +32,8 @@ class CrossAttention(Attention):
         """Encoder output (B, S, D) -> k, v (B, K, S, hd), k normalised (QK-norm) and v too
         (V-norm) when configured."""
         b, s, _ = memory.shape
-        k = self.k_norm(self.k_proj(memory).view(b, s, self.n_kv_heads, self.head_dim))
-        v = self.v_norm(self.v_proj(memory).view(b, s, self.n_kv_heads, self.head_dim))
+        k = self.k_norm(linear(self.k_proj, memory).view(b, s, self.n_kv_heads, self.head_dim))
+        v = self.v_norm(linear(self.v_proj, memory).view(b, s, self.n_kv_heads, self.head_dim))
         return k.transpose(1, 2), v.transpose(1, 2)
 
     def forward(
@@ -50,7 +51,9 @@ class CrossAttention(Attention):
         from ``memory``. Raises LmlabError when neither a filled cache nor ``memory`` is given.
         """
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)).transpose(1, 2)
+        q = self.q_norm(linear(self.q_proj, x).view(b, t, self.n_heads, self.head_dim)).transpose(
+            1, 2
+        )
         q = self.hook_q(q)  # (B, H, T, hd)
         if cache is not None and cache.filled:
             assert cache.k is not None and cache.v is not None

@@ -45,6 +45,7 @@ from lmlab.nn.attention import (
     bound_mask,
 )
 from lmlab.nn.attention_core import ATTENTION_BACKENDS
+from lmlab.nn.fused import linear
 from lmlab.nn.hooks import HookPoint
 from lmlab.nn.kv_cache import LayerKVCache, SlidingWindowKVCache
 from lmlab.nn.norm import RMSNorm
@@ -245,10 +246,10 @@ class MultiHeadLatentAttention(Attention):
         """x (B, T, D) -> q (B, H, T, n + r), before RoPE."""
         b, t, _ = x.shape
         if self.q_proj is not None:
-            q = self.q_proj(x)
+            q = linear(self.q_proj, x)
         else:
             assert self.q_a_proj and self.q_a_layernorm and self.q_b_proj
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = linear(self.q_b_proj, self.q_a_layernorm(linear(self.q_a_proj, x)))
         return q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
 
     def latent(
@@ -258,7 +259,7 @@ class MultiHeadLatentAttention(Attention):
         (B, 1, T, r)): what the cache stores."""
         b, t, _ = x.shape
         c, r = self.dims.kv_lora_rank, self.dims.rope
-        ckv, k_rope = self.kv_a_proj_with_mqa(x).split([c, r], dim=-1)
+        ckv, k_rope = linear(self.kv_a_proj_with_mqa, x).split([c, r], dim=-1)
         ckv = self.kv_a_layernorm(ckv).view(b, 1, t, c)
         q_rope, k_rope = position.rotate(q_rope, k_rope.view(b, 1, t, r), positions)
         return q_rope, ckv, k_rope
@@ -299,14 +300,14 @@ class MultiHeadLatentAttention(Attention):
             y_lat, _ = attend(q, k, ckv, n_rep=h, **core)  # type: ignore[arg-type]
             y = torch.einsum("bhtc,hvc->bhtv", y_lat, w_uv)  # (B, H, T, dv)
         else:  # expand every cached latent: k_C, v_C (B, H, S, n), (B, H, S, dv)
-            kv = self.kv_b_proj(ckv.squeeze(1)).view(b, s, h, n + dv).transpose(1, 2)
+            kv = linear(self.kv_b_proj, ckv.squeeze(1)).view(b, s, h, n + dv).transpose(1, 2)
             k_nope, v = kv.split([n, dv], dim=-1)
             k = torch.cat([k_nope, k_rope.expand(-1, h, -1, -1)], dim=-1)  # (B, H, S, n + r)
             q = torch.cat([q_nope, q_rope], dim=-1)  # (B, H, T, n + r)
             q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
             y, _ = attend(q, k, v, n_rep=1, **core)  # type: ignore[arg-type]
         y = self.hook_z(y)
-        out = self.hook_out(self.o_proj(y.transpose(1, 2).reshape(b, t, h * dv)))
+        out = self.hook_out(linear(self.o_proj, y.transpose(1, 2).reshape(b, t, h * dv)))
         return AttentionOutput(out)
 
     def saved_norm_elements(self) -> int:
