@@ -95,6 +95,7 @@ def test_dense_reads_a_non_contiguous_input_and_a_parameter(spy: Spy) -> None:
         "torch function mode",
         "dispatch mode",
         "bias of another dtype",
+        "strided bias",
     ],
 )
 def test_dense_leaves_every_other_case_to_f_linear(spy: Spy, case: str) -> None:
@@ -113,6 +114,8 @@ def test_dense_leaves_every_other_case_to_f_linear(spy: Spy, case: str) -> None:
         x = x[:, :0]
     elif case == "bias of another dtype":
         b = b.double()  # type: ignore[union-attr]
+    elif case == "strided bias":  # oneDNN would read it as dense: wrong sums, not an error
+        b = torch.randn(32)[::2]
     with ctx:  # type: ignore[attr-defined]
         if case == "autocast":
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -140,6 +143,29 @@ def test_dense_leaves_every_other_case_to_f_linear(spy: Spy, case: str) -> None:
     if case == "grad enabled":
         got.sum().backward()  # a product autograd can differentiate
         assert w.grad is not None
+
+
+@pytest.mark.parametrize(
+    "layout",
+    ["last dim stride 2", "expanded (stride 0)", "4-D", "permuted 5-D", "sliced rows", "offset"],
+)
+def test_dense_reads_any_input_layout(spy: Spy, layout: str) -> None:
+    """oneDNN gets x as torch hands it over: every strided layout gives F.linear's product."""
+    k, n = 64, 48
+    w, b = torch.randn(n, k), torch.randn(n)
+    x = {
+        "last dim stride 2": lambda: torch.randn(3, 10, 2 * k)[..., ::2],
+        "expanded (stride 0)": lambda: torch.randn(5, 1, k).expand(5, 6, k),
+        "4-D": lambda: torch.randn(2, 3, 5, k),
+        "permuted 5-D": lambda: torch.randn(2, k, 3, 4, 5).permute(0, 2, 3, 4, 1),
+        "sliced rows": lambda: torch.randn(20, k)[::3],
+        "offset": lambda: torch.randn(1000)[7 : 7 + 10 * k].view(10, k),
+    }[layout]()
+    with torch.no_grad():
+        got = dense(x, w, b)
+    assert spy.calls == 1
+    want = F.linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=5e-5)
 
 
 def test_dense_shape_mismatch_is_f_linears_error(spy: Spy) -> None:
