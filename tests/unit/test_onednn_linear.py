@@ -3,6 +3,8 @@ and every case the fast path must not take goes to F.linear."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -201,3 +203,26 @@ def test_model_logits_and_generation_equal_with_onednn_off(spy: Spy) -> None:
     assert calls >= 1 + 3 * cfg.n_layers  # q/k/v, o, gate/up, down per layer and the head
     assert spy.calls == calls  # nothing through oneDNN with the flag off
     torch.testing.assert_close(on, off, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("value", "on"),
+    [(None, True), ("", True), ("0", True), ("off", True), (" False ", True), ("1", False),
+     ("yes", False), ("true", False)],
+)  # fmt: skip
+def test_lmlab_no_onednn_turns_it_off(value: str | None, on: bool) -> None:
+    env = {} if value is None else {fused.OPT_OUT_ENV: value}
+    assert fused.onednn_wanted(env) is on
+
+
+def test_lmlab_no_onednn_is_read_at_import() -> None:
+    import subprocess
+    import sys
+
+    code = "import lmlab.nn.fused as f; print(f.ONEDNN)"
+    for value, want in (("1", "False"), ("0", "True")):
+        env = {**os.environ, fused.OPT_OUT_ENV: value}
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        assert out.stdout.strip() == want

@@ -33,6 +33,9 @@ or replaced is bypassed.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -81,9 +84,21 @@ def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return m(x)
 
 
-# On by default: float32 CPU inference linears through oneDNN (:func:`dense`); False sends them
-# to ``F.linear`` (A/B runs: ``benchmarks/smollm2_decode.py --linear-ab``).
-ONEDNN = True
+OPT_OUT_ENV = "LMLAB_NO_ONEDNN"
+OFF_VALUES = ("", "0", "false", "no", "off")  # LMLAB_NO_ONEDNN values that keep oneDNN on
+
+
+def onednn_wanted(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``LMLAB_NO_ONEDNN`` (in ``environ``, default ``os.environ``) leaves the oneDNN
+    path on: unset or one of :data:`OFF_VALUES`; any other value turns it off."""
+    env = os.environ if environ is None else environ
+    return env.get(OPT_OUT_ENV, "").strip().lower() in OFF_VALUES
+
+
+# Float32 CPU inference linears through oneDNN (:func:`dense`): on unless ``LMLAB_NO_ONEDNN=1``
+# was set when lmlab was imported; False sends them to ``F.linear`` (A/B runs:
+# ``benchmarks/smollm2_decode.py --linear-ab``).
+ONEDNN = onednn_wanted()
 _onednn_op: object | None = None  # torch.ops.mkldnn._linear_pointwise, or False: absent
 
 
@@ -106,7 +121,7 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
     summed in another order (about 1e-6 relative), measured 1.07-1.24x faster on a 2-core AMD
     EPYC (Zen 4) at a 128-token prefill's shapes and 1.9x at one row, where MKL reads the weight
     at half the memory bandwidth (``benchmarks/README.md``, "oneDNN for float32 inference").
-    Anything else, and a torch without oneDNN, takes ``F.linear``."""
+    Anything else, a torch without oneDNN and ``LMLAB_NO_ONEDNN=1`` take ``F.linear``."""
     if (
         ONEDNN
         and not torch.is_grad_enabled()
