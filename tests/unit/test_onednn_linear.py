@@ -49,7 +49,19 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
     s = Spy()
     monkeypatch.setattr(fused, "_onednn_op", s)
     monkeypatch.setattr(fused, "ONEDNN", True)
+    monkeypatch.setattr(fused, "ONEDNN_MIN_MACS", 0)  # these tests' products are small
     return s
+
+
+def test_small_products_stay_with_f_linear(spy: Spy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below ONEDNN_MIN_MACS multiply-adds (rows x N x K) oneDNN's call overhead outweighs it."""
+    monkeypatch.setattr(fused, "ONEDNN_MIN_MACS", 1 << 22)
+    w = torch.randn(512, 256)
+    with torch.no_grad():
+        dense(torch.randn(31, 256), w, None)  # 31 x 512 x 256 < 2^22
+        assert spy.calls == 0
+        dense(torch.randn(2, 16, 256), w, None)  # 32 x 512 x 256 = 2^22
+        assert spy.calls == 1
 
 
 def _case(
@@ -180,6 +192,7 @@ def test_dense_shape_mismatch_is_f_linears_error(spy: Spy) -> None:
 def test_torch_without_onednn_takes_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fused, "_onednn_op", None)
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    monkeypatch.setattr(fused, "ONEDNN_MIN_MACS", 0)
     x, w, b = _case(4, 32, 16, True)
     with torch.no_grad():
         assert torch.equal(dense(x, w, b), F.linear(x, w, b))
@@ -226,3 +239,100 @@ def test_lmlab_no_onednn_is_read_at_import() -> None:
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
         )
         assert out.stdout.strip() == want
+
+
+def _xwb() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return (
+        torch.randn(5, 64, generator=g),
+        torch.randn(48, 64, generator=g),
+        torch.randn(48, generator=g),
+    )
+
+
+def test_forward_mode_ad_and_torch_func_take_f_linear(spy: Spy) -> None:
+    """oneDNN's op has no forward-AD formula or batching rule: under jvp, jacfwd, vmap and
+    dual tensors (all legal with gradients off) its tangents would be dropped silently."""
+    from torch.autograd import forward_ad as fwAD
+    from torch.func import jacfwd, jvp, vmap
+
+    x, w, b = _xwb()
+    ones = torch.ones_like(x)
+    with torch.no_grad():
+        for fn in (dense, F.linear):
+            t = jvp(lambda a, fn=fn: fn(a, w, b), (x,), (ones,))[1]  # type: ignore[misc]
+            torch.testing.assert_close(t, ones @ w.T)
+        jac = jacfwd(lambda a: dense(a, w, b))(x)  # (5, 48, 5, 64)
+        torch.testing.assert_close(jac[0, :, 0], w)  # d out[0] / d x[0]
+        torch.testing.assert_close(
+            vmap(lambda a: dense(a, w, b))(x[:, None]), F.linear(x, w, b)[:, None]
+        )
+        with fwAD.dual_level():
+            out = dense(fwAD.make_dual(x, ones), w, b)
+            tangent = fwAD.unpack_dual(out).tangent
+        assert tangent is not None
+        torch.testing.assert_close(tangent, ones @ w.T)
+    assert spy.calls == 0
+
+
+@pytest.mark.parametrize("kind", ["sparse coo", "sparse csr", "mkldnn", "nested", "csr weight"])
+def test_non_strided_tensors_take_f_linear(spy: Spy, kind: str) -> None:
+    x, w, b = _xwb()
+    with torch.no_grad():
+        if kind == "nested":
+            n = torch.nested.nested_tensor([x[:2], x[2:]])
+            got = dense(n, w, b)
+            want = F.linear(n, w, b)
+            for a, c in zip(got.unbind(), want.unbind(), strict=True):
+                assert torch.equal(a, c)
+        else:
+            xs = {
+                "sparse coo": x.to_sparse(),
+                "sparse csr": x.to_sparse_csr(),
+                "mkldnn": x.to_mkldnn(),
+            }
+            xi, wi = (x, w.to_sparse_csr()) if kind == "csr weight" else (xs[kind], w)
+            got = dense(xi, wi, b)
+            got = got.to_dense() if got.layout is not torch.strided else got
+            torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert spy.calls == 0
+
+
+def test_mkldnn_disabled_by_the_user_takes_f_linear(spy: Spy) -> None:
+    x, w, b = _xwb()
+    with torch.no_grad(), torch.backends.mkldnn.flags(enabled=False):
+        assert torch.equal(dense(x, w, b), F.linear(x, w, b))
+    assert spy.calls == 0
+
+
+def test_traced_and_compiled_forwards_see_f_linear(spy: Spy) -> None:
+    """torch.jit.trace records F.linear (oneDNN's op has no trace schema for its scalars), and
+    torch.compile traces one graph through lmlab.nn.fused.linear (no graph break per layer)."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 48), nn.Linear(48, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return fused.linear(self.b, torch.relu(fused.linear(self.a, x)))
+
+    x, _, _ = _xwb()
+    with torch.no_grad():
+        traced = torch.jit.trace(Net(), (x,))  # its check runs the eager forward too
+        graph = str(traced.graph)
+        assert "aten::linear" in graph and "mkldnn" not in graph
+        explained = torch._dynamo.explain(Net())(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+
+
+def test_a_weight_replaced_by_a_plain_attribute_is_not_a_plain_linear() -> None:
+    lin = nn.Linear(8, 4)
+    assert fused.plain_linear(lin)
+    w = lin.weight.detach().clone()
+    del lin.weight
+    lin.weight = w  # type: ignore[assignment]  # a plain tensor attribute, not a parameter
+    assert not fused.plain_linear(lin)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(fused.linear(lin, x), lin(x))  # the module's own call

@@ -69,9 +69,13 @@ def hooked_within(m: nn.Module) -> bool:
 
 
 def plain_linear(m: nn.Module) -> bool:
-    """Whether ``m`` is an exact ``nn.Linear`` with no torch hooks of its own (so calling
-    ``F.linear`` on its parameters is what calling it does)."""
-    return type(m) is nn.Linear and not torch_hooks(m)
+    """Whether ``m`` is an exact ``nn.Linear`` with no torch hooks of its own whose weight and
+    bias are its registered parameters (so calling ``F.linear`` on them is what calling it
+    does; a weight deleted and set again as a plain attribute is not in ``_parameters``)."""
+    p = m._parameters
+    return (
+        type(m) is nn.Linear and not torch_hooks(m) and p.get("weight") is not None and "bias" in p
+    )
 
 
 def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -99,6 +103,10 @@ def onednn_wanted(environ: Mapping[str, str] | None = None) -> bool:
 # was set when lmlab was imported; False sends them to ``F.linear`` (A/B runs:
 # ``benchmarks/smollm2_decode.py --linear-ab``).
 ONEDNN = onednn_wanted()
+# Products of fewer multiply-adds than this stay with F.linear: oneDNN's call costs about 13 us
+# more (measured on the Zen 4: 0.15-0.8x F.linear's speed below 10^6 multiply-adds, 1.06-2.2x
+# from 4 x 10^6 up to SmolLM2's head; benchmarks/README.md, "oneDNN for float32 inference").
+ONEDNN_MIN_MACS = 1 << 22
 _onednn_op: object | None = None  # torch.ops.mkldnn._linear_pointwise, or False: absent
 
 
@@ -115,32 +123,45 @@ def _onednn() -> object | None:
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: x (..., K) -> (..., N) with weight (N, K), bias (N,).
 
-    With gradients off, float32 on the CPU (no autocast, no torch function or dispatch mode,
-    plain tensors, a contiguous weight and bias, rows to multiply), it runs through oneDNN's matmul
-    instead of ``F.linear``'s BLAS call (MKL's sgemm in torch's x86 wheels): the same product
-    summed in another order (about 1e-6 relative), measured 1.07-1.24x faster on a 2-core AMD
-    EPYC (Zen 4) at a 128-token prefill's shapes and 1.9x at one row, where MKL reads the weight
-    at half the memory bandwidth (``benchmarks/README.md``, "oneDNN for float32 inference").
+    With gradients off, float32 on the CPU, it runs through oneDNN's matmul instead of
+    ``F.linear``'s BLAS call (MKL's sgemm in torch's x86 wheels): the same product summed in
+    another order (about 1e-6 relative), measured 1.07-1.24x faster on a 2-core AMD EPYC (Zen 4)
+    at a 128-token prefill's shapes and 1.7-2.0x at one row for weights of 1.8M elements and up,
+    where MKL reads the weight at half the memory bandwidth (``benchmarks/README.md``, "oneDNN
+    for float32 inference"). Only for products of at least :data:`ONEDNN_MIN_MACS`
+    multiply-adds (oneDNN's call costs more than small products gain), only for plain
+    dense tensors (strided, not nested, no subclass), a contiguous weight and bias, rows to
+    multiply, and nothing that transforms or records the call: no autocast, torch function or
+    dispatch mode (FLOP counters, fake tensors), forward-mode AD or ``torch.func`` transform,
+    ``torch.compile``/``torch.jit`` trace, nor ``torch.backends.mkldnn.flags(enabled=False)``.
     Anything else, a torch without oneDNN and ``LMLAB_NO_ONEDNN=1`` take ``F.linear``."""
     if (
         ONEDNN
+        and not torch.compiler.is_compiling()  # first: dynamo cannot trace the checks below
+        and not torch.jit.is_tracing()  # nor can the tracer (shapes read as constants)
         and not torch.is_grad_enabled()
+        and type(x) is torch.Tensor
+        and type(weight) in (torch.Tensor, nn.Parameter)
+        and x.layout is torch.strided
+        and weight.layout is torch.strided
+        and not x.is_nested
+        and weight.dim() == 2
+        and x.numel() * weight.shape[0] >= ONEDNN_MIN_MACS  # rows x N x K (x.numel() = rows K)
+        and x.numel() > 0
         and x.dtype is torch.float32
         and weight.dtype is torch.float32
         and x.device.type == "cpu"
         and weight.device.type == "cpu"
-        and weight.dim() == 2
         and x.dim() >= 2
         and x.shape[-1] == weight.shape[1]
-        and x.numel() > 0
         and weight.is_contiguous()
         and (bias is None or _plain_bias(bias, weight))
-        and type(x) is torch.Tensor
-        and type(weight) in (torch.Tensor, nn.Parameter)
         and not torch.is_autocast_enabled("cpu")
         and not torch._C._len_torch_function_stack()
         and not torch._C._len_torch_dispatch_stack()
-        and not torch.compiler.is_compiling()
+        and torch._C._functorch.peek_interpreter_stack() is None  # vmap, jvp, grad, jacfwd
+        and torch.autograd.forward_ad._current_level < 0  # dual tensors (no forward AD formula)
+        and torch._C._get_mkldnn_enabled()  # torch.backends.mkldnn.flags(enabled=False)
     ):
         op = _onednn()
         if op is not None:
@@ -151,6 +172,7 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
 def _plain_bias(bias: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         type(bias) in (torch.Tensor, nn.Parameter)
+        and bias.layout is torch.strided
         and bias.dtype is torch.float32
         and bias.device.type == "cpu"
         and bias.shape == weight.shape[:1]
