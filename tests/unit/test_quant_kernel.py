@@ -152,3 +152,51 @@ def test_fallback_gives_the_same_numbers_and_says_why(bits, monkeypatch) -> None
         monkeypatch.undo()
     quant_kernel._reset()
     assert quant_kernel.available()
+
+
+@pytest.mark.parametrize(("bits", "sym"), MODES)
+@pytest.mark.parametrize(("n", "k", "g"), SHAPES)
+def test_dequantize_equals_the_float64_formula(n, k, g, bits, sym) -> None:
+    """The one-pass C++ dequantization (a prompt's path) is the module docstring's formula to
+    float32 rounding, the int4 codes' -8 offset and nibble order included."""
+    if bits == 4 and k % 2:
+        pytest.skip("int4 needs an even K")
+    ql = _layer(n, k, g, bits, sym)
+    w = quant_kernel.dequantize(ql.qweight, ql.scales, ql.zeros, g, bits)
+    assert w.shape == (n, k) and w.dtype == torch.float32
+    ref = _reference(ql)
+    assert float(((w.double() - ref).abs() / (1 + ref.abs())).max()) <= 1e-6
+    torch.testing.assert_close(w, ql.dequantize(), rtol=1e-6, atol=1e-6)  # the torch ops
+
+
+def test_dequantize_refuses_sizes_it_cannot_read() -> None:
+    ql = _layer(4, 64, 32, 4, False)
+    for g, bits in ((32, 3), (7, 4), (0, 8)):  # bits, an odd int4 group, no columns
+        with pytest.raises(ValueError, match="refused"):
+            quant_kernel.dequantize(ql.qweight, ql.scales, ql.zeros, g, bits)
+
+
+@pytest.mark.parametrize(("bits", "act_bits"), [(8, None), (4, None), (4, 8)])
+def test_a_prompt_dequantizes_in_one_c_pass(
+    bits: int, act_bits: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More rows than the kernels take (a prompt) read the C++ dequantized weight, then one
+    float32 matmul: x_hat @ w_hat.T as at 1..8 rows."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 40, bias=True)
+    ql = QuantLinear(lin, bits, 32, False, pad=False, act_bits=act_bits)
+    calls: list[int] = []
+    real = quant_kernel.dequantize
+
+    def spy(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(quant_kernel, "dequantize", spy)
+    x = torch.randn(3, 7, 96)  # 21 rows > MAX_ROWS
+    with torch.no_grad():
+        y = ql(x)
+        few = torch.cat([ql(x.view(-1, 96)[i : i + 7]) for i in range(0, 21, 7)])  # the kernels
+    assert calls == [1]
+    assert y.shape == (3, 7, 40)
+    _assert_close(y.view(-1, 40), few, tol=1e-4 if act_bits else 1e-5)

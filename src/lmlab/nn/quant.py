@@ -65,6 +65,7 @@ from torch import nn
 
 from lmlab.errors import LmlabError
 from lmlab.nn import quant_kernel
+from lmlab.nn.fused import dense
 
 BITS = (4, 8)
 ACT_BITS = (None, 8)  # float32 activations, or int8 per block of ACT_BLOCK (act_block())
@@ -337,10 +338,15 @@ class QuantLinear(nn.Module):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2.contiguous(), self._packed, self.group_size, self._sz
             )
-        else:
-            q = self.qweight if self.bits == 8 else unpack_int4(self.qweight)
-            w = dequantize_weight(q, self.scales, self.zeros, self.bits)  # (N, Kp)
-            y = x2 @ w.to(x2.dtype).T
+        else:  # more rows (a prompt), another dtype or device: the float weight, one matmul
+            if self._cpp_ok and quant_kernel.available():  # one C++ pass
+                w = quant_kernel.dequantize(
+                    self.qweight, self.scales, self.zeros, self.group_size, self.bits
+                )
+            else:
+                q = self.qweight if self.bits == 8 else unpack_int4(self.qweight)
+                w = dequantize_weight(q, self.scales, self.zeros, self.bits)  # (N, Kp)
+            y = dense(x2, w.to(x2.dtype), None)  # float32 CPU inference: oneDNN
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.view(*lead, self.out_features)

@@ -90,6 +90,8 @@ def _build(limit: str | None = None, source: Path | None = None) -> ctypes.CDLL:
     lib.lmlab_int8_mm.argtypes = [fp, i64, i64, fp, fp, i64, i64, fp]
     lib.lmlab_a8_mm.argtypes = [ctypes.c_int, fp, i64, i64, fp, fp, fp, i64, i64, fp]
     lib.lmlab_int4_mm.restype = lib.lmlab_int8_mm.restype = lib.lmlab_a8_mm.restype = ctypes.c_int
+    lib.lmlab_dequantize.argtypes = [ctypes.c_int, fp, fp, fp, i64, i64, i64, fp]
+    lib.lmlab_dequantize.restype = ctypes.c_int
     if lib.lmlab_kernels_max_rows() != MAX_ROWS:
         raise RuntimeError("quant_kernels.cpp and quant_kernel.py disagree on MAX_ROWS")
     return lib
@@ -210,6 +212,24 @@ def int4_mm(
 def _check_act_bits(act_bits: int | None) -> None:
     if act_bits not in (None, 8):
         raise ValueError(f"act_bits must be None (float activations) or 8, got {act_bits!r}")
+
+
+def dequantize(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g: int, bits: int
+) -> torch.Tensor:
+    """QuantLinear's weight (N, Kp) float32 = (code - c) s + z group-wise (c = 0 for int8, 8 for
+    int4; :func:`lmlab.nn.quant.dequantize_weight`'s formula, one pass instead of its six torch
+    ops), for products of more rows than the kernels take: qweight (N, Kp) int8 or (N, Kp/2)
+    uint8, scales and zeros (N, Kp/G) float32, all contiguous on the CPU (the layer's
+    ``_cpp_ok``). Requires :func:`available`; raises ValueError for sizes the kernel refuses."""
+    lib = _kernels.lib
+    assert lib is not None
+    n, kp = scales.shape[0], scales.shape[1] * g
+    w = torch.empty(n, kp)
+    args = (qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, kp, g, w.data_ptr())
+    if lib.lmlab_dequantize(bits, *args):
+        raise ValueError(f"the kernel refused to dequantize N={n} K={kp} G={g} bits={bits}")
+    return w
 
 
 def run(

@@ -1078,6 +1078,37 @@ int lmlab_a8_mm(int bits, const float* x, int64_t M, int64_t K, const uint8_t* w
   return 0;
 }
 
+// The layer's float32 weight w (N, K) = (code - c) s + z group-wise (c = 0 for int8, 8 for
+// int4), in one pass: QuantLinear's path for more rows than the kernels take (a prompt), whose
+// product then runs as a float32 matmul. bits 8: q int8 (N, K); bits 4: q uint8 (N, K/2), column
+// 2j in the low nibble. Returns 1 for sizes refused (w not written).
+int lmlab_dequantize(int bits, const uint8_t* q, const float* s, const float* z, int64_t N,
+                     int64_t K, int64_t G, float* w) {
+  if (N < 1 || K < 1 || G < 1 || K % G || (bits != 4 && bits != 8) || (bits == 4 && G % 2))
+    return 1;
+  const int64_t ng = K / G;
+  const int64_t grain = std::max<int64_t>(1, LMLAB_MIN_TASK / K);
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t g = 0; g < ng; ++g) {
+        const float sg = s[n * ng + g], zg = z[n * ng + g];
+        float* out = w + n * K + g * G;
+        if (bits == 8) {
+          const int8_t* c = reinterpret_cast<const int8_t*>(q) + n * K + g * G;
+          for (int64_t j = 0; j < G; ++j) out[j] = static_cast<float>(c[j]) * sg + zg;
+        } else {
+          const uint8_t* c = q + n * (K / 2) + g * (G / 2);
+          for (int64_t j = 0; j < G / 2; ++j) {
+            out[2 * j] = static_cast<float>((c[j] & 15) - 8) * sg + zg;
+            out[2 * j + 1] = static_cast<float>((c[j] >> 4) - 8) * sg + zg;
+          }
+        }
+      }
+    }
+  });
+  return 0;
+}
+
 int lmlab_kernels_avx2() { return LMLAB_AVX2; }
 
 int lmlab_kernels_vnni() { return LMLAB_VNNI; }
