@@ -234,6 +234,12 @@ def unpack_int4(p: torch.Tensor) -> torch.Tensor:
     return torch.stack([p & 15, p >> 4], dim=-1).view(p.shape[0], -1)
 
 
+# int8-activation layers run more rows than the C++ kernels take (a prompt) through them, 8 rows
+# a call; False: fake-quantized activations times the dequantized weight, the path before
+# (A/B: benchmarks/quantized_prefill.py).
+PROMPT_A8_KERNELS = True
+
+
 class QuantLinear(nn.Module):
     """A weight-only quantized ``nn.Linear``: x (..., K) float -> (..., N) in x's dtype.
 
@@ -325,13 +331,25 @@ class QuantLinear(nn.Module):
         if kp != self.in_features:
             x2 = F.pad(x2, (0, kp - self.in_features))  # zeros meet the padding columns
         on_cpu = x2.device.type == "cpu" and x2.dtype == torch.float32 and not x2.requires_grad
-        few = 1 <= x2.shape[0] <= quant_kernel.MAX_ROWS  # an MoE expert may get 0 rows
-        cpp = on_cpu and few and self._cpp_ok and quant_kernel.available()  # compiles once
+        m = x2.shape[0]
+        few = 1 <= m <= quant_kernel.MAX_ROWS  # an MoE expert may get 0 rows
+        # int8 activations: any number of rows through the integer kernels, MAX_ROWS at a time
+        # (a prompt then computes what each of its decode steps would; measured faster than
+        # fake-quantized activations times the dequantized weight, benchmarks/README.md)
+        chunks = PROMPT_A8_KERNELS and self.act_bits == 8 and m > quant_kernel.MAX_ROWS
+        cpp = on_cpu and (few or chunks) and self._cpp_ok and quant_kernel.available()
         if self.act_bits == 8 and not cpp:  # the C++ kernels round the activations themselves
             x2 = fake_quantize_activations(x2, act_block(self.group_size))
-        if cpp:
+        if cpp and few:
             y = quant_kernel.run(x2.contiguous(), self.qweight, self.scales, self.zeros,
                                  self.group_size, self.bits, self.act_bits)  # fmt: skip
+        elif cpp:
+            xc, r = x2.contiguous(), quant_kernel.MAX_ROWS
+            y = torch.cat([
+                quant_kernel.run(xc[i : i + r], self.qweight, self.scales, self.zeros,
+                                 self.group_size, self.bits, self.act_bits)
+                for i in range(0, m, r)
+            ])  # fmt: skip
         elif on_cpu and x2.shape[0] <= KERNEL_MAX_ROWS and self.kernel == "int8pack":
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scales[:, 0])
         elif on_cpu and x2.shape[0] <= KERNEL_MAX_ROWS and self._packed is not None:
