@@ -137,7 +137,13 @@ def test_logits_equal_transformers_llama_on_the_same_weights(smollm2):
     hf.load_state_dict(sd, strict=False)
     x = torch.tensor([tok.encode("The quick brown fox jumps over the lazy dog")])
     with torch.no_grad():
-        torch.testing.assert_close(model(x).logits, hf(x).logits, atol=1e-4, rtol=1e-4)
+        ref = hf(x).logits
+        # lmlab's float32 linears through oneDNN (the CPU default) sum in another order than
+        # transformers' MKL products: over 30 layers up to ~1.1e-4 on logits near zero
+        torch.testing.assert_close(model(x).logits, ref, atol=2e-4, rtol=1e-4)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("lmlab.nn.fused.ONEDNN", False)  # the same products as transformers'
+            torch.testing.assert_close(model(x).logits, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_score_tokens_bounds_logits_memory(smollm2):
