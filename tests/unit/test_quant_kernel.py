@@ -205,4 +205,7 @@ def test_a_prompt_dequantizes_in_one_c_pass(
             _assert_close(ql(x).view(-1, 40), few, tol=1e-4)
         assert calls == [1]
     assert y.shape == (3, 7, 40)
-    _assert_close(y.view(-1, 40), few, tol=1e-4 if act_bits else 1e-5)
+    if act_bits == 8:  # the same kernels on the same rows: what the decode steps compute, exactly
+        assert torch.equal(y.view(-1, 40), few)
+    else:
+        _assert_close(y.view(-1, 40), few, tol=1e-5)
