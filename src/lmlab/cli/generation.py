@@ -164,9 +164,10 @@ GENERATE = Command(
     "prints only the answer. After the prompt, each token of a plain pre-norm decoder (Llama, "
     "the default Mini-GPT) runs as one C++ call through every layer, the forward's logits to "
     "float32 rounding (LMLAB_NO_CPP_KERNELS=1: a Python step, bit for bit on one thread; "
-    "docs/generation.md, 'Decoding speed'). The prompt's float32 linears run through "
-    "oneDNN's matmul rather than MKL's (1.15x transformers' prefill on an AMD Zen 4; "
-    "LMLAB_NO_ONEDNN=1: F.linear).",
+    "docs/generation.md, 'Decoding speed'). Outside that step, float32 linears of 2^22 "
+    "multiply-adds or more (the prompt's layers, the LM head) run through oneDNN's matmul "
+    "rather than MKL's (1.15x transformers' prefill on an AMD Zen 4; LMLAB_NO_ONEDNN=1, any "
+    "value but empty/0/false/no/off, read at import: F.linear).",
     arguments=_generate_arguments,
     run=cmd_generate,
     common=("device", "debug", "plugin", "quantize"),

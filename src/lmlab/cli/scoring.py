@@ -156,8 +156,9 @@ EVAL = Command(
     "exp(loss), bits_per_byte). Example: lmlab eval model.gguf --data input.txt "
     "--max-tokens 4096. An encoder-decoder run prints exact_match (greedy output == "
     "target), token_accuracy and loss on its held-out pairs (or on --data PAIRS.tsv/.jsonl), "
-    "e.g. lmlab eval runs/seq2seq-reverse. float32 linears on the CPU run through oneDNN's "
-    "matmul (LMLAB_NO_ONEDNN=1: F.linear, the same product to float32 rounding)",
+    "e.g. lmlab eval runs/seq2seq-reverse. float32 linears of 2^22 multiply-adds or more run "
+    "through oneDNN's matmul on the CPU (LMLAB_NO_ONEDNN=1, any value but empty/0/false/no/off: "
+    "F.linear, the same product to float32 rounding)",
     arguments=_eval_arguments,
     run=cmd_eval,
     common=("device", "debug", "quantize"),
