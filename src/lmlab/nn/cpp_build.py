@@ -35,10 +35,11 @@ from pathlib import Path
 
 import torch
 
+from lmlab import envflags
 from lmlab.training.hardware import cpu_flags
 
 ENV_OFF = "LMLAB_NO_CPP_KERNELS"
-OFF_VALUES = ("", "0", "false", "no", "off")  # LMLAB_NO_CPP_KERNELS values that keep the kernels
+OFF_VALUES = envflags.OFF_VALUES  # LMLAB_NO_CPP_KERNELS values that keep the kernels
 WAIT_S = 600.0  # the longest wait for another process's build of the same kernels, seconds
 POLL_S = 0.2
 
@@ -179,7 +180,7 @@ class LazyLibrary:
     def load(self) -> ctypes.CDLL | None:
         """The library (built or loaded on the first call), or None."""
         if self._status is None:
-            if os.environ.get(ENV_OFF, "").strip().lower() not in OFF_VALUES:
+            if envflags.opted_out(ENV_OFF):
                 self._status = f"disabled by {ENV_OFF}={os.environ[ENV_OFF]}"
             else:
                 try:

@@ -33,7 +33,6 @@ or replaced is bypassed.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 import torch
@@ -41,6 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from lmlab.envflags import opted_out
 
 
 def global_hooks() -> bool:
@@ -89,14 +90,12 @@ def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 OPT_OUT_ENV = "LMLAB_NO_ONEDNN"
-OFF_VALUES = ("", "0", "false", "no", "off")  # LMLAB_NO_ONEDNN values that keep oneDNN on
 
 
 def onednn_wanted(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``LMLAB_NO_ONEDNN`` (in ``environ``, default ``os.environ``) leaves the oneDNN
-    path on: unset or one of :data:`OFF_VALUES`; any other value turns it off."""
-    env = os.environ if environ is None else environ
-    return env.get(OPT_OUT_ENV, "").strip().lower() in OFF_VALUES
+    path on: unset or one of :data:`lmlab.envflags.OFF_VALUES`; any other value turns it off."""
+    return not opted_out(OPT_OUT_ENV, environ)
 
 
 # Float32 CPU inference linears through oneDNN (:func:`dense`): on unless ``LMLAB_NO_ONEDNN=1``

@@ -31,6 +31,9 @@ import ctypes
 import functools
 import os
 import platform
+from collections.abc import Mapping
+
+from lmlab.envflags import opted_out
 
 # mallopt's parameter numbers (glibc's malloc.h)
 M_TRIM_THRESHOLD = -1
@@ -44,7 +47,6 @@ TRIM_THRESHOLD = 512 << 20  # bytes of free heap kept mapped before malloc retur
 GLIBC_DEFAULT_MAX = (32 << 20, 64 << 20)
 
 OPT_OUT_ENV = "LMLAB_NO_MALLOC_TUNING"
-OFF_VALUES = ("", "0", "false", "no", "off")  # LMLAB_NO_MALLOC_TUNING values that still tune
 USER_SETTINGS_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 _applied: bool | None = None  # keep_freed_memory's answer, once per process
@@ -79,12 +81,12 @@ def set_malloc_thresholds(mmap_threshold: int, trim_threshold: int) -> bool:
     return ok_mmap and ok_trim
 
 
-def tuning_wanted(environ: dict[str, str] | os._Environ[str] | None = None) -> bool:
+def tuning_wanted(environ: Mapping[str, str] | None = None) -> bool:
     """False where ``LMLAB_NO_MALLOC_TUNING`` is set (to anything but ``""``, ``0``, ``false``,
     ``no``, ``off``, as ``LMLAB_NO_CPP_KERNELS``) or the user set glibc's malloc thresholds
     themselves (environment or ``GLIBC_TUNABLES``)."""
     env = os.environ if environ is None else environ
-    if env.get(OPT_OUT_ENV, "").strip().lower() not in OFF_VALUES:
+    if opted_out(OPT_OUT_ENV, env):
         return False
     if any(name in env for name in USER_SETTINGS_ENV):
         return False
