@@ -136,9 +136,9 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
     Anything else, a torch without oneDNN and ``LMLAB_NO_ONEDNN=1`` take ``F.linear``."""
     if (
         ONEDNN
-        and not torch.compiler.is_compiling()  # first: dynamo cannot trace the checks below
+        and not torch.is_grad_enabled()  # training leaves here, after one check
+        and not torch.compiler.is_compiling()  # before the rest: dynamo cannot trace them
         and not torch.jit.is_tracing()  # nor can the tracer (shapes read as constants)
-        and not torch.is_grad_enabled()
         and type(x) is torch.Tensor
         and type(weight) in (torch.Tensor, nn.Parameter)
         and x.layout is torch.strided
