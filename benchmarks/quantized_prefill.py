@@ -27,7 +27,7 @@ import torch
 from lmlab.generation.generate import SamplingParams, generate_ids
 from lmlab.interop.load import load
 from lmlab.nn import fused, quant, quant_kernel
-from lmlab.nn.quant import apply_quantization, dequantize_weight, unpack_int4
+from lmlab.nn.quant import apply_quantization, dequantize_stored
 
 CORPUS = Path(__file__).parents[1] / "src/lmlab/data/corpora/tinyshakespeare/input.txt"
 
@@ -38,8 +38,7 @@ def torch_dequantize() -> Iterator[None]:
     int8 activations, fake-quantized activations times that weight."""
 
     def old(qweight, scales, zeros, g, bits):  # type: ignore[no-untyped-def]
-        q = qweight if bits == 8 else unpack_int4(qweight)
-        return dequantize_weight(q, scales, zeros, bits)
+        return dequantize_stored(qweight, scales, zeros, bits)
 
     saved, flag, a8 = quant_kernel.dequantize, fused.ONEDNN, quant.PROMPT_A8_KERNELS
     quant_kernel.dequantize, fused.ONEDNN, quant.PROMPT_A8_KERNELS = old, False, False

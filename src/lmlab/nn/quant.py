@@ -223,6 +223,15 @@ def dequantize_weight(
     return (qg * scales[..., None] + zeros[..., None]).view(n, k)
 
 
+def dequantize_stored(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int
+) -> torch.Tensor:
+    """:func:`dequantize_weight` of a layer's stored buffers: qweight (N, Kp) int8, or (N, Kp/2)
+    uint8 packed int4 codes (:func:`pack_int4`) -> (N, Kp) in the scales' dtype."""
+    q = qweight if bits == 8 else unpack_int4(qweight)
+    return dequantize_weight(q, scales, zeros, bits)
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """q (N, K) uint8 in [0, 15], K even -> (N, K/2) uint8: column 2j in the low nibble, 2j+1 in
     the high nibble (the stored form; the kernel's own layout is derived from it at load)."""
@@ -315,8 +324,8 @@ class QuantLinear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """The weight the layer applies, (N, K) float32."""
-        q = self.qweight if self.bits == 8 else unpack_int4(self.qweight)
-        return dequantize_weight(q, self.scales, self.zeros, self.bits)[:, : self.in_features]
+        w = dequantize_stored(self.qweight, self.scales, self.zeros, self.bits)
+        return w[:, : self.in_features]
 
     def weight_bytes(self) -> int:
         """Bytes of codes, scales (and int4 zeros) one pass reads; the bias is not counted."""
@@ -362,8 +371,7 @@ class QuantLinear(nn.Module):
                     self.qweight, self.scales, self.zeros, self.group_size, self.bits
                 )
             else:
-                q = self.qweight if self.bits == 8 else unpack_int4(self.qweight)
-                w = dequantize_weight(q, self.scales, self.zeros, self.bits)  # (N, Kp)
+                w = dequantize_stored(self.qweight, self.scales, self.zeros, self.bits)  # (N, Kp)
             y = dense(x2, w.to(x2.dtype), None)  # float32 CPU inference: oneDNN
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
