@@ -3,7 +3,8 @@
     python benchmarks/train_step_ab.py --profile-arch minigpt,bf16 --rounds 4  # op by op
     python benchmarks/train_step_ab.py [--shapes nanogpt,minigpt] [--precisions fp32,bf16]
         [--rounds 20] [--threads 1] [--config CONFIG] [--reference] [--rope-kernel]
-        [--softmax-kernel] [--norm-kernel] [--add-kernel] [--clip-kernel] [--allocator]
+        [--softmax-kernel] [--attention-kernel] [--norm-kernel] [--add-kernel] [--clip-kernel]
+        [--allocator]
         [--only lmlab,nanogpt,...]
 
 For each shape and precision it builds, in this one process:
@@ -27,6 +28,9 @@ For each shape and precision it builds, in this one process:
 - **torchsoftmax** (``--softmax-kernel``): lmlab's default with only the C++ causal softmax
   kernel (:func:`lmlab.nn.train_kernel.causal_softmax_`) off, the bf16 attention's mask and
   softmax as torch's masked_fill + softmax: ``lmlab softmax kernel on/off``.
+- **bmmattn** (``--attention-kernel``): lmlab's default with only the fused bf16 causal
+  attention (``torch.ops.lmlab.causal_attention_bf16``, AVX512-BF16 CPUs) off, the three
+  batched matmuls with the softmax kernel instead: ``lmlab fused attention kernel on/off``.
 - **torchnorm** (``--norm-kernel``): lmlab's default with only the C++ norm-to-bf16 kernel
   (:func:`lmlab.nn.train_kernel.norm_bf16`) off, the pre-norm blocks' norms as torch's float32
   norm then autocast's cast: ``lmlab norm kernel on/off``.
@@ -190,6 +194,12 @@ def main(argv: list[str] | None = None) -> None:
         help="also lmlab with only its C++ causal softmax kernel off (torchsoftmax)",
     )
     ap.add_argument(
+        "--attention-kernel",
+        action="store_true",
+        help="also lmlab with only its fused bf16 causal attention off, the batched matmuls "
+        "instead (bmmattn)",
+    )
+    ap.add_argument(
         "--norm-kernel",
         action="store_true",
         help="also lmlab with only its C++ norm-to-bf16 kernel off (torchnorm)",
@@ -318,6 +328,7 @@ OFF_CONTENDERS = (
     ("lmlab-ref", "reference", "fast_paths", "fast paths"),
     ("torchrope", "rope_kernel", "rope_kernel", "rope kernel"),
     ("torchsoftmax", "softmax_kernel", "softmax_kernel", "softmax kernel"),
+    ("bmmattn", "attention_kernel", "attention_kernel", "fused attention kernel"),
     ("torchnorm", "norm_kernel", "norm_kernel", "norm kernel"),
     ("torchadd", "add_kernel", "add_kernel", "residual add kernel"),
     ("torchclip", "clip_kernel", "clip_kernel", "clip kernel"),
@@ -577,6 +588,7 @@ def trainer_step(
     fast_paths: bool = True,
     rope_kernel: bool = True,
     softmax_kernel: bool = True,
+    attention_kernel: bool = True,
     norm_kernel: bool = True,
     add_kernel: bool = True,
     clip_kernel: bool = True,
@@ -588,7 +600,8 @@ def trainer_step(
     clipping kernels): the
     reference path they replace; ``rope_kernel`` False only the C++ RoPE kernel (RoPE as torch
     ops, as before it); ``softmax_kernel`` False only the causal softmax kernel (masked_fill +
-    softmax); ``norm_kernel`` False only the norm-to-bf16 kernel (torch's norm, then a cast);
+    softmax); ``attention_kernel`` False only the fused bf16 attention (the batched matmuls
+    instead); ``norm_kernel`` False only the norm-to-bf16 kernel (torch's norm, then a cast);
     ``add_kernel`` False only the one-pass residual add (torch's x + y); ``clip_kernel`` False
     only the one-call gradient clipping (torch's clip_grad_norm_); ``malloc_tuning`` False only
     lmlab's malloc thresholds (the step runs under :func:`untuned_allocator`). The module flags
@@ -608,6 +621,8 @@ def trainer_step(
         overrides.append((position, "TRAIN_ROPE_KERNEL", False))
     if not (fast_paths and softmax_kernel):
         overrides.append((core, "TRAIN_SOFTMAX_KERNEL", False))
+    if not (fast_paths and attention_kernel):
+        overrides.append((core, "TRAIN_FUSED_ATTENTION", False))
     if not (fast_paths and norm_kernel):
         overrides.append((norm, "TRAIN_NORM_KERNEL", False))
     if not (fast_paths and add_kernel):

@@ -537,6 +537,11 @@ def _bad_operator_calls():
             f(2, 2, 4, 8), f(2, 2, 5, 8), f(2, 2, 4, 8), 1.0, True
         ),
         "attention 3-d": lambda: o.causal_attention_bmm(*[f(1, 4, 8)] * 3, 1.0, True),
+        "fused float32": lambda: o.causal_attention_bf16(*[f(1, 2, 4, 16)] * 3, 1.0),
+        "fused hd 8": lambda: o.causal_attention_bf16(*[f(1, 2, 4, 8, dtype=b)] * 3, 1.0),
+        "fused v length": lambda: o.causal_attention_bf16(
+            f(1, 2, 4, 16, dtype=b), f(1, 2, 4, 16, dtype=b), f(1, 2, 5, 16, dtype=b), 1.0
+        ),
         "rope heads": lambda: o.rope_split(f(1, 3, 5, 8), f(3, 8), f(3, 8), 2, 2, None),
         "rope odd hd": lambda: o.rope_split(f(1, 3, 6, 7), f(3, 7), f(3, 7), 2, 2, None),
         "rope table": lambda: o.rope_split(f(1, 3, 6, 8), f(2, 8), f(3, 8), 2, 2, None),
@@ -558,6 +563,7 @@ def test_the_operators_refuse_what_their_kernels_cannot_read(case):
     assert rope_kernel.available()
     op = case.split()[0].replace("attention", "causal_attention_bmm")
     op = {"norm": "norm_bf16", "rope": "rope_split", "add": "add_f32_bf16"}.get(op, op)
+    op = {"fused": "causal_attention_bf16"}.get(op, op)
     with pytest.raises(RuntimeError, match=rf"^lmlab\.{op}: "):  # one line naming the operator
         _bad_operator_calls()[case]()
 
@@ -571,6 +577,7 @@ o, f, b = torch.ops.lmlab, torch.randn, torch.bfloat16
 calls = {
     "norm": lambda: o.norm_bf16(f(3, 4), f(4), None, 1e-5, False),
     "attention": lambda: o.causal_attention_bmm(*[f(1, 2, 5, 8, dtype=b)] * 3, 0.5, True),
+    "fused": lambda: o.causal_attention_bf16(*[f(1, 2, 5, 16, dtype=b)] * 3, 0.5),
     "rope": lambda: o.rope_split(f(1, 3, 4, 8), f(3, 8), f(3, 8), 2, 1, None),
     "add": lambda: o.add_f32_bf16(f(3), f(3, dtype=b)),
 }

@@ -113,12 +113,12 @@ def attention_sdpa(
     that with ``enable_gqa`` k and v may have K heads dividing H (torch >= 2.5).
 
     Returns (out, None): the fused kernel never materialises the weights. A causal bf16 CPU
-    call that records gradients (training under bf16 autocast) runs as three batched matmuls
-    instead (:func:`causal_attention_bmm`, where :func:`bmm_causal_applies`): faster there, the
-    same function to bf16 rounding.
+    call that records gradients (training under bf16 autocast) runs lmlab's own instead
+    (:func:`causal_attention_train`, where :func:`bmm_causal_applies`): faster there, the same
+    function to bf16 rounding.
     """
     if is_causal and mask is None and not enable_gqa and bmm_causal_applies(q, k, dropout_p):
-        return causal_attention_bmm(q, k, v, scale), None
+        return causal_attention_train(q, k, v, scale), None
     gqa = {"enable_gqa": True} if enable_gqa else {}
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **gqa
@@ -135,6 +135,11 @@ BMM_CAUSAL_MAX_T = 256
 # (lmlab.nn.train_kernel.causal_softmax_: the lower triangle only, in place); False keeps
 # masked_fill + torch.softmax (A/B benchmarks).
 TRAIN_SOFTMAX_KERNEL = True
+# In that path, lmlab's fused causal attention where it is built (AVX512-BF16 CPUs, a head dim
+# that is a multiple of 16: torch.ops.lmlab.causal_attention_bf16, attention_kernels.cpp): one
+# (batch, head) at a time in cache, the blocks above the diagonal never multiplied; False keeps
+# the batched matmuls (A/B benchmarks: `benchmarks/train_step_ab.py --attention-kernel`).
+TRAIN_FUSED_ATTENTION = True
 _CAUSAL_ABOVE: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
@@ -236,6 +241,30 @@ def causal_attention_bmm(
     if train_kernel.available():  # the operator takes the kernel for float32 / bf16 only
         return torch.ops.lmlab.causal_attention_bmm(q, k, v, scale, TRAIN_SOFTMAX_KERNEL)
     return _CausalAttentionBmm.apply(q, k, v, scale)
+
+
+def causal_attention_train(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal softmax(q k^T * scale) v for bf16 CPU training (:func:`bmm_causal_applies`), q, k,
+    v (B, H, T, hd) -> (B, H, T, hd): lmlab's fused kernel
+    (``torch.ops.lmlab.causal_attention_bf16``: per (batch, head), S = q k^T scale in float32
+    over the blocks on or below the diagonal only, the softmax rounded once to bf16, P v, and
+    the backward likewise, with AVX512-BF16 dot products; about half the multiply-adds of
+    three full batched matmuls) where it is built and :data:`TRAIN_FUSED_ATTENTION` is on and
+    hd is a multiple of 16; :func:`causal_attention_bmm` otherwise. Both keep P (bf16, T^2 per
+    head) for the backward and have no second-order gradients; they agree to bf16 rounding
+    (the fused kernel does not round q scale and the scores to bf16 first)."""
+    from lmlab.nn import train_kernel
+
+    if (
+        TRAIN_FUSED_ATTENTION
+        and q.shape[-1] % 16 == 0
+        and q.dtype == torch.bfloat16
+        and train_kernel.attention_bf16_available()
+    ):
+        return torch.ops.lmlab.causal_attention_bf16(q, k, v, scale)
+    return causal_attention_bmm(q, k, v, scale)
 
 
 # torch >= 2.5: scaled_dot_product_attention shares kv heads itself (no repeat_kv copy)

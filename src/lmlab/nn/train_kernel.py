@@ -53,6 +53,8 @@ from lmlab.nn import cpp_build
 SOURCE = Path(__file__).with_name("train_kernels.cpp")
 # the operators torch.ops.lmlab.norm_bf16 and causal_attention_bmm, their autograd in C++
 OPS_SOURCE = Path(__file__).with_name("train_ops.cpp")
+# the fused bf16 causal attention (torch.ops.lmlab.causal_attention_bf16; AVX512-BF16 builds)
+ATTENTION_SOURCE = Path(__file__).with_name("attention_kernels.cpp")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -67,7 +69,7 @@ def _build() -> ctypes.CDLL:
         flags += ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
     flags += ["-mavx512bf16"] if bf16 else []
     kind = "avx512bf16" if bf16 else "avx512" if avx512bw else "generic"
-    sources = [str(SOURCE), str(OPS_SOURCE)]
+    sources = [str(SOURCE), str(OPS_SOURCE), str(ATTENTION_SOURCE)]
     path = cpp_build.build(f"lmlab_train_kernels_{kind}", sources, flags, ["-fopenmp"])
     if not hasattr(torch.ops.lmlab, "norm_bf16"):  # registered when the library was loaded
         raise RuntimeError(f"{path} did not register torch.ops.lmlab.norm_bf16")
@@ -84,6 +86,7 @@ def _build() -> ctypes.CDLL:
     lib.lmlab_norm_bf16_backward.restype = ci
     lib.lmlab_grad_clip.argtypes = [i64, fp, fp, ctypes.c_double, fp, fp]
     lib.lmlab_grad_clip.restype = ci
+    lib.lmlab_causal_attention_bf16_available.restype = ci
     return lib
 
 
@@ -96,6 +99,15 @@ _kernel = cpp_build.LazyLibrary(lambda: _build(), lambda lib: "compiled")
 available = _kernel.available
 disabled = _kernel.disabled
 status = _kernel.status
+
+
+def attention_bf16_available() -> bool:
+    """Whether torch.ops.lmlab.causal_attention_bf16 runs here: the kernels are
+    :func:`available` and were built for a CPU with AVX512-BF16 (attention_kernels.cpp)."""
+    if not available():  # inside disabled(), or not built
+        return False
+    lib = _kernel.load()
+    return lib is not None and lib.lmlab_causal_attention_bf16_available() == 1
 
 
 def _lib() -> ctypes.CDLL:

@@ -10,6 +10,10 @@
 //   causal_attention_bmm(q, k, v, scale, kernel) -> y  causal softmax(q k^T scale) v, three
 //                                                      batched matmuls, the softmax in the kernel
 //   add_f32_bf16(x, y) -> x + y                        the residual add of a bf16 branch
+//   causal_attention_bf16(q, k, v, scale) -> y         causal softmax(q k^T scale) v in bf16,
+//                                                      one (batch, head) at a time in cache,
+//                                                      the masked blocks skipped
+//                                                      (attention_kernels.cpp)
 //
 // Each computes what its Python twin computed (lmlab.nn.train_kernel.NormBf16Function until
 // the fifth session; lmlab.nn.attention_core._CausalAttentionBmm, still the fallback where the
@@ -34,6 +38,19 @@ extern "C" int lmlab_norm_bf16_backward(int kind, const void* dy, const float* x
                                         const float* mean, const float* rstd, float* dx, float* dw,
                                         float* db, int64_t rows, int64_t d);
 extern "C" int lmlab_add_f32_bf16(const float* x, const void* y, float* out, int64_t n);
+extern "C" int lmlab_causal_attention_bf16_available();
+extern "C" int lmlab_causal_attention_bf16_forward(const void* q, const int64_t* qs, const void* k,
+                                                   const int64_t* ks, const void* v,
+                                                   const int64_t* vs, void* out, void* probs,
+                                                   int64_t b, int64_t h, int64_t t, int64_t hd,
+                                                   float scale);
+extern "C" int lmlab_causal_attention_bf16_backward(const void* q, const int64_t* qs,
+                                                    const void* k, const int64_t* ks,
+                                                    const void* v, const int64_t* vs,
+                                                    const void* g, const int64_t* gs,
+                                                    const void* probs, void* dq, void* dk, void* dv,
+                                                    int64_t b, int64_t h, int64_t t, int64_t hd,
+                                                    float scale);
 
 namespace {
 
@@ -220,6 +237,70 @@ at::Tensor causal_attention_bmm(const at::Tensor& q, const at::Tensor& k, const 
   return CausalAttentionBmm::apply(q, k, v, scale, kernel && readable);
 }
 
+// ---- causal_attention_bf16 ------------------------------------------------------------------
+
+// t as the kernel reads it: rows of hd contiguous elements, every stride even and the data
+// 4-byte aligned (pairs of bf16 are read as 32-bit words); otherwise a contiguous copy.
+at::Tensor pair_readable(const at::Tensor& t) {
+  const bool ok = t.stride(3) == 1 && t.stride(0) % 2 == 0 && t.stride(1) % 2 == 0 &&
+                  t.stride(2) % 2 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 4 == 0;
+  return ok ? t : t.contiguous();
+}
+
+struct CausalAttentionBf16 : public torch::autograd::Function<CausalAttentionBf16> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& k_in,
+                            const at::Tensor& v_in, double scale) {
+    const at::Tensor q = pair_readable(q_in), k = pair_readable(k_in), v = pair_readable(v_in);
+    const int64_t b = q.size(0), h = q.size(1), t = q.size(2), hd = q.size(3);
+    const int64_t tr = (t + 1) / 2, tc = (t + 15) / 16 * 16;
+    at::Tensor out = at::empty({b, h, t, hd}, q.options());
+    at::Tensor probs = at::empty({b * h, tr, tc}, q.options().dtype(at::kInt));  // P, row pairs
+    const int64_t qs[3] = {q.stride(0), q.stride(1), q.stride(2)};
+    const int64_t ks[3] = {k.stride(0), k.stride(1), k.stride(2)};
+    const int64_t vs[3] = {v.stride(0), v.stride(1), v.stride(2)};
+    lmlab_causal_attention_bf16_forward(q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs,
+                                        out.data_ptr(), probs.data_ptr(), b, h, t, hd,
+                                        static_cast<float>(scale));
+    ctx->save_for_backward({q, k, v, probs});
+    ctx->saved_data["scale"] = scale;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK(!at::GradMode::is_enabled(), kNoDoubleBackward);
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &probs = saved[3];
+    const at::Tensor g = pair_readable(grads[0].to(at::kBFloat16));
+    const int64_t b = q.size(0), h = q.size(1), t = q.size(2), hd = q.size(3);
+    const auto opts = q.options();
+    at::Tensor dq = at::empty({b, h, t, hd}, opts), dk = at::empty({b, h, t, hd}, opts);
+    at::Tensor dv = at::empty({b, h, t, hd}, opts);
+    const int64_t qs[3] = {q.stride(0), q.stride(1), q.stride(2)};
+    const int64_t ks[3] = {k.stride(0), k.stride(1), k.stride(2)};
+    const int64_t vs[3] = {v.stride(0), v.stride(1), v.stride(2)};
+    const int64_t gs[3] = {g.stride(0), g.stride(1), g.stride(2)};
+    lmlab_causal_attention_bf16_backward(
+        q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs, g.data_ptr(), gs, probs.data_ptr(),
+        dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), b, h, t, hd,
+        static_cast<float>(ctx->saved_data["scale"].toDouble()));
+    return {dq, dk, dv, at::Tensor()};
+  }
+};
+
+at::Tensor causal_attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 double scale) {
+  for (const auto* t : {&q, &k, &v}) check_cpu(*t, "causal_attention_bf16", "q, k and v");
+  TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.sizes() == q.sizes() &&
+                  q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16,
+              "lmlab.causal_attention_bf16: q, k and v bfloat16 (B, H, T, hd), one shape");
+  TORCH_CHECK(q.size(2) >= 1 && q.size(3) >= 16 && q.size(3) % 16 == 0,
+              "lmlab.causal_attention_bf16: T >= 1 and a head dim that is a multiple of 16");
+  TORCH_CHECK(lmlab_causal_attention_bf16_available() == 1,
+              "lmlab.causal_attention_bf16: not built here (it needs a CPU with AVX512-BF16)");
+  return CausalAttentionBf16::apply(q, k, v, scale);
+}
+
 // ---- add_f32_bf16 ---------------------------------------------------------------------------
 
 struct AddF32Bf16 : public torch::autograd::Function<AddF32Bf16> {
@@ -252,10 +333,12 @@ TORCH_LIBRARY_FRAGMENT(lmlab, m) {
   m.def("norm_bf16(Tensor x, Tensor weight, Tensor? bias, float eps, bool rms) -> Tensor");
   m.def("causal_attention_bmm(Tensor q, Tensor k, Tensor v, float scale, bool kernel) -> Tensor");
   m.def("add_f32_bf16(Tensor x, Tensor y) -> Tensor");
+  m.def("causal_attention_bf16(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lmlab, CompositeImplicitAutograd, m) {
   m.impl("norm_bf16", norm_bf16);
   m.impl("causal_attention_bmm", causal_attention_bmm);
   m.impl("add_f32_bf16", add_f32_bf16);
+  m.impl("causal_attention_bf16", causal_attention_bf16);
 }

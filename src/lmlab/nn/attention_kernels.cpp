@@ -1,0 +1,368 @@
+// Causal attention for bfloat16 training, one (batch, head) at a time in cache, with AVX512-BF16
+// dot products (torch.ops.lmlab.causal_attention_bf16, train_ops.cpp; lmlab.nn.attention_core).
+//
+// Legend: T tokens, hd the head dim (a multiple of 16), s the softmax scale. For each (b, h):
+//   forward   S = s q k^T (float32), P = softmax over j <= i of row i (float32, rounded to bf16,
+//             0 above the diagonal), out = P v
+//   backward  dP = dO v^T, dS = P (dP - rowsum(P dP)), dQ = s dS k, dK = s dS^T q, dV = P^T dO
+// The function of the batched-matmul path (lmlab.nn.attention_core._CausalAttentionBmm), with two
+// differences: the scores stay float32 until the softmax (that path rounds q s and the scores to
+// bf16 first), and only what the causal mask keeps is multiplied. Each product runs over row
+// blocks of 6 and 16-column vectors, and a row block i0..i0+5 of S, dP (and of out, dQ over
+// their reduction) goes no further than column i0 + 5 rounded up to 16; a block of key rows j of
+// dV and dK sums over the query rows i >= j only. That is about half of the full products that
+// torch's batched matmuls make (T^2 each, the upper triangle then masked): at T = 256, a row
+// block reaches on average 55% of the columns.
+//
+// Products: C = A B with B's reduction dim in pairs, b32[p][n] = (B[2p][n], B[2p+1][n]) as two
+// bf16 in one 32-bit word, and A's pairs broadcast one 32-bit word at a time; _mm512_dpbf16_ps
+// adds both products of a pair to a float32 lane (bf16 inputs, float32 sums: the arithmetic of
+// torch's bf16 matmuls on this hardware, in another order). The operands are packed per head:
+// k and v transposed into pairs along hd (for q k^T and dO v^T), v, k, q and dO in row pairs
+// (for P v, dS k, dS^T q and P^T dO). P is saved for the backward pass in row pairs (two rows'
+// bf16 in each word), the layout P^T dO reads; the softmax backward reads row i from it by a
+// shift or a mask. dS goes the same way through a per-head scratch.
+//
+// Only built where the compiler targets AVX512-BF16 (lmlab.nn.train_kernel builds it with
+// -mavx512bf16 on CPUs that list avx512_bf16); elsewhere lmlab_causal_attention_bf16_available
+// returns 0 and the batched-matmul path runs.
+
+#include <ATen/Parallel.h>
+
+#include "train_simd.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#if defined(LMLAB_TRAIN_AVX512) && defined(__AVX512BF16__)
+#define LMLAB_ATTENTION_BF16 1
+#endif
+
+#ifdef LMLAB_ATTENTION_BF16
+namespace {
+
+constexpr int kRows = 6;  // rows of a register tile (6 x 4 vectors: 24 float32 accumulators)
+constexpr int64_t kVec = 16;
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// One (b, h) slice of a (B, H, T, hd) bf16 tensor: row t at p + t * st (hd contiguous elements).
+struct Rows {
+  const uint16_t* p;
+  int64_t st;
+  const uint32_t* row32(int64_t t) const { return reinterpret_cast<const uint32_t*>(p + t * st); }
+};
+
+// acc[i][v] = sum over p < np of pair a[i * ars + p * aks] times b[p * ldb + 16 v .. + 15].
+template <int MR, int NV>
+inline void tile(const uint32_t* a, int64_t ars, int64_t aks, const uint32_t* b, int64_t ldb,
+                 int64_t np, __m512 (&acc)[MR][NV]) {
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < np; ++p) {
+    __m512bh bv[NV];
+    for (int v = 0; v < NV; ++v)
+      bv[v] = (__m512bh)_mm512_loadu_si512(static_cast<const void*>(b + p * ldb + kVec * v));
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[i * ars + p * aks]));
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], av, bv[v]);
+    }
+  }
+}
+
+template <int MR, int NV, class Store>
+inline void tile_store(const uint32_t* a, int64_t ars, int64_t aks, const uint32_t* b,
+                       int64_t ldb, int64_t np, int64_t v0, Store& store) {
+  __m512 acc[MR][NV];
+  tile<MR, NV>(a, ars, aks, b + kVec * v0, ldb, np, acc);
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) store(i, v0 + v, acc[i][v]);
+}
+
+template <int MR, class Store>
+void row_block_mr(const uint32_t* a, int64_t ars, int64_t aks, const uint32_t* b, int64_t ldb,
+                  int64_t np, int64_t nv, Store& store) {
+  int64_t v0 = 0;
+  for (; v0 + 4 <= nv; v0 += 4) tile_store<MR, 4>(a, ars, aks, b, ldb, np, v0, store);
+  switch (nv - v0) {
+    case 3: tile_store<MR, 3>(a, ars, aks, b, ldb, np, v0, store); break;
+    case 2: tile_store<MR, 2>(a, ars, aks, b, ldb, np, v0, store); break;
+    case 1: tile_store<MR, 1>(a, ars, aks, b, ldb, np, v0, store); break;
+    default: break;
+  }
+}
+
+// Rows [0, m) (m <= kRows) and columns [0, 16 nv) of C = A B over np pairs; store(i, v, x) gets
+// row i's vector v (columns 16 v .. 16 v + 15).
+template <class Store>
+void row_block(int64_t m, const uint32_t* a, int64_t ars, int64_t aks, const uint32_t* b,
+               int64_t ldb, int64_t np, int64_t nv, Store store) {
+  switch (m) {
+    case 6: row_block_mr<6>(a, ars, aks, b, ldb, np, nv, store); break;
+    case 5: row_block_mr<5>(a, ars, aks, b, ldb, np, nv, store); break;
+    case 4: row_block_mr<4>(a, ars, aks, b, ldb, np, nv, store); break;
+    case 3: row_block_mr<3>(a, ars, aks, b, ldb, np, nv, store); break;
+    case 2: row_block_mr<2>(a, ars, aks, b, ldb, np, nv, store); break;
+    case 1: row_block_mr<1>(a, ars, aks, b, ldb, np, nv, store); break;
+    default: break;
+  }
+}
+
+struct StoreF32 {
+  float* c;
+  int64_t ldc;
+  void operator()(int i, int64_t v, __m512 x) const { _mm512_storeu_ps(c + i * ldc + kVec * v, x); }
+};
+
+struct StoreBf16 {  // rounded to bf16 after a multiply by scale
+  uint16_t* c;
+  int64_t ldc;
+  __m512 scale;
+  void operator()(int i, int64_t v, __m512 x) const {
+    store16(_mm512_mul_ps(x, scale), c + i * ldc + kVec * v);
+  }
+};
+
+// dst[p][c] = (src row 2p, src row 2p + 1) at column c, for p < ceil(t / 2); a row t is 0.
+void pack_row_pairs(const Rows& src, int64_t t, int64_t hd, uint32_t* dst) {
+  for (int64_t p = 0; 2 * p < t; ++p) {
+    const uint16_t* r0 = src.p + 2 * p * src.st;
+    const bool has1 = 2 * p + 1 < t;
+    const uint16_t* r1 = src.p + (2 * p + 1) * src.st;
+    for (int64_t c = 0; c < hd; c += kVec) {
+      __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + c)));
+      __m512i hi = has1 ? _mm512_cvtepu16_epi32(
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + c)))
+                        : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + p * hd + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+}
+
+// dst[c][j] = (src[j][2c], src[j][2c + 1]) for c < hd / 2, j < t; 0 for t <= j < tc.
+void pack_transposed(const Rows& src, int64_t t, int64_t hd, int64_t tc, uint32_t* dst) {
+  const int64_t hp = hd / 2;
+  for (int64_t j = 0; j < t; ++j) {
+    const uint32_t* r = src.row32(j);
+    for (int64_t c = 0; c < hp; ++c) dst[c * tc + j] = r[c];
+  }
+  for (int64_t c = 0; c < hp; ++c)
+    for (int64_t j = t; j < tc; ++j) dst[c * tc + j] = 0;
+}
+
+// Two bf16 rows (w columns, a multiple of 16) into one row of pairs: dst[j] = (r0[j], r1[j]).
+void interleave_rows(const uint16_t* r0, const uint16_t* r1, int64_t w, uint32_t* dst) {
+  for (int64_t j = 0; j < w; j += kVec) {
+    __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + j)));
+    __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + j)));
+    _mm512_storeu_si512(dst + j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+  }
+}
+
+inline __mmask16 lanes(int64_t n, int64_t j) {  // lanes of columns j .. j + 15 below n
+  return n - j >= kVec ? static_cast<__mmask16>(0xffff) : n <= j ? 0 : tail_mask(n - j);
+}
+
+// Row i's probabilities from s (float32 scores, n = i + 1 of them) into p (bf16, w >= n
+// columns, 0 from n on): softmax of scale * s over [0, n). s is overwritten.
+void softmax_row_bf16(float* s, int64_t n, int64_t w, float scale, uint16_t* p) {
+  const __m512 vs = bcast(scale), ninf = bcast(-INFINITY);
+  __m512 vm = ninf;
+  for (int64_t j = 0; j < n; j += kVec)
+    vm = _mm512_max_ps(vm, _mm512_mask_mul_ps(ninf, lanes(n, j), _mm512_loadu_ps(s + j), vs));
+  const __m512 bm = bcast(_mm512_reduce_max_ps(vm));
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += kVec) {
+    const __mmask16 k = lanes(n, j);
+    __m512 e = exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vs, bm));
+    e = _mm512_maskz_mov_ps(k, e);
+    _mm512_storeu_ps(s + j, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  const __m512 inv = bcast(1.0f / _mm512_reduce_add_ps(vsum));
+  int64_t j = 0;
+  for (; j < n; j += kVec) store16(_mm512_mul_ps(_mm512_loadu_ps(s + j), inv), p + j);
+  for (; j < w; j += kVec) store16(_mm512_setzero_ps(), p + j);
+}
+
+// Row i of P (bf16) read from its row pairs (row i is the low half of word pair i / 2 when i is
+// even, the high half when odd), as float32, columns j .. j + 15.
+inline __m512 load_pair_row(const uint32_t* pairs, bool odd, int64_t j) {
+  __m512i x = _mm512_loadu_si512(static_cast<const void*>(pairs + j));
+  x = odd ? _mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xffff0000u)))
+          : _mm512_slli_epi32(x, 16);
+  return _mm512_castsi512_ps(x);
+}
+
+// dS row i into ds (bf16, w columns, 0 from n = i + 1 on): P (dP - sum_j P dP) over [0, n),
+// P from its row pairs, dP float32.
+void softmax_backward_row_bf16(const uint32_t* p_pairs, bool odd, const float* dp, int64_t n,
+                               int64_t w, uint16_t* ds) {
+  __m512 vdot = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += kVec) {
+    const __m512 pv = _mm512_maskz_mov_ps(lanes(n, j), load_pair_row(p_pairs, odd, j));
+    vdot = _mm512_fmadd_ps(pv, _mm512_loadu_ps(dp + j), vdot);
+  }
+  const __m512 bdot = bcast(_mm512_reduce_add_ps(vdot));
+  int64_t j = 0;
+  for (; j < n; j += kVec) {
+    const __m512 pv = _mm512_maskz_mov_ps(lanes(n, j), load_pair_row(p_pairs, odd, j));
+    store16(_mm512_mul_ps(pv, _mm512_sub_ps(_mm512_loadu_ps(dp + j), bdot)), ds + j);
+  }
+  for (; j < w; j += kVec) store16(_mm512_setzero_ps(), ds + j);
+}
+
+struct Shape {
+  int64_t t, hd, tc, tr;  // tokens, head dim, T rounded up to 16, row pairs ceil(T / 2)
+  explicit Shape(int64_t t_, int64_t hd_) : t(t_), hd(hd_), tc(round_up(t_, kVec)), tr((t_ + 1) / 2) {}
+  // row block [i0, i0 + m): columns its products reach (vectors), and the columns its bf16 rows
+  // (and their pairs) are written to: 16 more, zeros, so that every row i has 0 on (i, i + 6]
+  int64_t vectors(int64_t i_end) const { return (i_end + kVec - 1) / kVec; }
+  int64_t written(int64_t i_end) const { return std::min(tc, kVec * (vectors(i_end) + 1)); }
+};
+
+// One (b, h) forward: out (t rows of hd, contiguous), pairs (tr x tc words): P in row pairs.
+void forward_head(const Rows& q, const Rows& k, const Rows& v, uint16_t* out, uint32_t* pairs,
+                  const Shape& sh, float scale, std::vector<uint32_t>& kt,
+                  std::vector<uint32_t>& vp, std::vector<float>& sf, std::vector<uint16_t>& pl) {
+  const int64_t t = sh.t, hd = sh.hd, tc = sh.tc, hp = hd / 2;
+  pack_transposed(k, t, hd, tc, kt.data());
+  pack_row_pairs(v, t, hd, vp.data());
+  const __m512 one = bcast(1.0f);
+  for (int64_t i0 = 0; i0 < t; i0 += kRows) {
+    const int64_t m = std::min<int64_t>(kRows, t - i0), i_end = i0 + m;
+    const int64_t nv = sh.vectors(i_end), w = sh.written(i_end);
+    // S rows i0 .. i_end - 1, columns [0, 16 nv), float32
+    row_block(m, q.row32(i0), q.st / 2, 1, kt.data(), tc, hp, nv, StoreF32{sf.data(), tc});
+    for (int64_t r = 0; r < m; ++r)
+      softmax_row_bf16(sf.data() + r * tc, i0 + r + 1, w, scale, pl.data() + r * tc);
+    if (m % 2) std::fill(pl.data() + m * tc, pl.data() + m * tc + w, uint16_t{0});
+    // out rows = P v over the pairs of keys j < i_end
+    const uint32_t* p32 = reinterpret_cast<const uint32_t*>(pl.data());
+    row_block(m, p32, tc / 2, 1, vp.data(), hd, (i_end + 1) / 2, hd / kVec,
+              StoreBf16{out + i0 * hd, hd, one});
+    for (int64_t r = 0; r < m; r += 2)
+      interleave_rows(pl.data() + r * tc, pl.data() + (r + 1) * tc, w,
+                      pairs + (i0 / 2 + r / 2) * tc);
+  }
+}
+
+// One (b, h) backward: dq, dk, dv (t rows of hd, contiguous).
+void backward_head(const Rows& q, const Rows& k, const Rows& v, const Rows& g,
+                   const uint32_t* pairs, uint16_t* dq, uint16_t* dk, uint16_t* dv,
+                   const Shape& sh, float scale, std::vector<uint32_t>& vt,
+                   std::vector<uint32_t>& kp, std::vector<uint32_t>& gp, std::vector<uint32_t>& qp,
+                   std::vector<uint32_t>& ds_pairs, std::vector<float>& sf,
+                   std::vector<uint16_t>& dsl) {
+  const int64_t t = sh.t, hd = sh.hd, tc = sh.tc, tr = sh.tr, hp = hd / 2;
+  pack_transposed(v, t, hd, tc, vt.data());
+  pack_row_pairs(k, t, hd, kp.data());
+  pack_row_pairs(g, t, hd, gp.data());
+  pack_row_pairs(q, t, hd, qp.data());
+  const __m512 vs = bcast(scale), one = bcast(1.0f);
+  for (int64_t i0 = 0; i0 < t; i0 += kRows) {
+    const int64_t m = std::min<int64_t>(kRows, t - i0), i_end = i0 + m;
+    const int64_t nv = sh.vectors(i_end), w = sh.written(i_end);
+    // dP rows = dO v^T, columns [0, 16 nv)
+    row_block(m, g.row32(i0), g.st / 2, 1, vt.data(), tc, hp, nv, StoreF32{sf.data(), tc});
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t i = i0 + r;
+      softmax_backward_row_bf16(pairs + (i / 2) * tc, i % 2 == 1, sf.data() + r * tc, i + 1, w,
+                                dsl.data() + r * tc);
+    }
+    if (m % 2) std::fill(dsl.data() + m * tc, dsl.data() + m * tc + w, uint16_t{0});
+    // dQ rows = scale dS k over the pairs of keys j < i_end
+    const uint32_t* d32 = reinterpret_cast<const uint32_t*>(dsl.data());
+    row_block(m, d32, tc / 2, 1, kp.data(), hd, (i_end + 1) / 2, hd / kVec,
+              StoreBf16{dq + i0 * hd, hd, vs});
+    for (int64_t r = 0; r < m; r += 2)
+      interleave_rows(dsl.data() + r * tc, dsl.data() + (r + 1) * tc, w,
+                      ds_pairs.data() + (i0 / 2 + r / 2) * tc);
+  }
+  // key rows j0 .. j0 + 5: dV = P^T dO and dK = scale dS^T q over the query pairs from j0 / 2
+  for (int64_t j0 = 0; j0 < t; j0 += kRows) {
+    const int64_t m = std::min<int64_t>(kRows, t - j0), p0 = j0 / 2, np = tr - p0;
+    row_block(m, pairs + p0 * tc + j0, 1, tc, gp.data() + p0 * hd, hd, np, hd / kVec,
+              StoreBf16{dv + j0 * hd, hd, one});
+    row_block(m, ds_pairs.data() + p0 * tc + j0, 1, tc, qp.data() + p0 * hd, hd, np, hd / kVec,
+              StoreBf16{dk + j0 * hd, hd, vs});
+  }
+}
+
+Rows head(const void* base, const int64_t* strides, int64_t b, int64_t h) {
+  return Rows{static_cast<const uint16_t*>(base) + b * strides[0] + h * strides[1], strides[2]};
+}
+
+}  // namespace
+#endif
+
+extern "C" int lmlab_causal_attention_bf16_available() {
+#ifdef LMLAB_ATTENTION_BF16
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// q, k, v (B, H, T, hd) bf16 with element strides {B, H, T} (hd contiguous, every stride even,
+// 4-byte aligned data); out (B, H, T, hd) contiguous; probs (B H, ceil(T / 2), T rounded up to
+// 16) 32-bit words: P in row pairs, for the backward. Returns 0, or -1 where not built.
+extern "C" int lmlab_causal_attention_bf16_forward(const void* q, const int64_t* qs, const void* k,
+                                                   const int64_t* ks, const void* v,
+                                                   const int64_t* vs, void* out, void* probs,
+                                                   int64_t b, int64_t h, int64_t t, int64_t hd,
+                                                   float scale) {
+#ifdef LMLAB_ATTENTION_BF16
+  const Shape sh(t, hd);
+  at::parallel_for(0, b * h, 1, [&](int64_t n0, int64_t n1) {
+    std::vector<uint32_t> kt(hd / 2 * sh.tc), vp(sh.tr * hd);
+    std::vector<float> sf(kRows * sh.tc);
+    std::vector<uint16_t> pl((kRows + 1) * sh.tc);
+    for (int64_t n = n0; n < n1; ++n) {
+      const int64_t bi = n / h, hi = n % h;
+      forward_head(head(q, qs, bi, hi), head(k, ks, bi, hi), head(v, vs, bi, hi),
+                   static_cast<uint16_t*>(out) + n * t * hd,
+                   static_cast<uint32_t*>(probs) + n * sh.tr * sh.tc, sh, scale, kt, vp, sf, pl);
+    }
+  });
+  return 0;
+#else
+  (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)out, (void)probs;
+  (void)b, (void)h, (void)t, (void)hd, (void)scale;
+  return -1;
+#endif
+}
+
+// The backward of the forward above: g = dL/dout (B, H, T, hd) with strides gs as q's; probs
+// what the forward wrote; dq, dk, dv (B, H, T, hd) contiguous. Returns 0, or -1 where not built.
+extern "C" int lmlab_causal_attention_bf16_backward(const void* q, const int64_t* qs,
+                                                    const void* k, const int64_t* ks,
+                                                    const void* v, const int64_t* vs,
+                                                    const void* g, const int64_t* gs,
+                                                    const void* probs, void* dq, void* dk, void* dv,
+                                                    int64_t b, int64_t h, int64_t t, int64_t hd,
+                                                    float scale) {
+#ifdef LMLAB_ATTENTION_BF16
+  const Shape sh(t, hd);
+  at::parallel_for(0, b * h, 1, [&](int64_t n0, int64_t n1) {
+    std::vector<uint32_t> vt(hd / 2 * sh.tc), kp(sh.tr * hd), gp(sh.tr * hd), qp(sh.tr * hd);
+    std::vector<uint32_t> ds_pairs(sh.tr * sh.tc);
+    std::vector<float> sf(kRows * sh.tc);
+    std::vector<uint16_t> dsl((kRows + 1) * sh.tc);
+    for (int64_t n = n0; n < n1; ++n) {
+      const int64_t bi = n / h, hi = n % h, off = n * t * hd;
+      backward_head(head(q, qs, bi, hi), head(k, ks, bi, hi), head(v, vs, bi, hi),
+                    head(g, gs, bi, hi), static_cast<const uint32_t*>(probs) + n * sh.tr * sh.tc,
+                    static_cast<uint16_t*>(dq) + off, static_cast<uint16_t*>(dk) + off,
+                    static_cast<uint16_t*>(dv) + off, sh, scale, vt, kp, gp, qp, ds_pairs, sf,
+                    dsl);
+    }
+  });
+  return 0;
+#else
+  (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)g, (void)gs, (void)probs;
+  (void)dq, (void)dk, (void)dv, (void)b, (void)h, (void)t, (void)hd, (void)scale;
+  return -1;
+#endif
+}
