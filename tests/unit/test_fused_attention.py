@@ -52,21 +52,24 @@ def _err(got: list[torch.Tensor], ref: list[torch.Tensor]) -> list[float]:
 
 @needs_fused
 @pytest.mark.parametrize(
-    ("b", "h", "t", "hd"),
+    ("b", "h", "t", "hd", "hdv"),
     [
-        (1, 1, 1, 16),  # one token
-        (1, 2, 2, 16),
-        (2, 3, 7, 16),  # one odd row block
-        (2, 2, 17, 32),  # a 16-column vector and one more; an odd last row pair
-        (1, 2, 37, 48),  # three vectors of hd
-        (2, 2, 64, 32),  # nanoGPT's shape
-        (1, 2, 100, 128),  # hd wider than one register tile
-        (2, 4, 256, 64),  # the Mini-GPT shape
+        (1, 1, 1, 16, 16),  # one token
+        (1, 2, 2, 16, 16),
+        (2, 3, 7, 16, 16),  # one odd row block
+        (2, 2, 17, 32, 32),  # a 16-column vector and one more; an odd last row pair
+        (1, 2, 37, 48, 48),  # three vectors of hd
+        (2, 2, 64, 32, 32),  # nanoGPT's shape
+        (1, 2, 100, 128, 128),  # hd wider than one register tile
+        (2, 4, 256, 64, 64),  # the Mini-GPT shape
+        (2, 2, 33, 48, 32),  # v narrower than q and k (MLA: nope + rope dims vs v's)
+        (1, 3, 50, 16, 80),  # v wider
     ],
 )
-def test_fused_attention_is_the_float64_formula_to_bf16_rounding(b, h, t, hd):
+def test_fused_attention_is_the_float64_formula_to_bf16_rounding(b, h, t, hd, hdv):
     torch.manual_seed(t * 100 + hd)
-    q, k, v, g = (torch.randn(b, h, t, hd).bfloat16() for _ in range(4))
+    q, k = (torch.randn(b, h, t, hd).bfloat16() for _ in range(2))
+    v, g = (torch.randn(b, h, t, hdv).bfloat16() for _ in range(2))
     q = q * 2  # sharper rows than unit scores
     scale = hd**-0.5
     ref = _exact(q, k, v, scale, g)
@@ -146,6 +149,7 @@ def test_fused_attention_refuses_second_order_gradients():
         [torch.ones(1, 2, 0, 16).bfloat16()] * 3,  # no tokens
         [torch.ones(2, 4, 16).bfloat16()] * 3,  # 3-d
         [torch.ones(1, 2, 4, 16).bfloat16(), torch.ones(1, 2, 5, 16).bfloat16()] * 2,  # lengths
+        [torch.ones(1, 2, 4, 16).bfloat16()] * 2 + [torch.ones(1, 2, 4, 24).bfloat16()],  # v's hd
         [torch.ones(1, 2, 4, 16, device="meta").bfloat16()] * 3,
     ],
 )
@@ -155,16 +159,27 @@ def test_fused_attention_refuses_what_it_cannot_read(args):
 
 
 @needs_fused
-def test_bf16_training_takes_the_fused_attention_with_the_bmm_paths_function(monkeypatch):
+@pytest.mark.skipif(
+    not train_kernel.attention_bf16_preferred(), reason="an AMX CPU: training keeps the bmm path"
+)
+@pytest.mark.parametrize("preset", [None, "deepseek-mla"])  # the default model; MLA (hdv != hd)
+def test_bf16_training_takes_the_fused_attention_with_the_bmm_paths_function(preset, monkeypatch):
     # the sdpa backend's bf16 training call (attention_sdpa -> causal_attention_train) runs the
     # fused operator, and a whole model's loss and gradients match the batched-matmul path's
+    from pathlib import Path
+
     from torch.profiler import ProfilerActivity, profile
 
-    from lmlab.config import ModelConfig
+    from lmlab.config import ModelConfig, load_config
     from lmlab.models import build_model
 
-    cfg = ModelConfig(vocab_size=50, d_model=64, n_layers=2, max_seq_len=40)
-    cfg.attention.n_heads = 4
+    if preset is None:
+        cfg = ModelConfig(vocab_size=50, d_model=64, n_layers=2, max_seq_len=40)
+        cfg.attention.n_heads = 4
+    else:
+        root = Path(__file__).resolve().parents[2]
+        cfg = load_config(root / "configs" / f"{preset}.yaml").model
+        cfg.vocab_size, cfg.max_seq_len = 50, 40
     torch.manual_seed(0)
     model = build_model(cfg)
     ids = torch.randint(0, 50, (3, 41))
@@ -206,3 +221,11 @@ def test_training_attention_without_the_fused_kernel_is_the_bmm_path(monkeypatch
         assert not train_kernel.attention_bf16_available()
         want = core.causal_attention_bmm(q, k, v, 0.5)
         assert torch.equal(core.causal_attention_train(q, k, v, 0.5), want)
+
+
+def test_training_keeps_the_batched_matmuls_on_amx_cpus(monkeypatch):
+    # oneDNN's batched matmuls run on the AMX tiles there; the kernel was not measured there
+    monkeypatch.setattr(train_kernel, "_AMX", [True])
+    assert not train_kernel.attention_bf16_preferred()
+    monkeypatch.setattr(train_kernel, "_AMX", [False])
+    assert train_kernel.attention_bf16_preferred() == train_kernel.attention_bf16_available()

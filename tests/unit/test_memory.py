@@ -129,13 +129,13 @@ def test_the_bmm_count_is_what_a_bf16_training_forward_calls(model, monkeypatch)
     import lmlab.nn.attention_core as core
 
     calls: list[int] = []
-    real = core.causal_attention_bmm
+    real = core.causal_attention_train  # the fused kernel or the batched matmuls: both keep P
 
     def spy(q, k, v, scale):
         calls.append(q.shape[1] * q.shape[2])  # H T per query token
         return real(q, k, v, scale)
 
-    monkeypatch.setattr(core, "causal_attention_bmm", spy)
+    monkeypatch.setattr(core, "causal_attention_train", spy)
     cfg = tiny_config(
         model={"max_seq_len": 32, **model},
         train={"batch_size": 2, "precision": "bf16", "device": "cpu"},

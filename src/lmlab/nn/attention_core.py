@@ -135,16 +135,17 @@ BMM_CAUSAL_MAX_T = 256
 # (lmlab.nn.train_kernel.causal_softmax_: the lower triangle only, in place); False keeps
 # masked_fill + torch.softmax (A/B benchmarks).
 TRAIN_SOFTMAX_KERNEL = True
-# In that path, lmlab's fused causal attention where it is built (AVX512-BF16 CPUs, a head dim
-# that is a multiple of 16: torch.ops.lmlab.causal_attention_bf16, attention_kernels.cpp): one
-# (batch, head) at a time in cache, the blocks above the diagonal never multiplied; False keeps
-# the batched matmuls (A/B benchmarks: `benchmarks/train_step_ab.py --attention-kernel`).
+# In that path, lmlab's fused causal attention where it is built and preferred (AVX512-BF16
+# CPUs without AMX, head dims that are multiples of 16: torch.ops.lmlab.causal_attention_bf16,
+# attention_kernels.cpp): one (batch, head) at a time in cache, the blocks above the diagonal
+# never multiplied; False keeps the batched matmuls (A/B benchmarks:
+# `benchmarks/train_step_ab.py --attention-kernel`).
 TRAIN_FUSED_ATTENTION = True
 _CAUSAL_ABOVE: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def bmm_causal_applies(q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> bool:
-    """Whether :func:`attention_sdpa`'s causal call takes :func:`causal_attention_bmm`: a
+    """Whether :func:`attention_sdpa`'s causal call takes :func:`causal_attention_train`: a
     bfloat16 CPU call that records gradients (training: the fused kernel's bf16 backward is the
     slow part; its forward alone is faster), no dropout, 1 < T = S <= BMM_CAUSAL_MAX_T, not
     under torch.compile (which fuses attention itself)."""
@@ -246,13 +247,15 @@ def causal_attention_bmm(
 def causal_attention_train(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Causal softmax(q k^T * scale) v for bf16 CPU training (:func:`bmm_causal_applies`), q, k,
-    v (B, H, T, hd) -> (B, H, T, hd): lmlab's fused kernel
+    """Causal softmax(q k^T * scale) v for bf16 CPU training (:func:`bmm_causal_applies`), q and
+    k (B, H, T, hd), v (B, H, T, hdv) -> (B, H, T, hdv): lmlab's fused kernel
     (``torch.ops.lmlab.causal_attention_bf16``: per (batch, head), S = q k^T scale in float32
     over the blocks on or below the diagonal only, the softmax rounded once to bf16, P v, and
     the backward likewise, with AVX512-BF16 dot products; about half the multiply-adds of
-    three full batched matmuls) where it is built and :data:`TRAIN_FUSED_ATTENTION` is on and
-    hd is a multiple of 16; :func:`causal_attention_bmm` otherwise. Both keep P (bf16, T^2 per
+    the six full batched matmuls) where it is built and preferred (no AMX:
+    :func:`lmlab.nn.train_kernel.attention_bf16_preferred`), :data:`TRAIN_FUSED_ATTENTION` is on
+    and the head dims of q, k and v are multiples of 16 (v's may differ: MLA);
+    :func:`causal_attention_bmm` otherwise. Both keep P (bf16, T^2 per
     head) for the backward and have no second-order gradients; they agree to bf16 rounding
     (the fused kernel does not round q scale and the scores to bf16 first)."""
     from lmlab.nn import train_kernel
@@ -260,8 +263,9 @@ def causal_attention_train(
     if (
         TRAIN_FUSED_ATTENTION
         and q.shape[-1] % 16 == 0
+        and v.shape[-1] % 16 == 0
         and q.dtype == torch.bfloat16
-        and train_kernel.attention_bf16_available()
+        and train_kernel.attention_bf16_preferred()
     ):
         return torch.ops.lmlab.causal_attention_bf16(q, k, v, scale)
     return causal_attention_bmm(q, k, v, scale)

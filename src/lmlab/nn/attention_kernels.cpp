@@ -1,7 +1,8 @@
 // Causal attention for bfloat16 training, one (batch, head) at a time in cache, with AVX512-BF16
 // dot products (torch.ops.lmlab.causal_attention_bf16, train_ops.cpp; lmlab.nn.attention_core).
 //
-// Legend: T tokens, hd the head dim (a multiple of 16), s the softmax scale. For each (b, h):
+// Legend: T tokens, hd the head dim of q and k, hdv of v (multiples of 16), s the softmax scale.
+// For each (b, h):
 //   forward   S = s q k^T (float32), P = softmax over j <= i of row i (float32, rounded to bf16,
 //             0 above the diagonal), out = P v
 //   backward  dP = dO v^T, dS = P (dP - rowsum(P dP)), dQ = s dS k, dK = s dS^T q, dV = P^T dO
@@ -124,26 +125,63 @@ struct StoreBf16 {  // rounded to bf16 after a multiply by scale
   }
 };
 
-// dst[p][c] = (src row 2p, src row 2p + 1) at column c, for p < ceil(t / 2); a row t is 0.
-void pack_row_pairs(const Rows& src, int64_t t, int64_t hd, uint32_t* dst) {
+// dst[p][c] = (src row 2p, src row 2p + 1) at column c < cols, for p < ceil(t / 2); a row t is 0.
+void pack_row_pairs(const Rows& src, int64_t t, int64_t cols, uint32_t* dst) {
   for (int64_t p = 0; 2 * p < t; ++p) {
     const uint16_t* r0 = src.p + 2 * p * src.st;
     const bool has1 = 2 * p + 1 < t;
     const uint16_t* r1 = src.p + (2 * p + 1) * src.st;
-    for (int64_t c = 0; c < hd; c += kVec) {
+    for (int64_t c = 0; c < cols; c += kVec) {
       __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + c)));
       __m512i hi = has1 ? _mm512_cvtepu16_epi32(
                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + c)))
                         : _mm512_setzero_si512();
-      _mm512_storeu_si512(dst + p * hd + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      _mm512_storeu_si512(dst + p * cols + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
     }
   }
 }
 
-// dst[c][j] = (src[j][2c], src[j][2c + 1]) for c < hd / 2, j < t; 0 for t <= j < tc.
-void pack_transposed(const Rows& src, int64_t t, int64_t hd, int64_t tc, uint32_t* dst) {
-  const int64_t hp = hd / 2;
-  for (int64_t j = 0; j < t; ++j) {
+// The 16 x 16 block of 32-bit words at rows r[0..15] (columns c .. c + 15 of each) stored
+// transposed: dst[i * ld + j] = r[j][c + i].
+inline void transpose16(const uint32_t* const* r, int64_t c, uint32_t* dst, int64_t ld) {
+  __m512i x[16], y[16];
+  for (int i = 0; i < 16; ++i) x[i] = _mm512_loadu_si512(static_cast<const void*>(r[i] + c));
+  for (int i = 0; i < 16; i += 2) {  // pairs of rows, 32-bit words interleaved
+    y[i] = _mm512_unpacklo_epi32(x[i], x[i + 1]);
+    y[i + 1] = _mm512_unpackhi_epi32(x[i], x[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // quads of rows, 64-bit pairs interleaved
+    x[i] = _mm512_unpacklo_epi64(y[i], y[i + 2]);
+    x[i + 1] = _mm512_unpackhi_epi64(y[i], y[i + 2]);
+    x[i + 2] = _mm512_unpacklo_epi64(y[i + 1], y[i + 3]);
+    x[i + 3] = _mm512_unpackhi_epi64(y[i + 1], y[i + 3]);
+  }
+  // x[4 q + s]: 128-bit lane L holds column 4 L + s of rows 4 q .. 4 q + 3
+  for (int s = 0; s < 4; ++s) {
+    const __m512i a = _mm512_shuffle_i32x4(x[s], x[4 + s], 0x88);       // lanes 0, 2 | 0, 2
+    const __m512i b = _mm512_shuffle_i32x4(x[8 + s], x[12 + s], 0x88);
+    const __m512i c2 = _mm512_shuffle_i32x4(x[s], x[4 + s], 0xdd);      // lanes 1, 3 | 1, 3
+    const __m512i d = _mm512_shuffle_i32x4(x[8 + s], x[12 + s], 0xdd);
+    // columns s (lane 0), 8 + s (lane 2) / 4 + s (lane 1), 12 + s (lane 3), rows 0 .. 15
+    _mm512_storeu_si512(dst + s * ld, _mm512_shuffle_i32x4(a, b, 0x88));
+    _mm512_storeu_si512(dst + (8 + s) * ld, _mm512_shuffle_i32x4(a, b, 0xdd));
+    _mm512_storeu_si512(dst + (4 + s) * ld, _mm512_shuffle_i32x4(c2, d, 0x88));
+    _mm512_storeu_si512(dst + (12 + s) * ld, _mm512_shuffle_i32x4(c2, d, 0xdd));
+  }
+}
+
+// dst[c][j] = (src[j][2c], src[j][2c + 1]) for c < cols / 2, j < t; 0 for t <= j < tc.
+void pack_transposed(const Rows& src, int64_t t, int64_t cols, int64_t tc, uint32_t* dst) {
+  const int64_t hp = cols / 2, cfull = hp / 16 * 16;
+  int64_t j0 = 0;
+  for (; j0 + 16 <= t; j0 += 16) {  // 16 x 16 blocks, then the columns left over one by one
+    const uint32_t* r[16];
+    for (int i = 0; i < 16; ++i) r[i] = src.row32(j0 + i);
+    for (int64_t c = 0; c < cfull; c += 16) transpose16(r, c, dst + c * tc + j0, tc);
+    for (int64_t c = cfull; c < hp; ++c)
+      for (int i = 0; i < 16; ++i) dst[c * tc + j0 + i] = r[i][c];
+  }
+  for (int64_t j = j0; j < t; ++j) {
     const uint32_t* r = src.row32(j);
     for (int64_t c = 0; c < hp; ++c) dst[c * tc + j] = r[c];
   }
@@ -152,11 +190,16 @@ void pack_transposed(const Rows& src, int64_t t, int64_t hd, int64_t tc, uint32_
 }
 
 // Two bf16 rows (w columns, a multiple of 16) into one row of pairs: dst[j] = (r0[j], r1[j]).
+// kStream: dst 64-byte aligned, written around the caches (P for the backward pass: 8 MB a
+// layer at the Mini-GPT shape, not read again before then; the caller fences).
+template <bool kStream>
 void interleave_rows(const uint16_t* r0, const uint16_t* r1, int64_t w, uint32_t* dst) {
   for (int64_t j = 0; j < w; j += kVec) {
     __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + j)));
     __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + j)));
-    _mm512_storeu_si512(dst + j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    const __m512i x = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+    if (kStream) _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + j), x);
+    else _mm512_storeu_si512(dst + j, x);
   }
 }
 
@@ -214,8 +257,9 @@ void softmax_backward_row_bf16(const uint32_t* p_pairs, bool odd, const float* d
 }
 
 struct Shape {
-  int64_t t, hd, tc, tr;  // tokens, head dim, T rounded up to 16, row pairs ceil(T / 2)
-  explicit Shape(int64_t t_, int64_t hd_) : t(t_), hd(hd_), tc(round_up(t_, kVec)), tr((t_ + 1) / 2) {}
+  int64_t t, hd, hdv, tc, tr;  // tokens, q/k and v head dims, T rounded up to 16, ceil(T / 2)
+  Shape(int64_t t_, int64_t hd_, int64_t hdv_)
+      : t(t_), hd(hd_), hdv(hdv_), tc(round_up(t_, kVec)), tr((t_ + 1) / 2) {}
   // row block [i0, i0 + m): columns its products reach (vectors), and the columns its bf16 rows
   // (and their pairs) are written to: 16 more, zeros, so that every row i has 0 on (i, i + 6]
   int64_t vectors(int64_t i_end) const { return (i_end + kVec - 1) / kVec; }
@@ -226,10 +270,11 @@ struct Shape {
 void forward_head(const Rows& q, const Rows& k, const Rows& v, uint16_t* out, uint32_t* pairs,
                   const Shape& sh, float scale, std::vector<uint32_t>& kt,
                   std::vector<uint32_t>& vp, std::vector<float>& sf, std::vector<uint16_t>& pl) {
-  const int64_t t = sh.t, hd = sh.hd, tc = sh.tc, hp = hd / 2;
+  const int64_t t = sh.t, hd = sh.hd, hdv = sh.hdv, tc = sh.tc, hp = hd / 2;
   pack_transposed(k, t, hd, tc, kt.data());
-  pack_row_pairs(v, t, hd, vp.data());
+  pack_row_pairs(v, t, hdv, vp.data());
   const __m512 one = bcast(1.0f);
+  const bool stream = reinterpret_cast<uintptr_t>(pairs) % 64 == 0;  // at::empty's alignment
   for (int64_t i0 = 0; i0 < t; i0 += kRows) {
     const int64_t m = std::min<int64_t>(kRows, t - i0), i_end = i0 + m;
     const int64_t nv = sh.vectors(i_end), w = sh.written(i_end);
@@ -240,12 +285,16 @@ void forward_head(const Rows& q, const Rows& k, const Rows& v, uint16_t* out, ui
     if (m % 2) std::fill(pl.data() + m * tc, pl.data() + m * tc + w, uint16_t{0});
     // out rows = P v over the pairs of keys j < i_end
     const uint32_t* p32 = reinterpret_cast<const uint32_t*>(pl.data());
-    row_block(m, p32, tc / 2, 1, vp.data(), hd, (i_end + 1) / 2, hd / kVec,
-              StoreBf16{out + i0 * hd, hd, one});
-    for (int64_t r = 0; r < m; r += 2)
-      interleave_rows(pl.data() + r * tc, pl.data() + (r + 1) * tc, w,
-                      pairs + (i0 / 2 + r / 2) * tc);
+    row_block(m, p32, tc / 2, 1, vp.data(), hdv, (i_end + 1) / 2, hdv / kVec,
+              StoreBf16{out + i0 * hdv, hdv, one});
+    for (int64_t r = 0; r < m; r += 2) {
+      const uint16_t *r0 = pl.data() + r * tc, *r1 = r0 + tc;
+      uint32_t* dst = pairs + (i0 / 2 + r / 2) * tc;
+      if (stream) interleave_rows<true>(r0, r1, w, dst);
+      else interleave_rows<false>(r0, r1, w, dst);
+    }
   }
+  if (stream) _mm_sfence();  // the streamed P is in memory before anyone reads it
 }
 
 // One (b, h) backward: dq, dk, dv (t rows of hd, contiguous).
@@ -255,17 +304,21 @@ void backward_head(const Rows& q, const Rows& k, const Rows& v, const Rows& g,
                    std::vector<uint32_t>& kp, std::vector<uint32_t>& gp, std::vector<uint32_t>& qp,
                    std::vector<uint32_t>& ds_pairs, std::vector<float>& sf,
                    std::vector<uint16_t>& dsl) {
-  const int64_t t = sh.t, hd = sh.hd, tc = sh.tc, tr = sh.tr, hp = hd / 2;
-  pack_transposed(v, t, hd, tc, vt.data());
+  const int64_t t = sh.t, hd = sh.hd, hdv = sh.hdv, tc = sh.tc, tr = sh.tr, hp = hd / 2;
+  pack_transposed(v, t, hdv, tc, vt.data());
   pack_row_pairs(k, t, hd, kp.data());
-  pack_row_pairs(g, t, hd, gp.data());
+  pack_row_pairs(g, t, hdv, gp.data());
   pack_row_pairs(q, t, hd, qp.data());
   const __m512 vs = bcast(scale), one = bcast(1.0f);
   for (int64_t i0 = 0; i0 < t; i0 += kRows) {
     const int64_t m = std::min<int64_t>(kRows, t - i0), i_end = i0 + m;
     const int64_t nv = sh.vectors(i_end), w = sh.written(i_end);
+    // the next block's rows of P, from memory while this block's products run
+    for (int64_t p = (i0 + kRows) / 2; p < std::min(tr, (i0 + 2 * kRows) / 2); ++p)
+      for (int64_t j = 0; j < sh.written(std::min(t, i0 + 2 * kRows)); j += kVec)
+        _mm_prefetch(reinterpret_cast<const char*>(pairs + p * tc + j), _MM_HINT_T0);
     // dP rows = dO v^T, columns [0, 16 nv)
-    row_block(m, g.row32(i0), g.st / 2, 1, vt.data(), tc, hp, nv, StoreF32{sf.data(), tc});
+    row_block(m, g.row32(i0), g.st / 2, 1, vt.data(), tc, hdv / 2, nv, StoreF32{sf.data(), tc});
     for (int64_t r = 0; r < m; ++r) {
       const int64_t i = i0 + r;
       softmax_backward_row_bf16(pairs + (i / 2) * tc, i % 2 == 1, sf.data() + r * tc, i + 1, w,
@@ -277,14 +330,14 @@ void backward_head(const Rows& q, const Rows& k, const Rows& v, const Rows& g,
     row_block(m, d32, tc / 2, 1, kp.data(), hd, (i_end + 1) / 2, hd / kVec,
               StoreBf16{dq + i0 * hd, hd, vs});
     for (int64_t r = 0; r < m; r += 2)
-      interleave_rows(dsl.data() + r * tc, dsl.data() + (r + 1) * tc, w,
-                      ds_pairs.data() + (i0 / 2 + r / 2) * tc);
+      interleave_rows<false>(dsl.data() + r * tc, dsl.data() + (r + 1) * tc, w,
+                             ds_pairs.data() + (i0 / 2 + r / 2) * tc);
   }
   // key rows j0 .. j0 + 5: dV = P^T dO and dK = scale dS^T q over the query pairs from j0 / 2
   for (int64_t j0 = 0; j0 < t; j0 += kRows) {
     const int64_t m = std::min<int64_t>(kRows, t - j0), p0 = j0 / 2, np = tr - p0;
-    row_block(m, pairs + p0 * tc + j0, 1, tc, gp.data() + p0 * hd, hd, np, hd / kVec,
-              StoreBf16{dv + j0 * hd, hd, one});
+    row_block(m, pairs + p0 * tc + j0, 1, tc, gp.data() + p0 * hdv, hdv, np, hdv / kVec,
+              StoreBf16{dv + j0 * hdv, hdv, one});
     row_block(m, ds_pairs.data() + p0 * tc + j0, 1, tc, qp.data() + p0 * hd, hd, np, hd / kVec,
               StoreBf16{dk + j0 * hd, hd, vs});
   }
@@ -305,64 +358,66 @@ extern "C" int lmlab_causal_attention_bf16_available() {
 #endif
 }
 
-// q, k, v (B, H, T, hd) bf16 with element strides {B, H, T} (hd contiguous, every stride even,
-// 4-byte aligned data); out (B, H, T, hd) contiguous; probs (B H, ceil(T / 2), T rounded up to
+// q, k (B, H, T, hd) and v (B, H, T, hdv) bf16 with element strides {B, H, T} (rows contiguous,
+// every stride even, 4-byte aligned data; hd and hdv multiples of 16); out (B, H, T, hdv)
+// contiguous; probs (B H, ceil(T / 2), T rounded up to
 // 16) 32-bit words: P in row pairs, for the backward. Returns 0, or -1 where not built.
 extern "C" int lmlab_causal_attention_bf16_forward(const void* q, const int64_t* qs, const void* k,
                                                    const int64_t* ks, const void* v,
                                                    const int64_t* vs, void* out, void* probs,
                                                    int64_t b, int64_t h, int64_t t, int64_t hd,
-                                                   float scale) {
+                                                   int64_t hdv, float scale) {
 #ifdef LMLAB_ATTENTION_BF16
-  const Shape sh(t, hd);
+  const Shape sh(t, hd, hdv);
   at::parallel_for(0, b * h, 1, [&](int64_t n0, int64_t n1) {
-    std::vector<uint32_t> kt(hd / 2 * sh.tc), vp(sh.tr * hd);
+    std::vector<uint32_t> kt(hd / 2 * sh.tc), vp(sh.tr * hdv);
     std::vector<float> sf(kRows * sh.tc);
     std::vector<uint16_t> pl((kRows + 1) * sh.tc);
     for (int64_t n = n0; n < n1; ++n) {
       const int64_t bi = n / h, hi = n % h;
       forward_head(head(q, qs, bi, hi), head(k, ks, bi, hi), head(v, vs, bi, hi),
-                   static_cast<uint16_t*>(out) + n * t * hd,
+                   static_cast<uint16_t*>(out) + n * t * hdv,
                    static_cast<uint32_t*>(probs) + n * sh.tr * sh.tc, sh, scale, kt, vp, sf, pl);
     }
   });
   return 0;
 #else
   (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)out, (void)probs;
-  (void)b, (void)h, (void)t, (void)hd, (void)scale;
+  (void)b, (void)h, (void)t, (void)hd, (void)hdv, (void)scale;
   return -1;
 #endif
 }
 
-// The backward of the forward above: g = dL/dout (B, H, T, hd) with strides gs as q's; probs
-// what the forward wrote; dq, dk, dv (B, H, T, hd) contiguous. Returns 0, or -1 where not built.
+// The backward of the forward above: g = dL/dout (B, H, T, hdv) with strides gs as q's; probs
+// what the forward wrote; dq, dk (B, H, T, hd) and dv (B, H, T, hdv) contiguous. Returns 0, or
+// -1 where not built.
 extern "C" int lmlab_causal_attention_bf16_backward(const void* q, const int64_t* qs,
                                                     const void* k, const int64_t* ks,
                                                     const void* v, const int64_t* vs,
                                                     const void* g, const int64_t* gs,
                                                     const void* probs, void* dq, void* dk, void* dv,
                                                     int64_t b, int64_t h, int64_t t, int64_t hd,
-                                                    float scale) {
+                                                    int64_t hdv, float scale) {
 #ifdef LMLAB_ATTENTION_BF16
-  const Shape sh(t, hd);
+  const Shape sh(t, hd, hdv);
   at::parallel_for(0, b * h, 1, [&](int64_t n0, int64_t n1) {
-    std::vector<uint32_t> vt(hd / 2 * sh.tc), kp(sh.tr * hd), gp(sh.tr * hd), qp(sh.tr * hd);
+    std::vector<uint32_t> vt(hdv / 2 * sh.tc), kp(sh.tr * hd), gp(sh.tr * hdv), qp(sh.tr * hd);
     std::vector<uint32_t> ds_pairs(sh.tr * sh.tc);
     std::vector<float> sf(kRows * sh.tc);
     std::vector<uint16_t> dsl((kRows + 1) * sh.tc);
     for (int64_t n = n0; n < n1; ++n) {
-      const int64_t bi = n / h, hi = n % h, off = n * t * hd;
+      const int64_t bi = n / h, hi = n % h, off = n * t * hd, offv = n * t * hdv;
       backward_head(head(q, qs, bi, hi), head(k, ks, bi, hi), head(v, vs, bi, hi),
                     head(g, gs, bi, hi), static_cast<const uint32_t*>(probs) + n * sh.tr * sh.tc,
                     static_cast<uint16_t*>(dq) + off, static_cast<uint16_t*>(dk) + off,
-                    static_cast<uint16_t*>(dv) + off, sh, scale, vt, kp, gp, qp, ds_pairs, sf,
+                    static_cast<uint16_t*>(dv) + offv, sh, scale, vt, kp, gp, qp, ds_pairs, sf,
                     dsl);
     }
   });
   return 0;
 #else
   (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)g, (void)gs, (void)probs;
-  (void)dq, (void)dk, (void)dv, (void)b, (void)h, (void)t, (void)hd, (void)scale;
+  (void)dq, (void)dk, (void)dv, (void)b, (void)h, (void)t, (void)hd, (void)hdv, (void)scale;
   return -1;
 #endif
 }

@@ -43,14 +43,14 @@ extern "C" int lmlab_causal_attention_bf16_forward(const void* q, const int64_t*
                                                    const int64_t* ks, const void* v,
                                                    const int64_t* vs, void* out, void* probs,
                                                    int64_t b, int64_t h, int64_t t, int64_t hd,
-                                                   float scale);
+                                                   int64_t hdv, float scale);
 extern "C" int lmlab_causal_attention_bf16_backward(const void* q, const int64_t* qs,
                                                     const void* k, const int64_t* ks,
                                                     const void* v, const int64_t* vs,
                                                     const void* g, const int64_t* gs,
                                                     const void* probs, void* dq, void* dk, void* dv,
                                                     int64_t b, int64_t h, int64_t t, int64_t hd,
-                                                    float scale);
+                                                    int64_t hdv, float scale);
 
 namespace {
 
@@ -251,15 +251,15 @@ struct CausalAttentionBf16 : public torch::autograd::Function<CausalAttentionBf1
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& k_in,
                             const at::Tensor& v_in, double scale) {
     const at::Tensor q = pair_readable(q_in), k = pair_readable(k_in), v = pair_readable(v_in);
-    const int64_t b = q.size(0), h = q.size(1), t = q.size(2), hd = q.size(3);
+    const int64_t b = q.size(0), h = q.size(1), t = q.size(2), hd = q.size(3), hdv = v.size(3);
     const int64_t tr = (t + 1) / 2, tc = (t + 15) / 16 * 16;
-    at::Tensor out = at::empty({b, h, t, hd}, q.options());
+    at::Tensor out = at::empty({b, h, t, hdv}, q.options());
     at::Tensor probs = at::empty({b * h, tr, tc}, q.options().dtype(at::kInt));  // P, row pairs
     const int64_t qs[3] = {q.stride(0), q.stride(1), q.stride(2)};
     const int64_t ks[3] = {k.stride(0), k.stride(1), k.stride(2)};
     const int64_t vs[3] = {v.stride(0), v.stride(1), v.stride(2)};
     lmlab_causal_attention_bf16_forward(q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs,
-                                        out.data_ptr(), probs.data_ptr(), b, h, t, hd,
+                                        out.data_ptr(), probs.data_ptr(), b, h, t, hd, hdv,
                                         static_cast<float>(scale));
     ctx->save_for_backward({q, k, v, probs});
     ctx->saved_data["scale"] = scale;
@@ -271,17 +271,17 @@ struct CausalAttentionBf16 : public torch::autograd::Function<CausalAttentionBf1
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &probs = saved[3];
     const at::Tensor g = pair_readable(grads[0].to(at::kBFloat16));
-    const int64_t b = q.size(0), h = q.size(1), t = q.size(2), hd = q.size(3);
+    const int64_t b = q.size(0), h = q.size(1), t = q.size(2), hd = q.size(3), hdv = v.size(3);
     const auto opts = q.options();
     at::Tensor dq = at::empty({b, h, t, hd}, opts), dk = at::empty({b, h, t, hd}, opts);
-    at::Tensor dv = at::empty({b, h, t, hd}, opts);
+    at::Tensor dv = at::empty({b, h, t, hdv}, opts);
     const int64_t qs[3] = {q.stride(0), q.stride(1), q.stride(2)};
     const int64_t ks[3] = {k.stride(0), k.stride(1), k.stride(2)};
     const int64_t vs[3] = {v.stride(0), v.stride(1), v.stride(2)};
     const int64_t gs[3] = {g.stride(0), g.stride(1), g.stride(2)};
     lmlab_causal_attention_bf16_backward(
         q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs, g.data_ptr(), gs, probs.data_ptr(),
-        dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), b, h, t, hd,
+        dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), b, h, t, hd, hdv,
         static_cast<float>(ctx->saved_data["scale"].toDouble()));
     return {dq, dk, dv, at::Tensor()};
   }
@@ -290,12 +290,14 @@ struct CausalAttentionBf16 : public torch::autograd::Function<CausalAttentionBf1
 at::Tensor causal_attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  double scale) {
   for (const auto* t : {&q, &k, &v}) check_cpu(*t, "causal_attention_bf16", "q, k and v");
-  TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.sizes() == q.sizes() &&
+  TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.dim() == 4 &&
+                  v.sizes().slice(0, 3) == q.sizes().slice(0, 3) &&
                   q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
                   v.scalar_type() == at::kBFloat16,
-              "lmlab.causal_attention_bf16: q, k and v bfloat16 (B, H, T, hd), one shape");
-  TORCH_CHECK(q.size(2) >= 1 && q.size(3) >= 16 && q.size(3) % 16 == 0,
-              "lmlab.causal_attention_bf16: T >= 1 and a head dim that is a multiple of 16");
+              "lmlab.causal_attention_bf16: q and k (B, H, T, hd), v (B, H, T, hdv), bfloat16");
+  TORCH_CHECK(q.size(2) >= 1 && q.size(3) >= 16 && q.size(3) % 16 == 0 && v.size(3) >= 16 &&
+                  v.size(3) % 16 == 0,
+              "lmlab.causal_attention_bf16: T >= 1 and head dims that are multiples of 16");
   TORCH_CHECK(lmlab_causal_attention_bf16_available() == 1,
               "lmlab.causal_attention_bf16: not built here (it needs a CPU with AVX512-BF16)");
   return CausalAttentionBf16::apply(q, k, v, scale);

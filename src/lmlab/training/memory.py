@@ -131,8 +131,10 @@ def estimate_training_memory(cfg: RunConfig) -> MemoryEstimate:
 
 def _bmm_causal_elements(model: torch.nn.Module, t: Any, seq: int, a: int) -> int:
     """Per token: the probabilities (H T elements, at ``a`` bytes) that the bf16 CPU causal
-    attention path keeps for backward (:func:`lmlab.nn.attention_core.causal_attention_bmm`)
-    in every attention module that takes it; the ``sdpa`` backend's fused kernels keep none, so
+    attention path keeps for backward (:func:`lmlab.nn.attention_core.causal_attention_train`:
+    the fused kernel keeps them in row pairs, ceil(T / 2) x T rounded up to 16 words of two
+    bf16, the same bytes where 16 divides T; the batched matmuls as (T, T) bf16) in every
+    attention module that takes it; the ``sdpa`` backend's fused kernels keep none, so
     its ``saved_score_elements`` says 0. The path is taken (``attend``'s causal fast path, then
     :func:`~lmlab.nn.attention_core.bmm_causal_applies`) under bf16 on a CPU without
     ``train.compile``, for the ``sdpa`` backend with no attention dropout, a plain causal mask,
