@@ -13,6 +13,14 @@ float64 formula, see ``train_kernels.cpp``), then one rounding to the scores' dt
 uses it for bfloat16 scores only (the batched-matmul attention path): a float32 run keeps
 torch's ops and their bits.
 
+**Fused causal attention** (``torch.ops.lmlab.causal_attention_bf16``, ``attention_kernels.cpp``,
+built into the same library where the CPU has AVX512-BF16: :func:`attention_bf16_available`;
+bf16 training takes it through :func:`lmlab.nn.attention_core.causal_attention_train`): the
+attention of one (batch, head) at a time in cache, forward and backward, with bf16 dot products
+summed in float32, multiplying only the blocks on or below the diagonal (about half of what
+the six full batched matmuls of the forward and backward multiply) and keeping P for the
+backward in row pairs.
+
 **Gradient clipping** (:func:`clip_grads_`, used by :func:`lmlab.training.guard.clip_gradients`
 for plain float32 CPU gradients): the global L2 norm in one threaded float64 pass and, only when
 the coefficient is below 1, one scaling pass; one call in place of torch's per-tensor norms,
@@ -108,6 +116,22 @@ def attention_bf16_available() -> bool:
         return False
     lib = _kernel.load()
     return lib is not None and lib.lmlab_causal_attention_bf16_available() == 1
+
+
+_AMX: list[bool] = []  # whether the CPU lists amx_bf16, read once
+
+
+def attention_bf16_preferred() -> bool:
+    """Whether bf16 training takes the fused attention: :func:`attention_bf16_available` on a
+    CPU without AMX. Where /proc/cpuinfo lists ``amx_bf16``, oneDNN's batched matmuls run on the
+    AMX tiles (the 2-core Xeon measured 1.4-1.6 TFLOP/s of bf16 matmul, against about 0.43 on
+    the Zen 4 where the kernel's AVX512-BF16 dot products were measured), and the kernel has not
+    been measured against them there: the batched matmuls stay."""
+    if not _AMX:
+        from lmlab.training.hardware import cpu_flags
+
+        _AMX.append("amx_bf16" in cpu_flags())
+    return not _AMX[0] and attention_bf16_available()
 
 
 def _lib() -> ctypes.CDLL:
