@@ -83,6 +83,35 @@ def test_fused_attention_is_the_float64_formula_to_bf16_rounding(b, h, t, hd, hd
 
 
 @needs_fused
+@pytest.mark.parametrize(
+    ("h", "kv", "t", "hd", "hdv"),
+    [
+        (4, 2, 37, 32, 32),  # GQA, two query heads per kv head
+        (6, 2, 20, 16, 16),  # three per kv head
+        (4, 1, 64, 32, 32),  # MQA
+        (4, 1, 33, 48, 32),  # MLA's absorbed form: one latent "kv head", v narrower
+    ],
+)
+def test_fused_attention_shares_kv_heads_as_the_repeated_formula(h, kv, t, hd, hdv):
+    # query head i reads kv head i // (h / kv); dK and dV sum over the heads that share them
+    torch.manual_seed(h * 10 + kv)
+    q = torch.randn(2, h, t, hd).bfloat16()
+    k = torch.randn(2, kv, t, hd).bfloat16()
+    v = torch.randn(2, kv, t, hdv).bfloat16()
+    g = torch.randn(2, h, t, hdv).bfloat16()
+    rep = h // kv
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    s = (q64 @ k64.repeat_interleave(rep, 1).transpose(-1, -2)) * 0.3
+    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    out64 = s.softmax(-1) @ v64.repeat_interleave(rep, 1)
+    ref = [out64.detach(), *torch.autograd.grad(out64, (q64, k64, v64), g.double())]
+    got = _fused(q, k, v, 0.3, g)
+    assert [x.shape for x in got] == [x.shape for x in ref]
+    for name, e in zip(("out", "dq", "dk", "dv"), _err(got, ref), strict=True):
+        assert e <= 1.6e-2, (name, e)
+
+
+@needs_fused
 def test_fused_attention_is_exactly_causal_forward_and_backward():
     # the blocks above the diagonal are never multiplied, and the partial ones multiply by an
     # exact 0: future keys and values leave earlier rows bit for bit unchanged, and an earlier
@@ -150,6 +179,10 @@ def test_fused_attention_refuses_second_order_gradients():
         [torch.ones(2, 4, 16).bfloat16()] * 3,  # 3-d
         [torch.ones(1, 2, 4, 16).bfloat16(), torch.ones(1, 2, 5, 16).bfloat16()] * 2,  # lengths
         [torch.ones(1, 2, 4, 16).bfloat16()] * 2 + [torch.ones(1, 2, 4, 24).bfloat16()],  # v's hd
+        [torch.ones(1, 3, 4, 16).bfloat16()] + [torch.ones(1, 2, 4, 16).bfloat16()] * 2,  # 2 !| 3
+        [torch.ones(1, 4, 4, 16).bfloat16(), torch.ones(1, 2, 4, 16).bfloat16()]
+        + [torch.ones(1, 1, 4, 16).bfloat16()],  # k and v heads differ
+        [torch.ones(1, 0, 4, 16).bfloat16()] + [torch.ones(1, 2, 4, 16).bfloat16()] * 2,  # no q
         [torch.ones(1, 2, 4, 16, device="meta").bfloat16()] * 3,
     ],
 )
@@ -162,7 +195,8 @@ def test_fused_attention_refuses_what_it_cannot_read(args):
 @pytest.mark.skipif(
     not train_kernel.attention_bf16_preferred(), reason="an AMX CPU: training keeps the bmm path"
 )
-@pytest.mark.parametrize("preset", [None, "deepseek-mla"])  # the default model; MLA (hdv != hd)
+# the default model; MLA (hdv != hd); Llama (GQA: 8 query heads share 2 kv heads)
+@pytest.mark.parametrize("preset", [None, "deepseek-mla", "llama"])
 def test_bf16_training_takes_the_fused_attention_with_the_bmm_paths_function(preset, monkeypatch):
     # the sdpa backend's bf16 training call (attention_sdpa -> causal_attention_train) runs the
     # fused operator, and a whole model's loss and gradients match the batched-matmul path's

@@ -116,11 +116,19 @@ def test_the_bf16_batched_matmul_attention_counts_its_probabilities():
     assert (est - 2 * 2 * 4 * 128 * 128 * 2) / saved < 0.85  # the old count fell short
 
 
+_GQA = {"n_heads": 4, "n_kv_heads": 2}
+
+
 @pytest.mark.parametrize(
     "model",
     [{"attention": {"n_heads": 4, "kind": k}} for k in sorted(ATTENTION)]
-    + [{"kind": "encoder_decoder"}, {"position": {"kind": "alibi"}}],
-    ids=[*sorted(ATTENTION), "encoder_decoder", "alibi"],
+    + [{"kind": "encoder_decoder"}, {"position": {"kind": "alibi"}}]
+    # GQA: head dim 8, torch's kernel shares the kv heads; 16, the fused kernel (where built)
+    + [{"attention": _GQA}, {"d_model": 64, "attention": _GQA}]
+    + [{"d_model": 64, "attention": {**_GQA, "kind": "differential"}}]
+    + [{"d_model": 64, "attention": {"n_heads": 4, "kind": "mla", "absorb": True}}],
+    ids=[*sorted(ATTENTION), "encoder_decoder", "alibi", "gqa-hd8", "gqa-hd16", "diff-gqa"]
+    + ["mla-absorb"],
 )
 def test_the_bmm_count_is_what_a_bf16_training_forward_calls(model, monkeypatch):
     """Every attention kind: the elements _bmm_causal_elements counts are the H T of each call

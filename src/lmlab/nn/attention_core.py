@@ -117,7 +117,12 @@ def attention_sdpa(
     (:func:`causal_attention_train`, where :func:`bmm_causal_applies`): faster there, the same
     function to bf16 rounding.
     """
-    if is_causal and mask is None and not enable_gqa and bmm_causal_applies(q, k, dropout_p):
+    if (
+        is_causal
+        and mask is None
+        and bmm_causal_applies(q, k, dropout_p)
+        and (not enable_gqa or fused_attention_applies(q, v))  # the fused kernel shares kv heads
+    ):
         return causal_attention_train(q, k, v, scale), None
     gqa = {"enable_gqa": True} if enable_gqa else {}
     out = F.scaled_dot_product_attention(
@@ -244,29 +249,38 @@ def causal_attention_bmm(
     return _CausalAttentionBmm.apply(q, k, v, scale)
 
 
-def causal_attention_train(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Causal softmax(q k^T * scale) v for bf16 CPU training (:func:`bmm_causal_applies`), q and
-    k (B, H, T, hd), v (B, H, T, hdv) -> (B, H, T, hdv): lmlab's fused kernel
-    (``torch.ops.lmlab.causal_attention_bf16``: per (batch, head), S = q k^T scale in float32
-    over the blocks on or below the diagonal only, the softmax rounded once to bf16, P v, and
-    the backward likewise, with AVX512-BF16 dot products; about half the multiply-adds of
-    the six full batched matmuls) where it is built and preferred (no AMX:
-    :func:`lmlab.nn.train_kernel.attention_bf16_preferred`), :data:`TRAIN_FUSED_ATTENTION` is on
-    and the head dims of q, k and v are multiples of 16 (v's may differ: MLA);
-    :func:`causal_attention_bmm` otherwise. Both keep P (bf16, T^2 per
-    head) for the backward and have no second-order gradients; they agree to bf16 rounding
-    (the fused kernel does not round q scale and the scores to bf16 first)."""
+def fused_attention_applies(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether :func:`causal_attention_train` runs lmlab's fused kernel for these q and v (on a
+    path where :func:`bmm_causal_applies`): :data:`TRAIN_FUSED_ATTENTION` on, bf16, head dims
+    that are multiples of 16, and the kernel built and preferred here
+    (:func:`lmlab.nn.train_kernel.attention_bf16_preferred`: AVX512-BF16, no AMX)."""
     from lmlab.nn import train_kernel
 
-    if (
+    return (
         TRAIN_FUSED_ATTENTION
         and q.shape[-1] % 16 == 0
         and v.shape[-1] % 16 == 0
         and q.dtype == torch.bfloat16
         and train_kernel.attention_bf16_preferred()
-    ):
+    )
+
+
+def causal_attention_train(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal softmax(q k^T * scale) v for bf16 CPU training (:func:`bmm_causal_applies`), q (B,
+    H, T, hd), k (B, K, T, hd), v (B, K, T, hdv) -> (B, H, T, hdv).
+
+    Where :func:`fused_attention_applies`, lmlab's fused kernel
+    (``torch.ops.lmlab.causal_attention_bf16``): per (batch, head), S = q k^T scale in float32
+    over the blocks on or below the diagonal only, the softmax rounded once to bf16, P v, and
+    the backward likewise, with AVX512-BF16 dot products, about half the multiply-adds of the
+    six full batched matmuls; it shares kv heads itself (GQA, K dividing H: query head h reads
+    kv head h // (H / K), dK and dV summed over those heads in float32). Otherwise
+    :func:`causal_attention_bmm` (K = H). Both keep P (bf16, T^2 per head) for the backward and
+    have no second-order gradients; they agree to bf16 rounding (the fused kernel does not round
+    q scale and the scores to bf16 first)."""
+    if fused_attention_applies(q, v):
         return torch.ops.lmlab.causal_attention_bf16(q, k, v, scale)
     return causal_attention_bmm(q, k, v, scale)
 

@@ -266,26 +266,25 @@ struct Shape {
   int64_t written(int64_t i_end) const { return std::min(tc, kVec * (vectors(i_end) + 1)); }
 };
 
-// One (b, h) forward: out (t rows of hd, contiguous), pairs (tr x tc words): P in row pairs.
-void forward_head(const Rows& q, const Rows& k, const Rows& v, uint16_t* out, uint32_t* pairs,
-                  const Shape& sh, float scale, std::vector<uint32_t>& kt,
-                  std::vector<uint32_t>& vp, std::vector<float>& sf, std::vector<uint16_t>& pl) {
+// One (b, h) forward with its kv head packed (kt: k transposed, vp: v in row pairs): out (t
+// rows of hdv, contiguous), pairs (tr x tc words): P in row pairs.
+void forward_head(const Rows& q, const uint32_t* kt, const uint32_t* vp, uint16_t* out,
+                  uint32_t* pairs, const Shape& sh, float scale, std::vector<float>& sf,
+                  std::vector<uint16_t>& pl) {
   const int64_t t = sh.t, hd = sh.hd, hdv = sh.hdv, tc = sh.tc, hp = hd / 2;
-  pack_transposed(k, t, hd, tc, kt.data());
-  pack_row_pairs(v, t, hdv, vp.data());
   const __m512 one = bcast(1.0f);
   const bool stream = reinterpret_cast<uintptr_t>(pairs) % 64 == 0;  // at::empty's alignment
   for (int64_t i0 = 0; i0 < t; i0 += kRows) {
     const int64_t m = std::min<int64_t>(kRows, t - i0), i_end = i0 + m;
     const int64_t nv = sh.vectors(i_end), w = sh.written(i_end);
     // S rows i0 .. i_end - 1, columns [0, 16 nv), float32
-    row_block(m, q.row32(i0), q.st / 2, 1, kt.data(), tc, hp, nv, StoreF32{sf.data(), tc});
+    row_block(m, q.row32(i0), q.st / 2, 1, kt, tc, hp, nv, StoreF32{sf.data(), tc});
     for (int64_t r = 0; r < m; ++r)
       softmax_row_bf16(sf.data() + r * tc, i0 + r + 1, w, scale, pl.data() + r * tc);
     if (m % 2) std::fill(pl.data() + m * tc, pl.data() + m * tc + w, uint16_t{0});
     // out rows = P v over the pairs of keys j < i_end
     const uint32_t* p32 = reinterpret_cast<const uint32_t*>(pl.data());
-    row_block(m, p32, tc / 2, 1, vp.data(), hdv, (i_end + 1) / 2, hdv / kVec,
+    row_block(m, p32, tc / 2, 1, vp, hdv, (i_end + 1) / 2, hdv / kVec,
               StoreBf16{out + i0 * hdv, hdv, one});
     for (int64_t r = 0; r < m; r += 2) {
       const uint16_t *r0 = pl.data() + r * tc, *r1 = r0 + tc;
@@ -297,50 +296,76 @@ void forward_head(const Rows& q, const Rows& k, const Rows& v, uint16_t* out, ui
   if (stream) _mm_sfence();  // the streamed P is in memory before anyone reads it
 }
 
-// One (b, h) backward: dq, dk, dv (t rows of hd, contiguous).
-void backward_head(const Rows& q, const Rows& k, const Rows& v, const Rows& g,
-                   const uint32_t* pairs, uint16_t* dq, uint16_t* dk, uint16_t* dv,
-                   const Shape& sh, float scale, std::vector<uint32_t>& vt,
-                   std::vector<uint32_t>& kp, std::vector<uint32_t>& gp, std::vector<uint32_t>& qp,
-                   std::vector<uint32_t>& ds_pairs, std::vector<float>& sf,
-                   std::vector<uint16_t>& dsl) {
-  const int64_t t = sh.t, hd = sh.hd, hdv = sh.hdv, tc = sh.tc, tr = sh.tr, hp = hd / 2;
-  pack_transposed(v, t, hdv, tc, vt.data());
-  pack_row_pairs(k, t, hd, kp.data());
-  pack_row_pairs(g, t, hdv, gp.data());
-  pack_row_pairs(q, t, hd, qp.data());
-  const __m512 vs = bcast(scale), one = bcast(1.0f);
+// float32 accumulators of dK or dV over the query heads that share a kv head: the first head
+// stores, the others add.
+struct AccF32 {
+  float* c;
+  int64_t ldc;
+  bool first;
+  void operator()(int i, int64_t v, __m512 x) const {
+    float* p = c + i * ldc + kVec * v;
+    _mm512_storeu_ps(p, first ? x : _mm512_add_ps(x, _mm512_loadu_ps(p)));
+  }
+};
+
+// Per-thread packs and scratch of the backward pass.
+struct BackwardScratch {
+  std::vector<uint32_t> vt, kp, gp, qp, ds_pairs;
+  std::vector<float> sf, dk_acc, dv_acc;
+  std::vector<uint16_t> dsl;
+  explicit BackwardScratch(const Shape& sh)
+      : vt(sh.hdv / 2 * sh.tc), kp(sh.tr * sh.hd), gp(sh.tr * sh.hdv), qp(sh.tr * sh.hd),
+        ds_pairs(sh.tr * sh.tc), sf(kRows * sh.tc), dk_acc(sh.t * sh.hd), dv_acc(sh.t * sh.hdv),
+        dsl((kRows + 1) * sh.tc) {}
+};
+
+// One (b, h) backward with its kv head packed in w.vt (v transposed) and w.kp (k in row pairs):
+// dq (t rows of hd, contiguous); dK / s and dV of this head into w.dk_acc and w.dv_acc (float32,
+// stored when first, else added).
+void backward_head(const Rows& q, const Rows& g, const uint32_t* pairs, uint16_t* dq,
+                   const Shape& sh, float scale, bool first, BackwardScratch& w) {
+  const int64_t t = sh.t, hd = sh.hd, hdv = sh.hdv, tc = sh.tc, tr = sh.tr;
+  pack_row_pairs(g, t, hdv, w.gp.data());
+  pack_row_pairs(q, t, hd, w.qp.data());
+  const __m512 vs = bcast(scale);
   for (int64_t i0 = 0; i0 < t; i0 += kRows) {
     const int64_t m = std::min<int64_t>(kRows, t - i0), i_end = i0 + m;
-    const int64_t nv = sh.vectors(i_end), w = sh.written(i_end);
+    const int64_t nv = sh.vectors(i_end), wr = sh.written(i_end);
     // the next block's rows of P, from memory while this block's products run
     for (int64_t p = (i0 + kRows) / 2; p < std::min(tr, (i0 + 2 * kRows) / 2); ++p)
       for (int64_t j = 0; j < sh.written(std::min(t, i0 + 2 * kRows)); j += kVec)
         _mm_prefetch(reinterpret_cast<const char*>(pairs + p * tc + j), _MM_HINT_T0);
     // dP rows = dO v^T, columns [0, 16 nv)
-    row_block(m, g.row32(i0), g.st / 2, 1, vt.data(), tc, hdv / 2, nv, StoreF32{sf.data(), tc});
+    row_block(m, g.row32(i0), g.st / 2, 1, w.vt.data(), tc, hdv / 2, nv,
+              StoreF32{w.sf.data(), tc});
     for (int64_t r = 0; r < m; ++r) {
       const int64_t i = i0 + r;
-      softmax_backward_row_bf16(pairs + (i / 2) * tc, i % 2 == 1, sf.data() + r * tc, i + 1, w,
-                                dsl.data() + r * tc);
+      softmax_backward_row_bf16(pairs + (i / 2) * tc, i % 2 == 1, w.sf.data() + r * tc, i + 1,
+                                wr, w.dsl.data() + r * tc);
     }
-    if (m % 2) std::fill(dsl.data() + m * tc, dsl.data() + m * tc + w, uint16_t{0});
+    if (m % 2) std::fill(w.dsl.data() + m * tc, w.dsl.data() + m * tc + wr, uint16_t{0});
     // dQ rows = scale dS k over the pairs of keys j < i_end
-    const uint32_t* d32 = reinterpret_cast<const uint32_t*>(dsl.data());
-    row_block(m, d32, tc / 2, 1, kp.data(), hd, (i_end + 1) / 2, hd / kVec,
+    const uint32_t* d32 = reinterpret_cast<const uint32_t*>(w.dsl.data());
+    row_block(m, d32, tc / 2, 1, w.kp.data(), hd, (i_end + 1) / 2, hd / kVec,
               StoreBf16{dq + i0 * hd, hd, vs});
     for (int64_t r = 0; r < m; r += 2)
-      interleave_rows<false>(dsl.data() + r * tc, dsl.data() + (r + 1) * tc, w,
-                             ds_pairs.data() + (i0 / 2 + r / 2) * tc);
+      interleave_rows<false>(w.dsl.data() + r * tc, w.dsl.data() + (r + 1) * tc, wr,
+                             w.ds_pairs.data() + (i0 / 2 + r / 2) * tc);
   }
-  // key rows j0 .. j0 + 5: dV = P^T dO and dK = scale dS^T q over the query pairs from j0 / 2
+  // key rows j0 .. j0 + 5: dV = P^T dO and dK / s = dS^T q over the query pairs from j0 / 2
   for (int64_t j0 = 0; j0 < t; j0 += kRows) {
     const int64_t m = std::min<int64_t>(kRows, t - j0), p0 = j0 / 2, np = tr - p0;
-    row_block(m, pairs + p0 * tc + j0, 1, tc, gp.data() + p0 * hdv, hdv, np, hdv / kVec,
-              StoreBf16{dv + j0 * hdv, hdv, one});
-    row_block(m, ds_pairs.data() + p0 * tc + j0, 1, tc, qp.data() + p0 * hd, hd, np, hd / kVec,
-              StoreBf16{dk + j0 * hd, hd, vs});
+    row_block(m, pairs + p0 * tc + j0, 1, tc, w.gp.data() + p0 * hdv, hdv, np, hdv / kVec,
+              AccF32{w.dv_acc.data() + j0 * hdv, hdv, first});
+    row_block(m, w.ds_pairs.data() + p0 * tc + j0, 1, tc, w.qp.data() + p0 * hd, hd, np,
+              hd / kVec, AccF32{w.dk_acc.data() + j0 * hd, hd, first});
   }
+}
+
+// n float32 values times scale, rounded to bf16 (n a multiple of 16).
+void store_scaled(const float* x, int64_t n, float scale, uint16_t* y) {
+  const __m512 vs = bcast(scale);
+  for (int64_t i = 0; i < n; i += kVec) store16(_mm512_mul_ps(_mm512_loadu_ps(x + i), vs), y + i);
 }
 
 Rows head(const void* base, const int64_t* strides, int64_t b, int64_t h) {
@@ -358,66 +383,79 @@ extern "C" int lmlab_causal_attention_bf16_available() {
 #endif
 }
 
-// q, k (B, H, T, hd) and v (B, H, T, hdv) bf16 with element strides {B, H, T} (rows contiguous,
-// every stride even, 4-byte aligned data; hd and hdv multiples of 16); out (B, H, T, hdv)
-// contiguous; probs (B H, ceil(T / 2), T rounded up to
-// 16) 32-bit words: P in row pairs, for the backward. Returns 0, or -1 where not built.
+// q (B, H, T, hd), k (B, K, T, hd) and v (B, K, T, hdv) bf16, K dividing H (query head h
+// reads kv head h / (H / K)), with element strides {B, H or K, T} (rows contiguous, every
+// stride even, 4-byte aligned data; hd and hdv multiples of 16); out (B, H, T, hdv) contiguous;
+// probs (B H, ceil(T / 2), T rounded up to 16) 32-bit words: P in row pairs, for the backward.
+// One task per (b, kv head): its k and v packed once for the query heads that share them.
+// Returns 0, or -1 where not built.
 extern "C" int lmlab_causal_attention_bf16_forward(const void* q, const int64_t* qs, const void* k,
                                                    const int64_t* ks, const void* v,
                                                    const int64_t* vs, void* out, void* probs,
-                                                   int64_t b, int64_t h, int64_t t, int64_t hd,
-                                                   int64_t hdv, float scale) {
+                                                   int64_t b, int64_t h, int64_t kv, int64_t t,
+                                                   int64_t hd, int64_t hdv, float scale) {
 #ifdef LMLAB_ATTENTION_BF16
   const Shape sh(t, hd, hdv);
-  at::parallel_for(0, b * h, 1, [&](int64_t n0, int64_t n1) {
+  const int64_t rep = h / kv;
+  at::parallel_for(0, b * kv, 1, [&](int64_t n0, int64_t n1) {
     std::vector<uint32_t> kt(hd / 2 * sh.tc), vp(sh.tr * hdv);
     std::vector<float> sf(kRows * sh.tc);
     std::vector<uint16_t> pl((kRows + 1) * sh.tc);
     for (int64_t n = n0; n < n1; ++n) {
-      const int64_t bi = n / h, hi = n % h;
-      forward_head(head(q, qs, bi, hi), head(k, ks, bi, hi), head(v, vs, bi, hi),
-                   static_cast<uint16_t*>(out) + n * t * hdv,
-                   static_cast<uint32_t*>(probs) + n * sh.tr * sh.tc, sh, scale, kt, vp, sf, pl);
+      const int64_t bi = n / kv, ki = n % kv;
+      pack_transposed(head(k, ks, bi, ki), t, hd, sh.tc, kt.data());
+      pack_row_pairs(head(v, vs, bi, ki), t, hdv, vp.data());
+      for (int64_t hi = ki * rep; hi < (ki + 1) * rep; ++hi) {
+        const int64_t bh = bi * h + hi;
+        forward_head(head(q, qs, bi, hi), kt.data(), vp.data(),
+                     static_cast<uint16_t*>(out) + bh * t * hdv,
+                     static_cast<uint32_t*>(probs) + bh * sh.tr * sh.tc, sh, scale, sf, pl);
+      }
     }
   });
   return 0;
 #else
   (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)out, (void)probs;
-  (void)b, (void)h, (void)t, (void)hd, (void)hdv, (void)scale;
+  (void)b, (void)h, (void)kv, (void)t, (void)hd, (void)hdv, (void)scale;
   return -1;
 #endif
 }
 
 // The backward of the forward above: g = dL/dout (B, H, T, hdv) with strides gs as q's; probs
-// what the forward wrote; dq, dk (B, H, T, hd) and dv (B, H, T, hdv) contiguous. Returns 0, or
+// what the forward wrote; dq (B, H, T, hd), dk (B, K, T, hd) and dv (B, K, T, hdv) contiguous,
+// dK and dV summed over the query heads of each kv head in float32, rounded once. Returns 0, or
 // -1 where not built.
 extern "C" int lmlab_causal_attention_bf16_backward(const void* q, const int64_t* qs,
                                                     const void* k, const int64_t* ks,
                                                     const void* v, const int64_t* vs,
                                                     const void* g, const int64_t* gs,
                                                     const void* probs, void* dq, void* dk, void* dv,
-                                                    int64_t b, int64_t h, int64_t t, int64_t hd,
-                                                    int64_t hdv, float scale) {
+                                                    int64_t b, int64_t h, int64_t kv, int64_t t,
+                                                    int64_t hd, int64_t hdv, float scale) {
 #ifdef LMLAB_ATTENTION_BF16
   const Shape sh(t, hd, hdv);
-  at::parallel_for(0, b * h, 1, [&](int64_t n0, int64_t n1) {
-    std::vector<uint32_t> vt(hdv / 2 * sh.tc), kp(sh.tr * hd), gp(sh.tr * hdv), qp(sh.tr * hd);
-    std::vector<uint32_t> ds_pairs(sh.tr * sh.tc);
-    std::vector<float> sf(kRows * sh.tc);
-    std::vector<uint16_t> dsl((kRows + 1) * sh.tc);
+  const int64_t rep = h / kv;
+  at::parallel_for(0, b * kv, 1, [&](int64_t n0, int64_t n1) {
+    BackwardScratch w(sh);
     for (int64_t n = n0; n < n1; ++n) {
-      const int64_t bi = n / h, hi = n % h, off = n * t * hd, offv = n * t * hdv;
-      backward_head(head(q, qs, bi, hi), head(k, ks, bi, hi), head(v, vs, bi, hi),
-                    head(g, gs, bi, hi), static_cast<const uint32_t*>(probs) + n * sh.tr * sh.tc,
-                    static_cast<uint16_t*>(dq) + off, static_cast<uint16_t*>(dk) + off,
-                    static_cast<uint16_t*>(dv) + offv, sh, scale, vt, kp, gp, qp, ds_pairs, sf,
-                    dsl);
+      const int64_t bi = n / kv, ki = n % kv;
+      pack_transposed(head(v, vs, bi, ki), t, hdv, sh.tc, w.vt.data());
+      pack_row_pairs(head(k, ks, bi, ki), t, hd, w.kp.data());
+      for (int64_t hi = ki * rep; hi < (ki + 1) * rep; ++hi) {
+        const int64_t bh = bi * h + hi;
+        backward_head(head(q, qs, bi, hi), head(g, gs, bi, hi),
+                      static_cast<const uint32_t*>(probs) + bh * sh.tr * sh.tc,
+                      static_cast<uint16_t*>(dq) + bh * t * hd, sh, scale, hi == ki * rep, w);
+      }
+      store_scaled(w.dk_acc.data(), t * hd, scale, static_cast<uint16_t*>(dk) + n * t * hd);
+      store_scaled(w.dv_acc.data(), t * hdv, 1.0f, static_cast<uint16_t*>(dv) + n * t * hdv);
     }
   });
   return 0;
 #else
   (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)g, (void)gs, (void)probs;
-  (void)dq, (void)dk, (void)dv, (void)b, (void)h, (void)t, (void)hd, (void)hdv, (void)scale;
+  (void)dq, (void)dk, (void)dv, (void)b, (void)h, (void)kv, (void)t, (void)hd, (void)hdv;
+  (void)scale;
   return -1;
 #endif
 }

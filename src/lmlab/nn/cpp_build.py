@@ -194,6 +194,10 @@ class LazyLibrary:
                 warnings.warn(f"{self._fallback} ({self._status})", RuntimeWarning, stacklevel=4)
         return self.lib
 
+    def tried(self) -> bool:
+        """Whether :meth:`load` has run: its outcome (the library, or why not) is known."""
+        return self._status is not None
+
     def available(self) -> bool:
         """Whether callers may use the library now (built on the first call); False inside
         :meth:`disabled`."""

@@ -134,6 +134,23 @@ def attention_bf16_preferred() -> bool:
     return not _AMX[0] and attention_bf16_available()
 
 
+def attention_bf16_expected() -> bool:
+    """What :func:`attention_bf16_preferred` will say, without compiling anything (for the
+    memory estimate, which runs before training builds the kernels): the kernels not turned off
+    (``LMLAB_NO_CPP_KERNELS``), a CPU listing AVX-512 (F, BW, VL, DQ) and
+    avx512_bf16 but not amx_bf16. Where the build then fails, training takes the batched
+    matmuls, which keep P too; only the GQA count can differ (their path is torch's)."""
+    from lmlab.envflags import opted_out
+
+    if opted_out(cpp_build.ENV_OFF):
+        return False
+    if _kernel.tried():  # already loaded (or failed): what training will find
+        return attention_bf16_preferred()
+    flags = cpp_build.cpu_flags()
+    wanted = {"avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+    return cpp_build.cpu_has_avx512f() and wanted <= flags and "amx_bf16" not in flags
+
+
 def _lib() -> ctypes.CDLL:
     lib = _kernel.load()
     if lib is None:

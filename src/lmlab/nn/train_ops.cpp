@@ -12,7 +12,8 @@
 //   add_f32_bf16(x, y) -> x + y                        the residual add of a bf16 branch
 //   causal_attention_bf16(q, k, v, scale) -> y         causal softmax(q k^T scale) v in bf16,
 //                                                      one (batch, head) at a time in cache,
-//                                                      the masked blocks skipped
+//                                                      the masked blocks skipped, k and v may
+//                                                      have fewer heads (GQA)
 //                                                      (attention_kernels.cpp)
 //
 // Each computes what its Python twin computed (lmlab.nn.train_kernel.NormBf16Function until
@@ -42,15 +43,15 @@ extern "C" int lmlab_causal_attention_bf16_available();
 extern "C" int lmlab_causal_attention_bf16_forward(const void* q, const int64_t* qs, const void* k,
                                                    const int64_t* ks, const void* v,
                                                    const int64_t* vs, void* out, void* probs,
-                                                   int64_t b, int64_t h, int64_t t, int64_t hd,
-                                                   int64_t hdv, float scale);
+                                                   int64_t b, int64_t h, int64_t kv, int64_t t,
+                                                   int64_t hd, int64_t hdv, float scale);
 extern "C" int lmlab_causal_attention_bf16_backward(const void* q, const int64_t* qs,
                                                     const void* k, const int64_t* ks,
                                                     const void* v, const int64_t* vs,
                                                     const void* g, const int64_t* gs,
                                                     const void* probs, void* dq, void* dk, void* dv,
-                                                    int64_t b, int64_t h, int64_t t, int64_t hd,
-                                                    int64_t hdv, float scale);
+                                                    int64_t b, int64_t h, int64_t kv, int64_t t,
+                                                    int64_t hd, int64_t hdv, float scale);
 
 namespace {
 
@@ -252,14 +253,14 @@ struct CausalAttentionBf16 : public torch::autograd::Function<CausalAttentionBf1
                             const at::Tensor& v_in, double scale) {
     const at::Tensor q = pair_readable(q_in), k = pair_readable(k_in), v = pair_readable(v_in);
     const int64_t b = q.size(0), h = q.size(1), t = q.size(2), hd = q.size(3), hdv = v.size(3);
-    const int64_t tr = (t + 1) / 2, tc = (t + 15) / 16 * 16;
+    const int64_t kv = k.size(1), tr = (t + 1) / 2, tc = (t + 15) / 16 * 16;
     at::Tensor out = at::empty({b, h, t, hdv}, q.options());
     at::Tensor probs = at::empty({b * h, tr, tc}, q.options().dtype(at::kInt));  // P, row pairs
     const int64_t qs[3] = {q.stride(0), q.stride(1), q.stride(2)};
     const int64_t ks[3] = {k.stride(0), k.stride(1), k.stride(2)};
     const int64_t vs[3] = {v.stride(0), v.stride(1), v.stride(2)};
     lmlab_causal_attention_bf16_forward(q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs,
-                                        out.data_ptr(), probs.data_ptr(), b, h, t, hd, hdv,
+                                        out.data_ptr(), probs.data_ptr(), b, h, kv, t, hd, hdv,
                                         static_cast<float>(scale));
     ctx->save_for_backward({q, k, v, probs});
     ctx->saved_data["scale"] = scale;
@@ -272,16 +273,17 @@ struct CausalAttentionBf16 : public torch::autograd::Function<CausalAttentionBf1
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &probs = saved[3];
     const at::Tensor g = pair_readable(grads[0].to(at::kBFloat16));
     const int64_t b = q.size(0), h = q.size(1), t = q.size(2), hd = q.size(3), hdv = v.size(3);
+    const int64_t kv = k.size(1);
     const auto opts = q.options();
-    at::Tensor dq = at::empty({b, h, t, hd}, opts), dk = at::empty({b, h, t, hd}, opts);
-    at::Tensor dv = at::empty({b, h, t, hdv}, opts);
+    at::Tensor dq = at::empty({b, h, t, hd}, opts), dk = at::empty({b, kv, t, hd}, opts);
+    at::Tensor dv = at::empty({b, kv, t, hdv}, opts);
     const int64_t qs[3] = {q.stride(0), q.stride(1), q.stride(2)};
     const int64_t ks[3] = {k.stride(0), k.stride(1), k.stride(2)};
     const int64_t vs[3] = {v.stride(0), v.stride(1), v.stride(2)};
     const int64_t gs[3] = {g.stride(0), g.stride(1), g.stride(2)};
     lmlab_causal_attention_bf16_backward(
         q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs, g.data_ptr(), gs, probs.data_ptr(),
-        dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), b, h, t, hd, hdv,
+        dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), b, h, kv, t, hd, hdv,
         static_cast<float>(ctx->saved_data["scale"].toDouble()));
     return {dq, dk, dv, at::Tensor()};
   }
@@ -290,11 +292,13 @@ struct CausalAttentionBf16 : public torch::autograd::Function<CausalAttentionBf1
 at::Tensor causal_attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  double scale) {
   for (const auto* t : {&q, &k, &v}) check_cpu(*t, "causal_attention_bf16", "q, k and v");
-  TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.dim() == 4 &&
-                  v.sizes().slice(0, 3) == q.sizes().slice(0, 3) &&
-                  q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
-                  v.scalar_type() == at::kBFloat16,
-              "lmlab.causal_attention_bf16: q and k (B, H, T, hd), v (B, H, T, hdv), bfloat16");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.size(0) == q.size(0) &&
+                  k.size(2) == q.size(2) && k.size(3) == q.size(3) &&
+                  v.sizes().slice(0, 3) == k.sizes().slice(0, 3) && k.size(1) >= 1 &&
+                  q.size(1) >= 1 && q.size(1) % k.size(1) == 0 && q.scalar_type() == at::kBFloat16 &&
+                  k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
+              "lmlab.causal_attention_bf16: q (B, H, T, hd), k (B, K, T, hd) and v (B, K, T, hdv) "
+              "bfloat16, K dividing H");
   TORCH_CHECK(q.size(2) >= 1 && q.size(3) >= 16 && q.size(3) % 16 == 0 && v.size(3) >= 16 &&
                   v.size(3) % 16 == 0,
               "lmlab.causal_attention_bf16: T >= 1 and head dims that are multiples of 16");

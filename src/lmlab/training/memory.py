@@ -140,8 +140,8 @@ def _bmm_causal_elements(model: torch.nn.Module, t: Any, seq: int, a: int) -> in
     ``train.compile``, for the ``sdpa`` backend with no attention dropout, a plain causal mask,
     no score bias from the position encoding, no kv-head sharing by the kernel (GQA on
     torch >= 2.5) and 1 < T <= ``BMM_CAUSAL_MAX_T``, in the self-attention of the kinds softmax,
-    differential and mla (tests/unit/test_memory.py counts the calls of every kind). 0 when
-    the run would not take it."""
+    differential and mla (tests/unit/test_memory.py counts the calls of every kind), GQA too
+    where the fused kernel runs (it shares kv heads itself). 0 when the run would not take it."""
     from lmlab.nn import attention_core as core
     from lmlab.nn.attention import SoftmaxAttention
     from lmlab.nn.differential import DifferentialAttention
@@ -170,15 +170,51 @@ def _bmm_causal_elements(model: torch.nn.Module, t: Any, seq: int, a: int) -> in
             # the kinds whose training forward reaches attend's causal fast path (sink, sigmoid,
             # MoBA, NSA, linear and cross-attention compute theirs otherwise): a test spies on
             # the calls of every registered kind
-            isinstance(mod, (SoftmaxAttention, DifferentialAttention, MultiHeadLatentAttention))
-            and type(mod) in (SoftmaxAttention, DifferentialAttention, MultiHeadLatentAttention)
+            type(mod) in (SoftmaxAttention, DifferentialAttention, MultiHeadLatentAttention)
             and getattr(mod, "backend_fn", None) is core.attention_sdpa
             and getattr(mod, "mask_fn", None) is causal_mask
             and getattr(mod, "dropout", 1.0) == 0.0
-            and not (core.SDPA_GQA and mod.n_heads != mod.n_kv_heads)
         ):
-            total += mod.n_heads * seq
+            total += sum(
+                h * seq for h, hd, hdv, gqa in _attend_calls(mod) if _keeps_p(hd, hdv, gqa)
+            )
     return total
+
+
+def _attend_calls(mod: Any) -> list[tuple[int, int, int, bool]]:
+    """The causal attention calls of one training forward of an attention module of the kinds
+    softmax, differential and mla: (query heads, q's head dim, v's head dim, whether k and v
+    have fewer heads than q)."""
+    from lmlab.nn.differential import DifferentialAttention
+    from lmlab.nn.mla import MultiHeadLatentAttention
+
+    h, kv, hd = mod.n_heads, mod.n_kv_heads, mod.head_dim
+    if isinstance(mod, DifferentialAttention):  # two maps of H/2 heads, v of 2 hd
+        return [(h // 2, hd, 2 * hd, h // 2 != kv // 2)] * 2
+    if isinstance(mod, MultiHeadLatentAttention):
+        d = mod.dims  # absorbed: one shared latent "kv head" of c + r channels, v the latent
+        if d.absorb:
+            return [(h, d.kv_lora_rank + d.rope, d.kv_lora_rank, h != 1)]
+        return [(h, d.nope + d.rope, d.v, False)]
+    return [(h, hd, hd, h != kv)]
+
+
+def _keeps_p(hd: int, hdv: int, gqa: bool) -> bool:
+    """Whether a causal call of these head dims takes a path that keeps P (given that
+    ``bmm_causal_applies``): the fused kernel where it will run
+    (:func:`lmlab.nn.train_kernel.attention_bf16_expected`, head dims multiples of 16, GQA
+    included), else the batched matmuls unless torch's kernel shares the kv heads (GQA on
+    torch >= 2.5)."""
+    from lmlab.nn import attention_core as core
+    from lmlab.nn import train_kernel
+
+    fused = (
+        core.TRAIN_FUSED_ATTENTION
+        and hd % 16 == 0
+        and hdv % 16 == 0
+        and train_kernel.attention_bf16_expected()
+    )
+    return fused or not (gqa and core.SDPA_GQA)
 
 
 def _muon_parameters(model: torch.nn.Module, t: Any) -> int:
