@@ -127,7 +127,14 @@ def untuned_allocator() -> Iterator[None]:
         allocator.set_malloc_thresholds(allocator.MMAP_THRESHOLD, allocator.TRIM_THRESHOLD)
 
 
+# The shape "config": the --config file's own model and batch (only the precision and the
+# benchmark's settings overridden); nanoGPT has no contender there (another architecture).
+AS_CONFIGURED = "config"
+
+
 def shape_overrides(shape: str, precision: str) -> list[str]:
+    if shape == AS_CONFIGURED:
+        return [f"train.precision={precision}", "train.compile=false", "train.max_steps=100000"]
     n_layers, d, heads, ctx, batch = SHAPES[shape]
     return [
         f"model.n_layers={n_layers}",
@@ -171,7 +178,11 @@ def nanogpt_step(shape: str, precision: str, ids: torch.Tensor) -> Callable[[], 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default="nanogpt,minigpt")
+    ap.add_argument(
+        "--shapes",
+        default="nanogpt,minigpt",
+        help="nanogpt, minigpt, or config: --config's own model and batch (no nanoGPT contender)",
+    )
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
@@ -369,7 +380,8 @@ def run_shape(args: argparse.Namespace, shape: str, precisions: list[str], ids: 
         flops = tokens = 0
         for p in precisions:
             over = shape_overrides(shape, p)
-            steps["nanogpt", p] = nanogpt_step(shape, p, ids)
+            if shape != AS_CONFIGURED:
+                steps["nanogpt", p] = nanogpt_step(shape, p, ids)
             lm = stack.enter_context(lmlab_session(args.config, over))
             steps["lmlab", p] = trainer_step(lm.trainer)
             if not args.no_plain:
@@ -379,7 +391,7 @@ def run_shape(args: argparse.Namespace, shape: str, precisions: list[str], ids: 
                 if getattr(args, attr):
                     off = stack.enter_context(lmlab_session(args.config, over))
                     steps[name, p] = trainer_step(off.trainer, **{keyword: False})
-            tokens = SHAPES[shape][4] * lm.seq_len
+            tokens = lm.cfg.train.batch_size * lm.seq_len
             flops = flops_per_token(lm.model, lm.cfg.model, lm.seq_len, True)
         if args.only:  # only these contenders (e.g. lmlab alone: its MFU with no neighbour)
             steps = {k: v for k, v in steps.items() if k[0] in args.only.split(",")}
