@@ -263,3 +263,66 @@ def test_training_keeps_the_batched_matmuls_on_amx_cpus(monkeypatch):
     assert not train_kernel.attention_bf16_preferred()
     monkeypatch.setattr(train_kernel, "_AMX", [False])
     assert train_kernel.attention_bf16_preferred() == train_kernel.attention_bf16_available()
+
+
+@needs_fused
+@pytest.mark.parametrize("scale", [0.7, 1e6, 1e10, 1e20])
+def test_fused_attention_softmax_is_finite_however_large_the_scores(scale):
+    # the row max and the exponents come from the same stored scaled scores: the largest
+    # exponent is exactly 0 (a product fused into the subtraction left its rounding error
+    # there, e^(+-100) past 1e9, and NaN rows)
+    q = torch.full((1, 1, 1, 16), 5e4).bfloat16()
+    v = torch.ones(1, 1, 1, 16).bfloat16()
+    assert torch.equal(torch.ops.lmlab.causal_attention_bf16(q, q, v, scale), v)
+    torch.manual_seed(7)
+    q, k, v = (torch.randn(2, 2, 37, 16).bfloat16() for _ in range(3))
+    out = torch.ops.lmlab.causal_attention_bf16(q, k, v, scale)
+    ref = _exact(q, k, v, scale, torch.ones(2, 2, 37, 16))[0]
+    assert torch.isfinite(out).all()
+    assert float((out.double() - ref).abs().max()) <= 1.6e-2 * float(ref.abs().max())
+
+
+@needs_fused
+def test_fused_attention_takes_a_zero_tensor_gradient_as_zeros():
+    # a ZeroTensor has no data: the backward returned zeros instead of reading through null
+    q, k, v = (torch.randn(1, 2, 5, 16).bfloat16().requires_grad_() for _ in range(3))
+    out = torch.ops.lmlab.causal_attention_bf16(q, k, v, 0.3)
+    zero = torch._efficientzerotensor((1, 2, 5, 16), dtype=torch.bfloat16)
+    for grad in torch.autograd.grad(out, (q, k, v), zero):
+        assert torch.equal(grad, torch.zeros_like(grad))
+
+
+@needs_fused
+def test_fused_attention_reads_a_negated_view_as_its_values():
+    torch.manual_seed(8)
+    q, k, v, g = (torch.randn(1, 2, 9, 16).bfloat16() for _ in range(4))
+    want = _fused(-q, k, v, 0.5, -g)
+    got = _fused(torch._neg_view(q), k, v, 0.5, torch._neg_view(g))
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+@needs_fused
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_attention_splits_the_heads_of_one_kv_head_over_threads(threads):
+    # MQA at batch 1: fewer (batch, kv head) pairs than threads, so the backward splits the
+    # query heads into runs summed in order; the same function as one run, and deterministic
+    torch.manual_seed(9)
+    q, g = torch.randn(1, 4, 40, 32).bfloat16(), torch.randn(1, 4, 40, 32).bfloat16()
+    k, v = torch.randn(1, 1, 40, 32).bfloat16(), torch.randn(1, 1, 40, 32).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = _fused(q, k, v, 0.3, g)
+        again = _fused(q, k, v, 0.3, g)
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(got, again, strict=True):
+        assert torch.equal(a, b)
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    s = (q64 @ k64.expand(1, 4, 40, 32).transpose(-1, -2)) * 0.3
+    s = s.masked_fill(torch.ones(40, 40, dtype=torch.bool).triu(1), float("-inf"))
+    out64 = s.softmax(-1) @ v64.expand(1, 4, 40, 32)
+    ref = [out64.detach(), *torch.autograd.grad(out64, (q64, k64, v64), g.double())]
+    for name, e in zip(("out", "dq", "dk", "dv"), _err(got, ref), strict=True):
+        assert e <= 1.6e-2, (name, e)

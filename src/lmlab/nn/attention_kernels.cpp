@@ -110,10 +110,13 @@ void row_block(int64_t m, const uint32_t* a, int64_t ars, int64_t aks, const uin
   }
 }
 
-struct StoreF32 {
+struct StoreF32 {  // times scale (rounded: the softmax's max and exponents see the same values)
   float* c;
   int64_t ldc;
-  void operator()(int i, int64_t v, __m512 x) const { _mm512_storeu_ps(c + i * ldc + kVec * v, x); }
+  __m512 scale;
+  void operator()(int i, int64_t v, __m512 x) const {
+    _mm512_storeu_ps(c + i * ldc + kVec * v, _mm512_mul_ps(x, scale));
+  }
 };
 
 struct StoreBf16 {  // rounded to bf16 after a multiply by scale
@@ -207,18 +210,20 @@ inline __mmask16 lanes(int64_t n, int64_t j) {  // lanes of columns j .. j + 15 
   return n - j >= kVec ? static_cast<__mmask16>(0xffff) : n <= j ? 0 : tail_mask(n - j);
 }
 
-// Row i's probabilities from s (float32 scores, n = i + 1 of them) into p (bf16, w >= n
-// columns, 0 from n on): softmax of scale * s over [0, n). s is overwritten.
-void softmax_row_bf16(float* s, int64_t n, int64_t w, float scale, uint16_t* p) {
-  const __m512 vs = bcast(scale), ninf = bcast(-INFINITY);
+// Row i's probabilities from s (float32 scaled scores, n = i + 1 of them) into p (bf16, w >= n
+// columns, 0 from n on): softmax of s over [0, n). s is overwritten. The exponents are s - max
+// of the same stored values, so the largest is exactly 0 however large the scores (a product
+// fused into the subtraction would leave its rounding error there: e^(+-100) at 1e10).
+void softmax_row_bf16(float* s, int64_t n, int64_t w, uint16_t* p) {
+  const __m512 ninf = bcast(-INFINITY);
   __m512 vm = ninf;
   for (int64_t j = 0; j < n; j += kVec)
-    vm = _mm512_max_ps(vm, _mm512_mask_mul_ps(ninf, lanes(n, j), _mm512_loadu_ps(s + j), vs));
+    vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(ninf, lanes(n, j), s + j));
   const __m512 bm = bcast(_mm512_reduce_max_ps(vm));
   __m512 vsum = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += kVec) {
     const __mmask16 k = lanes(n, j);
-    __m512 e = exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vs, bm));
+    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), bm));
     e = _mm512_maskz_mov_ps(k, e);
     _mm512_storeu_ps(s + j, e);
     vsum = _mm512_add_ps(vsum, e);
@@ -278,9 +283,9 @@ void forward_head(const Rows& q, const uint32_t* kt, const uint32_t* vp, uint16_
     const int64_t m = std::min<int64_t>(kRows, t - i0), i_end = i0 + m;
     const int64_t nv = sh.vectors(i_end), w = sh.written(i_end);
     // S rows i0 .. i_end - 1, columns [0, 16 nv), float32
-    row_block(m, q.row32(i0), q.st / 2, 1, kt, tc, hp, nv, StoreF32{sf.data(), tc});
+    row_block(m, q.row32(i0), q.st / 2, 1, kt, tc, hp, nv, StoreF32{sf.data(), tc, bcast(scale)});
     for (int64_t r = 0; r < m; ++r)
-      softmax_row_bf16(sf.data() + r * tc, i0 + r + 1, w, scale, pl.data() + r * tc);
+      softmax_row_bf16(sf.data() + r * tc, i0 + r + 1, w, pl.data() + r * tc);
     if (m % 2) std::fill(pl.data() + m * tc, pl.data() + m * tc + w, uint16_t{0});
     // out rows = P v over the pairs of keys j < i_end
     const uint32_t* p32 = reinterpret_cast<const uint32_t*>(pl.data());
@@ -311,19 +316,19 @@ struct AccF32 {
 // Per-thread packs and scratch of the backward pass.
 struct BackwardScratch {
   std::vector<uint32_t> vt, kp, gp, qp, ds_pairs;
-  std::vector<float> sf, dk_acc, dv_acc;
+  std::vector<float> sf;
   std::vector<uint16_t> dsl;
   explicit BackwardScratch(const Shape& sh)
       : vt(sh.hdv / 2 * sh.tc), kp(sh.tr * sh.hd), gp(sh.tr * sh.hdv), qp(sh.tr * sh.hd),
-        ds_pairs(sh.tr * sh.tc), sf(kRows * sh.tc), dk_acc(sh.t * sh.hd), dv_acc(sh.t * sh.hdv),
-        dsl((kRows + 1) * sh.tc) {}
+        ds_pairs(sh.tr * sh.tc), sf(kRows * sh.tc), dsl((kRows + 1) * sh.tc) {}
 };
 
 // One (b, h) backward with its kv head packed in w.vt (v transposed) and w.kp (k in row pairs):
-// dq (t rows of hd, contiguous); dK / s and dV of this head into w.dk_acc and w.dv_acc (float32,
-// stored when first, else added).
+// dq (t rows of hd, contiguous); dK / s and dV of this head into dk_acc and dv_acc (float32, t
+// rows of hd and hdv; stored when first, else added).
 void backward_head(const Rows& q, const Rows& g, const uint32_t* pairs, uint16_t* dq,
-                   const Shape& sh, float scale, bool first, BackwardScratch& w) {
+                   float* dk_acc, float* dv_acc, const Shape& sh, float scale, bool first,
+                   BackwardScratch& w) {
   const int64_t t = sh.t, hd = sh.hd, hdv = sh.hdv, tc = sh.tc, tr = sh.tr;
   pack_row_pairs(g, t, hdv, w.gp.data());
   pack_row_pairs(q, t, hd, w.qp.data());
@@ -337,7 +342,7 @@ void backward_head(const Rows& q, const Rows& g, const uint32_t* pairs, uint16_t
         _mm_prefetch(reinterpret_cast<const char*>(pairs + p * tc + j), _MM_HINT_T0);
     // dP rows = dO v^T, columns [0, 16 nv)
     row_block(m, g.row32(i0), g.st / 2, 1, w.vt.data(), tc, hdv / 2, nv,
-              StoreF32{w.sf.data(), tc});
+              StoreF32{w.sf.data(), tc, bcast(1.0f)});
     for (int64_t r = 0; r < m; ++r) {
       const int64_t i = i0 + r;
       softmax_backward_row_bf16(pairs + (i / 2) * tc, i % 2 == 1, w.sf.data() + r * tc, i + 1,
@@ -356,9 +361,9 @@ void backward_head(const Rows& q, const Rows& g, const uint32_t* pairs, uint16_t
   for (int64_t j0 = 0; j0 < t; j0 += kRows) {
     const int64_t m = std::min<int64_t>(kRows, t - j0), p0 = j0 / 2, np = tr - p0;
     row_block(m, pairs + p0 * tc + j0, 1, tc, w.gp.data() + p0 * hdv, hdv, np, hdv / kVec,
-              AccF32{w.dv_acc.data() + j0 * hdv, hdv, first});
+              AccF32{dv_acc + j0 * hdv, hdv, first});
     row_block(m, w.ds_pairs.data() + p0 * tc + j0, 1, tc, w.qp.data() + p0 * hd, hd, np,
-              hd / kVec, AccF32{w.dk_acc.data() + j0 * hd, hd, first});
+              hd / kVec, AccF32{dk_acc + j0 * hd, hd, first});
   }
 }
 
@@ -387,8 +392,7 @@ extern "C" int lmlab_causal_attention_bf16_available() {
 // reads kv head h / (H / K)), with element strides {B, H or K, T} (rows contiguous, every
 // stride even, 4-byte aligned data; hd and hdv multiples of 16); out (B, H, T, hdv) contiguous;
 // probs (B H, ceil(T / 2), T rounded up to 16) 32-bit words: P in row pairs, for the backward.
-// One task per (b, kv head): its k and v packed once for the query heads that share them.
-// Returns 0, or -1 where not built.
+// One task per (b, h), its kv head packed for it. Returns 0, or -1 where not built.
 extern "C" int lmlab_causal_attention_bf16_forward(const void* q, const int64_t* qs, const void* k,
                                                    const int64_t* ks, const void* v,
                                                    const int64_t* vs, void* out, void* probs,
@@ -397,20 +401,21 @@ extern "C" int lmlab_causal_attention_bf16_forward(const void* q, const int64_t*
 #ifdef LMLAB_ATTENTION_BF16
   const Shape sh(t, hd, hdv);
   const int64_t rep = h / kv;
-  at::parallel_for(0, b * kv, 1, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, b * h, 1, [&](int64_t n0, int64_t n1) {
     std::vector<uint32_t> kt(hd / 2 * sh.tc), vp(sh.tr * hdv);
     std::vector<float> sf(kRows * sh.tc);
     std::vector<uint16_t> pl((kRows + 1) * sh.tc);
+    int64_t packed = -1;  // the (b, kv head) whose k and v are in kt and vp
     for (int64_t n = n0; n < n1; ++n) {
-      const int64_t bi = n / kv, ki = n % kv;
-      pack_transposed(head(k, ks, bi, ki), t, hd, sh.tc, kt.data());
-      pack_row_pairs(head(v, vs, bi, ki), t, hdv, vp.data());
-      for (int64_t hi = ki * rep; hi < (ki + 1) * rep; ++hi) {
-        const int64_t bh = bi * h + hi;
-        forward_head(head(q, qs, bi, hi), kt.data(), vp.data(),
-                     static_cast<uint16_t*>(out) + bh * t * hdv,
-                     static_cast<uint32_t*>(probs) + bh * sh.tr * sh.tc, sh, scale, sf, pl);
+      const int64_t bi = n / h, hi = n % h, ki = hi / rep, group = bi * kv + ki;
+      if (group != packed) {  // consecutive query heads of one kv head share the packs
+        pack_transposed(head(k, ks, bi, ki), t, hd, sh.tc, kt.data());
+        pack_row_pairs(head(v, vs, bi, ki), t, hdv, vp.data());
+        packed = group;
       }
+      forward_head(head(q, qs, bi, hi), kt.data(), vp.data(),
+                   static_cast<uint16_t*>(out) + n * t * hdv,
+                   static_cast<uint32_t*>(probs) + n * sh.tr * sh.tc, sh, scale, sf, pl);
     }
   });
   return 0;
@@ -423,8 +428,10 @@ extern "C" int lmlab_causal_attention_bf16_forward(const void* q, const int64_t*
 
 // The backward of the forward above: g = dL/dout (B, H, T, hdv) with strides gs as q's; probs
 // what the forward wrote; dq (B, H, T, hd), dk (B, K, T, hd) and dv (B, K, T, hdv) contiguous,
-// dK and dV summed over the query heads of each kv head in float32, rounded once. Returns 0, or
-// -1 where not built.
+// dK and dV summed over the query heads of each kv head in float32, rounded once. Tasks: the
+// query heads of each (b, kv head) in `chunks` runs of consecutive heads (one run unless there
+// are fewer (b, kv head) pairs than threads: MQA at batch 1), each run summing its heads into
+// its own float32 buffer, the runs then summed in order. Returns 0, or -1 where not built.
 extern "C" int lmlab_causal_attention_bf16_backward(const void* q, const int64_t* qs,
                                                     const void* k, const int64_t* ks,
                                                     const void* v, const int64_t* vs,
@@ -434,21 +441,52 @@ extern "C" int lmlab_causal_attention_bf16_backward(const void* q, const int64_t
                                                     int64_t hd, int64_t hdv, float scale) {
 #ifdef LMLAB_ATTENTION_BF16
   const Shape sh(t, hd, hdv);
-  const int64_t rep = h / kv;
-  at::parallel_for(0, b * kv, 1, [&](int64_t n0, int64_t n1) {
+  const int64_t rep = h / kv, groups = b * kv;
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunks = groups >= threads ? 1 : std::min(rep, (threads + groups - 1) / groups);
+  const int64_t per = (rep + chunks - 1) / chunks;  // query heads per run
+  // one run: each task's own buffers, rounded into dk and dv at its end; several: all of them
+  const int64_t shared = chunks > 1 ? groups * chunks : 0;
+  std::vector<float> acc_k(shared * t * hd), acc_v(shared * t * hdv);
+  at::parallel_for(0, groups * chunks, 1, [&](int64_t n0, int64_t n1) {
     BackwardScratch w(sh);
+    std::vector<float> own_k(chunks > 1 ? 0 : t * hd), own_v(chunks > 1 ? 0 : t * hdv);
     for (int64_t n = n0; n < n1; ++n) {
-      const int64_t bi = n / kv, ki = n % kv;
+      const int64_t group = n / chunks, c = n % chunks, bi = group / kv, ki = group % kv;
+      const int64_t h0 = ki * rep + c * per, h1 = std::min(ki * rep + rep, h0 + per);
+      float* dk_acc = chunks > 1 ? acc_k.data() + n * t * hd : own_k.data();
+      float* dv_acc = chunks > 1 ? acc_v.data() + n * t * hdv : own_v.data();
+      if (h0 >= h1) {  // an empty run (more runs than heads): adds nothing
+        std::fill(dk_acc, dk_acc + t * hd, 0.0f);
+        std::fill(dv_acc, dv_acc + t * hdv, 0.0f);
+        continue;
+      }
       pack_transposed(head(v, vs, bi, ki), t, hdv, sh.tc, w.vt.data());
       pack_row_pairs(head(k, ks, bi, ki), t, hd, w.kp.data());
-      for (int64_t hi = ki * rep; hi < (ki + 1) * rep; ++hi) {
+      for (int64_t hi = h0; hi < h1; ++hi) {
         const int64_t bh = bi * h + hi;
         backward_head(head(q, qs, bi, hi), head(g, gs, bi, hi),
                       static_cast<const uint32_t*>(probs) + bh * sh.tr * sh.tc,
-                      static_cast<uint16_t*>(dq) + bh * t * hd, sh, scale, hi == ki * rep, w);
+                      static_cast<uint16_t*>(dq) + bh * t * hd, dk_acc, dv_acc, sh, scale,
+                      hi == h0, w);
       }
-      store_scaled(w.dk_acc.data(), t * hd, scale, static_cast<uint16_t*>(dk) + n * t * hd);
-      store_scaled(w.dv_acc.data(), t * hdv, 1.0f, static_cast<uint16_t*>(dv) + n * t * hdv);
+      if (chunks == 1) {
+        store_scaled(dk_acc, t * hd, scale, static_cast<uint16_t*>(dk) + group * t * hd);
+        store_scaled(dv_acc, t * hdv, 1.0f, static_cast<uint16_t*>(dv) + group * t * hdv);
+      }
+    }
+  });
+  if (chunks == 1) return 0;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t group = g0; group < g1; ++group) {  // the runs in order, then one rounding
+      float* k0 = acc_k.data() + group * chunks * t * hd;
+      float* v0 = acc_v.data() + group * chunks * t * hdv;
+      for (int64_t c = 1; c < chunks; ++c) {
+        for (int64_t i = 0; i < t * hd; ++i) k0[i] += k0[c * t * hd + i];
+        for (int64_t i = 0; i < t * hdv; ++i) v0[i] += v0[c * t * hdv + i];
+      }
+      store_scaled(k0, t * hd, scale, static_cast<uint16_t*>(dk) + group * t * hd);
+      store_scaled(v0, t * hdv, 1.0f, static_cast<uint16_t*>(dv) + group * t * hdv);
     }
   });
   return 0;

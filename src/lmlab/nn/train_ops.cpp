@@ -72,7 +72,8 @@ void check_cpu(const at::Tensor& t, const char* op, const char* name) {
               ": ", name, " must be a dense CPU tensor");
   // a fake tensor (FakeTensorMode, torch.compile's tracing) says CPU but has no data: its
   // untyped data_ptr() is null, and the kernels would write through it
-  TORCH_CHECK(has_data(t), "lmlab.", op, ": ", name, " has no data (a fake tensor?)");
+  TORCH_CHECK(has_data(t), "lmlab.", op, ": ", name,
+              " has no data (a fake tensor, a ZeroTensor, or a torch.func transform's wrapper)");
 }
 
 void check_param(const std::optional<at::Tensor>& p, int64_t d, const char* name) {
@@ -240,13 +241,20 @@ at::Tensor causal_attention_bmm(const at::Tensor& q, const at::Tensor& k, const 
 
 // ---- causal_attention_bf16 ------------------------------------------------------------------
 
-// t as the kernel reads it: rows of hd contiguous elements, every stride even and the data
-// 4-byte aligned (pairs of bf16 are read as 32-bit words); otherwise a contiguous copy.
-at::Tensor pair_readable(const at::Tensor& t) {
+// t as the kernel reads it: its values in memory (a negated view's sign applied), rows of hd
+// contiguous elements, every stride even and the data 4-byte aligned (pairs of bf16 are read as
+// 32-bit words); otherwise a contiguous copy.
+at::Tensor pair_readable(const at::Tensor& t_in) {
+  const at::Tensor t = t_in.resolve_neg();  // the kernel reads memory: a neg bit would be lost
   const bool ok = t.stride(3) == 1 && t.stride(0) % 2 == 0 && t.stride(1) % 2 == 0 &&
                   t.stride(2) % 2 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 4 == 0;
   return ok ? t : t.contiguous();
 }
+
+constexpr const char* kFusedNoDoubleBackward =
+    "lmlab.causal_attention_bf16: no second-order gradients (create_graph=True, e.g. a gradient "
+    "penalty): its saved tensors carry no graph back to q, k and v; use model.attention.backend: "
+    "math for them";
 
 struct CausalAttentionBf16 : public torch::autograd::Function<CausalAttentionBf16> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& k_in,
@@ -268,13 +276,17 @@ struct CausalAttentionBf16 : public torch::autograd::Function<CausalAttentionBf1
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    TORCH_CHECK(!at::GradMode::is_enabled(), kNoDoubleBackward);
+    TORCH_CHECK(!at::GradMode::is_enabled(), kFusedNoDoubleBackward);
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &probs = saved[3];
-    const at::Tensor g = pair_readable(grads[0].to(at::kBFloat16));
     const int64_t b = q.size(0), h = q.size(1), t = q.size(2), hd = q.size(3), hdv = v.size(3);
     const int64_t kv = k.size(1);
     const auto opts = q.options();
+    if (grads[0]._is_zerotensor())  // a gradient known to be 0 (it has no data to read)
+      return {at::zeros({b, h, t, hd}, opts), at::zeros({b, kv, t, hd}, opts),
+              at::zeros({b, kv, t, hdv}, opts), at::Tensor()};
+    check_cpu(grads[0], "causal_attention_bf16", "the output's gradient");
+    const at::Tensor g = pair_readable(grads[0].to(at::kBFloat16));
     at::Tensor dq = at::empty({b, h, t, hd}, opts), dk = at::empty({b, kv, t, hd}, opts);
     at::Tensor dv = at::empty({b, kv, t, hdv}, opts);
     const int64_t qs[3] = {q.stride(0), q.stride(1), q.stride(2)};

@@ -176,7 +176,7 @@ def _bmm_causal_elements(model: torch.nn.Module, t: Any, seq: int, a: int) -> in
             and getattr(mod, "dropout", 1.0) == 0.0
         ):
             total += sum(
-                h * seq for h, hd, hdv, gqa in _attend_calls(mod) if _keeps_p(hd, hdv, gqa)
+                _p_elements(h, hd, hdv, gqa, seq) for h, hd, hdv, gqa in _attend_calls(mod)
             )
     return total
 
@@ -199,12 +199,13 @@ def _attend_calls(mod: Any) -> list[tuple[int, int, int, bool]]:
     return [(h, hd, hd, h != kv)]
 
 
-def _keeps_p(hd: int, hdv: int, gqa: bool) -> bool:
-    """Whether a causal call of these head dims takes a path that keeps P (given that
-    ``bmm_causal_applies``): the fused kernel where it will run
+def _p_elements(h: int, hd: int, hdv: int, gqa: bool, seq: int) -> int:
+    """Per query token, the bf16 elements of P that a causal call of h query heads with these
+    head dims keeps (given that ``bmm_causal_applies``). The fused kernel, where it will run
     (:func:`lmlab.nn.train_kernel.attention_bf16_expected`, head dims multiples of 16, GQA
-    included), else the batched matmuls unless torch's kernel shares the kv heads (GQA on
-    torch >= 2.5)."""
+    included): ceil(T / 2) row pairs of T rounded up to 16 per head, H (T + 15) // 16 * 16
+    when T is even (rounded up per token). Else the batched matmuls, H T, unless torch's kernel
+    shares the kv heads (GQA on torch >= 2.5), which keeps none."""
     from lmlab.nn import attention_core as core
     from lmlab.nn import train_kernel
 
@@ -214,7 +215,10 @@ def _keeps_p(hd: int, hdv: int, gqa: bool) -> bool:
         and hdv % 16 == 0
         and train_kernel.attention_bf16_expected()
     )
-    return fused or not (gqa and core.SDPA_GQA)
+    if fused:
+        per_sequence = h * 2 * ((seq + 1) // 2) * ((seq + 15) // 16 * 16)
+        return -(-per_sequence // seq)
+    return 0 if gqa and core.SDPA_GQA else h * seq
 
 
 def _muon_parameters(model: torch.nn.Module, t: Any) -> int:
