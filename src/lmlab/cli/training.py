@@ -203,7 +203,11 @@ TRAIN = Command(
     description="Train a language model. Writes RUN/config.yaml, tokenizer.json, "
     "checkpoints/step-NNNNNN/ (+ latest), metrics.jsonl, tb/ (TensorBoard) and loss.png. "
     "On a CPU the process keeps freed memory mapped between steps (glibc's malloc thresholds: "
-    "fewer page faults); LMLAB_NO_MALLOC_TUNING=1 turns that off.",
+    "fewer page faults); LMLAB_NO_MALLOC_TUNING=1 turns that off. Training on a CPU runs "
+    "lmlab's C++ kernels (compiled on first use): RoPE, gradient clipping and, in bf16, the "
+    "norms, the residual add and causal attention up to 256 tokens (its own fused kernel on "
+    "CPUs with AVX512-BF16 and no AMX, GQA included; batched matmuls elsewhere); "
+    "LMLAB_NO_CPP_KERNELS=1 runs torch's ops instead (docs/training.md).",
     arguments=_train_arguments,
     run=cmd_train,
     common=("device", "debug", "plugin"),
