@@ -30,6 +30,7 @@
 
 #include <ATen/Parallel.h>
 
+#include "attention_kernels.h"
 #include "train_simd.h"
 
 #include <algorithm>

@@ -29,6 +29,8 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/library.h>
 
+#include "attention_kernels.h"
+
 extern "C" int lmlab_causal_softmax_forward(int dtype, const void* s, void* p, int64_t n, int64_t t);
 extern "C" int lmlab_causal_softmax_backward(int dtype, const void* p, const void* dp, void* ds,
                                              int64_t n, int64_t t);
@@ -39,19 +41,6 @@ extern "C" int lmlab_norm_bf16_backward(int kind, const void* dy, const float* x
                                         const float* mean, const float* rstd, float* dx, float* dw,
                                         float* db, int64_t rows, int64_t d);
 extern "C" int lmlab_add_f32_bf16(const float* x, const void* y, float* out, int64_t n);
-extern "C" int lmlab_causal_attention_bf16_available();
-extern "C" int lmlab_causal_attention_bf16_forward(const void* q, const int64_t* qs, const void* k,
-                                                   const int64_t* ks, const void* v,
-                                                   const int64_t* vs, void* out, void* probs,
-                                                   int64_t b, int64_t h, int64_t kv, int64_t t,
-                                                   int64_t hd, int64_t hdv, float scale);
-extern "C" int lmlab_causal_attention_bf16_backward(const void* q, const int64_t* qs,
-                                                    const void* k, const int64_t* ks,
-                                                    const void* v, const int64_t* vs,
-                                                    const void* g, const int64_t* gs,
-                                                    const void* probs, void* dq, void* dk, void* dv,
-                                                    int64_t b, int64_t h, int64_t kv, int64_t t,
-                                                    int64_t hd, int64_t hdv, float scale);
 
 namespace {
 
