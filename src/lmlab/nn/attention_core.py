@@ -249,17 +249,21 @@ def causal_attention_bmm(
     return _CausalAttentionBmm.apply(q, k, v, scale)
 
 
+def fused_attention_takes(hd: int, hdv: int) -> bool:
+    """Whether the fused kernel is switched on (:data:`TRAIN_FUSED_ATTENTION`) and takes head
+    dims hd (q and k) and hdv (v): multiples of 16."""
+    return TRAIN_FUSED_ATTENTION and hd % 16 == 0 and hdv % 16 == 0
+
+
 def fused_attention_applies(q: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether :func:`causal_attention_train` runs lmlab's fused kernel for these q and v (on a
-    path where :func:`bmm_causal_applies`): :data:`TRAIN_FUSED_ATTENTION` on, bf16, head dims
-    that are multiples of 16, and the kernel built and preferred here
-    (:func:`lmlab.nn.train_kernel.attention_bf16_preferred`: AVX512-BF16, no AMX)."""
+    path where :func:`bmm_causal_applies`): :func:`fused_attention_takes` their head dims, bf16,
+    and the kernel built and preferred here (:func:`lmlab.nn.train_kernel.attention_bf16_preferred`:
+    AVX512-BF16, no AMX)."""
     from lmlab.nn import train_kernel
 
     return (
-        TRAIN_FUSED_ATTENTION
-        and q.shape[-1] % 16 == 0
-        and v.shape[-1] % 16 == 0
+        fused_attention_takes(q.shape[-1], v.shape[-1])
         and q.dtype == torch.bfloat16
         and train_kernel.attention_bf16_preferred()
     )

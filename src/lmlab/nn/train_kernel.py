@@ -66,17 +66,24 @@ ATTENTION_SOURCE = Path(__file__).with_name("attention_kernels.cpp")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def _build() -> ctypes.CDLL:
-    """Compile (or load from the cache) train_kernels.cpp and train_ops.cpp into one library,
-    which registers the operators torch.ops.lmlab.*; raises on any failure."""
-    flags = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+def _build_kind() -> str:
+    """The instruction set the library is built for here: "avx512bf16" (AVX-512 F, BW, VL, DQ
+    and AVX512-BF16: the fused attention too), "avx512" or "generic"."""
     avx512 = cpp_build.cpu_has_avx2_fma() and cpp_build.cpu_has_avx512f()
     avx512bw = avx512 and {"avx512bw", "avx512vl", "avx512dq"} <= cpp_build.cpu_flags()
     bf16 = avx512bw and "avx512_bf16" in cpp_build.cpu_flags()
-    if avx512bw:
+    return "avx512bf16" if bf16 else "avx512" if avx512bw else "generic"
+
+
+def _build() -> ctypes.CDLL:
+    """Compile (or load from the cache) train_kernels.cpp, train_ops.cpp and
+    attention_kernels.cpp into one library, which registers the operators torch.ops.lmlab.*;
+    raises on any failure."""
+    flags = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+    kind = _build_kind()
+    if kind != "generic":
         flags += ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
-    flags += ["-mavx512bf16"] if bf16 else []
-    kind = "avx512bf16" if bf16 else "avx512" if avx512bw else "generic"
+    flags += ["-mavx512bf16"] if kind == "avx512bf16" else []
     sources = [str(SOURCE), str(OPS_SOURCE), str(ATTENTION_SOURCE)]
     path = cpp_build.build(f"lmlab_train_kernels_{kind}", sources, flags, ["-fopenmp"])
     if not hasattr(torch.ops.lmlab, "norm_bf16"):  # registered when the library was loaded
@@ -137,18 +144,16 @@ def attention_bf16_preferred() -> bool:
 def attention_bf16_expected() -> bool:
     """What :func:`attention_bf16_preferred` will say, without compiling anything (for the
     memory estimate, which runs before training builds the kernels): the kernels not turned off
-    (``LMLAB_NO_CPP_KERNELS``), a CPU listing AVX-512 (F, BW, VL, DQ) and
-    avx512_bf16 but not amx_bf16. Where the build then fails, training takes the batched
-    matmuls, which keep P too; only the GQA count can differ (their path is torch's)."""
+    (``LMLAB_NO_CPP_KERNELS``), to be built for AVX512-BF16, on a CPU without amx_bf16. Where
+    the build then fails, training takes the batched matmuls, which keep P too; only the GQA
+    count can differ (their path is torch's)."""
     from lmlab.envflags import opted_out
 
     if opted_out(cpp_build.ENV_OFF):
         return False
     if _kernel.tried():  # already loaded (or failed): what training will find
         return attention_bf16_preferred()
-    flags = cpp_build.cpu_flags()
-    wanted = {"avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
-    return cpp_build.cpu_has_avx512f() and wanted <= flags and "amx_bf16" not in flags
+    return _build_kind() == "avx512bf16" and "amx_bf16" not in cpp_build.cpu_flags()
 
 
 def _lib() -> ctypes.CDLL:

@@ -209,13 +209,7 @@ def _p_elements(h: int, hd: int, hdv: int, gqa: bool, seq: int) -> int:
     from lmlab.nn import attention_core as core
     from lmlab.nn import train_kernel
 
-    fused = (
-        core.TRAIN_FUSED_ATTENTION
-        and hd % 16 == 0
-        and hdv % 16 == 0
-        and train_kernel.attention_bf16_expected()
-    )
-    if fused:
+    if core.fused_attention_takes(hd, hdv) and train_kernel.attention_bf16_expected():
         per_sequence = h * 2 * ((seq + 1) // 2) * ((seq + 15) // 16 * 16)
         return -(-per_sequence // seq)
     return 0 if gqa and core.SDPA_GQA else h * seq
