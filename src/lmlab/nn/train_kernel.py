@@ -52,6 +52,7 @@ traffic there, so it was removed (benchmarks/README.md, "Fourth pass").
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 
 import torch
@@ -66,9 +67,11 @@ ATTENTION_SOURCE = Path(__file__).with_name("attention_kernels.cpp")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
+@functools.lru_cache(maxsize=1)
 def _build_kind() -> str:
     """The instruction set the library is built for here: "avx512bf16" (AVX-512 F, BW, VL, DQ
-    and AVX512-BF16: the fused attention too), "avx512" or "generic"."""
+    and AVX512-BF16: the fused attention too), "avx512" or "generic" (read once: the memory
+    estimate asks for every attention layer)."""
     avx512 = cpp_build.cpu_has_avx2_fma() and cpp_build.cpu_has_avx512f()
     avx512bw = avx512 and {"avx512bw", "avx512vl", "avx512dq"} <= cpp_build.cpu_flags()
     bf16 = avx512bw and "avx512_bf16" in cpp_build.cpu_flags()
