@@ -224,6 +224,58 @@ inline void accumulate_row(const T* out, float* acc, int64_t hd) {
   for (; i < hd; ++i) acc[i] += load(out[i]);
 }
 
+#if defined(__AVX512F__)
+// The split's whole-vector path (h = hd / 2 a multiple of 16, AVX-512): each head's two halves
+// are read once, the bias added to both in registers (no row buffer to store and read back),
+// and both rotated halves computed from them: the same operations on the same values as
+// add_bias_row, rotate_head and accumulate_row above, so the same bits (a NaN sum is truncated as
+// add_bias_row's store truncates it). About 2x the rows-of-calls path at head_dim 32 and 64.
+
+// x + bias rounded to T as add_bias_row stores it; x alone without a bias.
+template <typename T, typename BT>
+inline __m512 load_biased(const T* x, const BT* bias) {
+  __m512 v = load16(x);
+  if (bias == nullptr) return v;
+  v = _mm512_add_ps(v, load16(bias));
+  if (sizeof(T) == 2) {
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __m512 cut = _mm512_castsi512_ps(_mm512_and_si512(
+        _mm512_castps_si512(v), _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+    v = _mm512_mask_blend_ps(nan, round16(v), cut);
+  }
+  return v;
+}
+
+// a c + b s, as rotate_head computes one lane (bfloat16: each product and the sum rounded).
+template <typename T>
+inline __m512 rotate16(__m512 a, const float* c, __m512 b, const float* s) {
+  const __m512 x = _mm512_mul_ps(a, _mm512_loadu_ps(c));
+  const __m512 y = _mm512_mul_ps(b, _mm512_loadu_ps(s));
+  return sizeof(T) == 2 ? round16(_mm512_add_ps(round16(x), round16(y))) : _mm512_add_ps(x, y);
+}
+
+// One head of hd channels: y = rotate(x + bias) (rotate: cf, sf as load_tables made them), or
+// y = x + bias copied (rotate false); acc += y when acc is not null.
+template <typename T, typename BT, int64_t HD>
+inline void head16(const T* __restrict x, const BT* __restrict bias, const float* __restrict cf,
+                   const float* __restrict sf, T* __restrict y, float* __restrict acc,
+                   bool rotate, int64_t hd_rt) {
+  const int64_t h = (HD ? HD : hd_rt) / 2;
+  for (int64_t i = 0; i < h; i += 16) {
+    const __m512 lo = load_biased(x + i, bias ? bias + i : bias);
+    const __m512 hi = load_biased(x + h + i, bias ? bias + h + i : bias);
+    const __m512 ylo = rotate ? rotate16<T>(lo, cf + i, hi, sf + i) : lo;
+    const __m512 yhi = rotate ? rotate16<T>(hi, cf + h + i, lo, sf + h + i) : hi;
+    store16(ylo, y + i);
+    store16(yhi, y + h + i);
+    if (acc) {
+      _mm512_storeu_ps(acc + i, _mm512_add_ps(_mm512_loadu_ps(acc + i), ylo));
+      _mm512_storeu_ps(acc + h + i, _mm512_add_ps(_mm512_loadu_ps(acc + h + i), yhi));
+    }
+  }
+}
+#endif
+
 template <typename T, typename BT, int64_t HD>
 void rope_split(const T* qkv, const BT* bias, int64_t nb, int64_t nt, int64_t h, int64_t kv,
                 int64_t hd, const T* cos, const T* sgn, T* q, T* k, T* v) {
@@ -234,6 +286,18 @@ void rope_split(const T* qkv, const BT* bias, int64_t nb, int64_t nt, int64_t h,
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / nt, t = row % nt;
       load_tables(cos + t * hd, sgn + t * hd, cf, sf, hd, false);
+#if defined(__AVX512F__)
+      if ((hd / 2) % 16 == 0) {
+        for (int64_t n = 0; n < heads; ++n) {
+          T* y = n < h        ? q + ((b * h + n) * nt + t) * hd
+                 : n < h + kv ? k + ((b * kv + n - h) * nt + t) * hd
+                              : v + ((b * kv + n - h - kv) * nt + t) * hd;
+          head16<T, BT, HD>(qkv + (row * heads + n) * hd, bias ? bias + n * hd : bias, cf, sf, y,
+                            nullptr, n < h + kv, hd);
+        }
+        continue;
+      }
+#endif
       for (int64_t n = 0; n < heads; ++n) {
         const T* x = qkv + (row * heads + n) * hd;
         if (bias) {
@@ -273,6 +337,20 @@ void rope_split_backward(const T* dq, const T* dk, const T* dv, int64_t nb, int6
         load_tables(cos + t * hd, sgn + t * hd, cf, sf, hd, true);
         for (int64_t n = 0; n < heads; ++n) {
           T* out = dqkv + (row * heads + n) * hd;
+#if defined(__AVX512F__)
+          if ((hd / 2) % 16 == 0) {
+            const T* g = n < h        ? (dq ? dq + ((b * h + n) * nt + t) * hd : nullptr)
+                         : n < h + kv ? (dk ? dk + ((b * kv + n - h) * nt + t) * hd : nullptr)
+                                      : (dv ? dv + ((b * kv + n - h - kv) * nt + t) * hd : nullptr);
+            if (g) {
+              head16<T, T, HD>(g, nullptr, cf, sf, out, acc ? acc + n * hd : nullptr,
+                               n < h + kv, hd);
+            } else {
+              std::memset(static_cast<void*>(out), 0, hd * sizeof(T));
+            }
+            continue;
+          }
+#endif
           const T* g = n < h ? (dq ? dq + ((b * h + n) * nt + t) * hd : nullptr)
                        : n < h + kv ? (dk ? dk + ((b * kv + n - h) * nt + t) * hd : nullptr)
                                     : (dv ? dv + ((b * kv + n - h - kv) * nt + t) * hd : nullptr);
