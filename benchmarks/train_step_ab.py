@@ -34,6 +34,9 @@ For each shape and precision it builds, in this one process:
 - **torchnorm** (``--norm-kernel``): lmlab's default with only the C++ norm-to-bf16 kernel
   (:func:`lmlab.nn.train_kernel.norm_bf16`) off, the pre-norm blocks' norms as torch's float32
   norm then autocast's cast: ``lmlab norm kernel on/off``.
+- **torchgelu** (``--gelu-kernel``): lmlab's default with only the MLP's one-pass bias + GELU
+  operator (``lmlab.nn.train_kernel.gelu_up``) off, the up projection's ``addmm`` and torch's
+  gelu instead: ``lmlab gelu kernel on/off``.
 - **torchadd** (``--add-kernel``) and **torchclip** (``--clip-kernel``): lmlab's default with only
   the one-pass residual add (``lmlab.nn.train_kernel.residual_add``) or only the one-call
   gradient clipping (``lmlab.nn.train_kernel.clip_grads_``) off: ``lmlab residual add kernel
@@ -216,6 +219,12 @@ def main(argv: list[str] | None = None) -> None:
         help="also lmlab with only its C++ norm-to-bf16 kernel off (torchnorm)",
     )
     ap.add_argument(
+        "--gelu-kernel",
+        action="store_true",
+        help="also lmlab with only its one-pass bias + GELU of the MLP's up projection off "
+        "(torchgelu)",
+    )
+    ap.add_argument(
         "--add-kernel",
         action="store_true",
         help="also lmlab with only its one-pass residual add off (torchadd)",
@@ -341,6 +350,7 @@ OFF_CONTENDERS = (
     ("torchsoftmax", "softmax_kernel", "softmax_kernel", "softmax kernel"),
     ("bmmattn", "attention_kernel", "attention_kernel", "fused attention kernel"),
     ("torchnorm", "norm_kernel", "norm_kernel", "norm kernel"),
+    ("torchgelu", "gelu_kernel", "gelu_kernel", "gelu kernel"),
     ("torchadd", "add_kernel", "add_kernel", "residual add kernel"),
     ("torchclip", "clip_kernel", "clip_kernel", "clip kernel"),
     ("untuned", "allocator", "malloc_tuning", "malloc tuning"),
@@ -605,16 +615,18 @@ def trainer_step(
     add_kernel: bool = True,
     clip_kernel: bool = True,
     malloc_tuning: bool = True,
+    gelu_kernel: bool = True,
 ) -> Callable[[], None]:
     """One ``Trainer.train_step`` per call, at the next step number; ``fast_paths`` False runs
     it with the training fast paths switched off (the q/k/v fusion, the bf16 batched-matmul
     attention, the bf16 RoPE function, the C++ RoPE, causal softmax, norm, residual add and
-    clipping kernels): the
+    clipping kernels, the bias + GELU operator): the
     reference path they replace; ``rope_kernel`` False only the C++ RoPE kernel (RoPE as torch
     ops, as before it); ``softmax_kernel`` False only the causal softmax kernel (masked_fill +
     softmax); ``attention_kernel`` False only the fused bf16 attention (the batched matmuls
     instead); ``norm_kernel`` False only the norm-to-bf16 kernel (torch's norm, then a cast);
-    ``add_kernel`` False only the one-pass residual add (torch's x + y); ``clip_kernel`` False
+    ``add_kernel`` False only the one-pass residual add (torch's x + y); ``gelu_kernel`` False
+    only the MLP's bias + GELU operator (addmm and torch's gelu); ``clip_kernel`` False
     only the one-call gradient clipping (torch's clip_grad_norm_); ``malloc_tuning`` False only
     lmlab's malloc thresholds (the step runs under :func:`untuned_allocator`). The module flags
     are set for the step and restored after it."""
@@ -639,6 +651,8 @@ def trainer_step(
         overrides.append((norm, "TRAIN_NORM_KERNEL", False))
     if not (fast_paths and add_kernel):
         overrides.append((train_kernel, "TRAIN_ADD_KERNEL", False))
+    if not (fast_paths and gelu_kernel):
+        overrides.append((train_kernel, "TRAIN_GELU_KERNEL", False))
     if not (fast_paths and clip_kernel):
         overrides.append((guard, "CLIP_KERNEL", False))
     count = [0]

@@ -550,6 +550,11 @@ def _bad_operator_calls():
         "add dtypes": lambda: o.add_f32_bf16(f(3).to(b), f(3)),
         "add strided": lambda: o.add_f32_bf16(f(3, 3).t(), f(3, 3).to(b)),
         "add meta": lambda: o.add_f32_bf16(f(3, device="meta"), f(3, device="meta").to(b)),
+        "gelu float32": lambda: o.gelu_bf16(f(3, 4), None),
+        "gelu 0-d": lambda: o.gelu_bf16(torch.tensor(1.0, dtype=b), None),
+        "gelu bias length": lambda: o.gelu_bf16(f(3, 4, dtype=b), f(5)),
+        "gelu bias dtype": lambda: o.gelu_bf16(f(3, 4, dtype=b), f(4, dtype=b)),
+        "gelu meta": lambda: o.gelu_bf16(f(3, 4, dtype=b, device="meta"), None),
     }
 
 
@@ -563,6 +568,7 @@ def test_the_operators_refuse_what_their_kernels_cannot_read(case):
     assert rope_kernel.available()
     op = case.split()[0].replace("attention", "causal_attention_bmm")
     op = {"norm": "norm_bf16", "rope": "rope_split", "add": "add_f32_bf16"}.get(op, op)
+    op = {"gelu": "gelu_bf16"}.get(op, op)
     op = {"fused": "causal_attention_bf16"}.get(op, op)
     with pytest.raises(RuntimeError, match=rf"^lmlab\.{op}: "):  # one line naming the operator
         _bad_operator_calls()[case]()
@@ -580,6 +586,7 @@ calls = {
     "fused": lambda: o.causal_attention_bf16(*[f(1, 2, 5, 16, dtype=b)] * 3, 0.5),
     "rope": lambda: o.rope_split(f(1, 3, 4, 8), f(3, 8), f(3, 8), 2, 1, None),
     "add": lambda: o.add_f32_bf16(f(3), f(3, dtype=b)),
+    "gelu": lambda: o.gelu_bf16(f(3, 4, dtype=b), f(4)),
 }
 for name, call in calls.items():
     with FakeTensorMode():

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmlab.errors import ConfigError
-from lmlab.nn.fused import fused_linear, linear
+from lmlab.nn.fused import fused_linear, global_hooks, linear, plain_linear
 from lmlab.nn.hooks import HookPoint
 from lmlab.registry import Registry
 
@@ -110,8 +110,22 @@ class MLP(nn.Module):
         self.hook_out = HookPoint()  # (B, T, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.hook_hidden(self.act(linear(self.up_proj, x)))  # (B, T, F)
+        hidden = self._gelu_up(x) if self.act is F.gelu else None
+        if hidden is None:
+            hidden = self.act(linear(self.up_proj, x))
+        hidden = self.hook_hidden(hidden)  # (B, T, F)
         return self.hook_out(linear(self.down_proj, hidden))
+
+    def _gelu_up(self, x: torch.Tensor) -> torch.Tensor | None:
+        """gelu(up_proj(x)) through lmlab's one-pass bias + GELU operator in bf16 autocast CPU
+        training (:func:`lmlab.nn.train_kernel.gelu_up`) when up_proj is a plain linear (no
+        torch hooks, no global module hooks), else None."""
+        up = self.up_proj
+        if not torch.is_grad_enabled() or not plain_linear(up) or global_hooks():
+            return None
+        from lmlab.nn.train_kernel import gelu_up
+
+        return gelu_up(x, up)
 
     def saved_activation_bytes(self, act_bytes: int) -> int:
         """Bytes per token autograd keeps of the hidden activations for backward: up(x) and

@@ -32,21 +32,24 @@ of a bf16 branch to the float32 stream (:func:`residual_add`), see their docstri
 In ``train_kernels.cpp``, compiled on first use by :func:`lmlab.nn.cpp_build.build` (some
 seconds once, then a cached load) together with ``train_ops.cpp``, which registers torch
 operators with their autograd in C++ (``torch.ops.lmlab.norm_bf16``, ``causal_attention_bmm``,
-``add_f32_bf16``): the training path enters the kernels through them, without a Python
-``autograd.Function`` (20-50 us a call each way). The functions here that take tensors
-directly (the causal softmax, clipping) call the kernels through ctypes with the tensors' data
-pointers, as :mod:`lmlab.nn.rope_kernel` does. When the library cannot be used
-(``LMLAB_NO_CPP_KERNELS=1``, no C++ compiler, a failed build) :func:`available` is False, the
-reason is in :func:`status`, and training runs torch's ops.
+``add_f32_bf16``, ``causal_attention_bf16``, ``gelu_bf16``): the training path enters the
+kernels through them, without a Python ``autograd.Function`` (20-50 us a call each way). The
+functions here that take tensors directly (the causal softmax, clipping) call the kernels
+through ctypes with the tensors' data pointers, as :mod:`lmlab.nn.rope_kernel` does. When the
+library cannot be used (``LMLAB_NO_CPP_KERNELS=1``, no C++ compiler, a failed build)
+:func:`available` is False, the reason is in :func:`status`, and training runs torch's ops.
 
 A GELU kernel whose forward also kept the derivative (so the backward is one multiply) and a
 bf16 linear operator with the bias inside oneDNN's matmul were built in the fifth session and
 measured 1.007x and 1.00x of the step; neither was kept (benchmarks/README.md, "Fifth pass").
 
-A bias + GELU kernel for the MLP's up projection (one pass each way, the bias gradient summed
-in the backward pass) was built here and measured 1.00x of the Mini-GPT bf16 step (30
-interleaved rounds, 2 threads) and 0.96-1.00x at nanoGPT's shape: the pass is bound by memory
-traffic there, so it was removed (benchmarks/README.md, "Fourth pass").
+**GELU of the MLP's up projection** (:func:`gelu_up`, ``torch.ops.lmlab.gelu_bf16``): in bf16
+autocast training the up projection runs without its bias (``mm``, not ``addmm``) and one
+pass computes the exact GELU of its output plus the float32 bias; the backward is one pass too,
+GELU's gradient and the bias gradient's column sums together. A fourth-session kernel of this
+kind measured 1.00x on the Xeon of the time and was removed; rebuilt in the tenth session with
+torch's own erf formula and one exponential each way, it measured 1.03-1.05x of the Mini-GPT
+bf16 step on the Zen 4 (benchmarks/README.md, "tenth session").
 """
 
 from __future__ import annotations
@@ -105,6 +108,8 @@ def _build() -> ctypes.CDLL:
     lib.lmlab_grad_clip.argtypes = [i64, fp, fp, ctypes.c_double, fp, fp]
     lib.lmlab_grad_clip.restype = ci
     lib.lmlab_causal_attention_bf16_available.restype = ci
+    lib.lmlab_gelu_bf16_blocks.argtypes = [i64]
+    lib.lmlab_gelu_bf16_blocks.restype = i64
     return lib
 
 
@@ -372,3 +377,45 @@ def residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     ):
         return torch.ops.lmlab.add_f32_bf16(x, y)
     return x + y
+
+
+# The MLP's exact GELU of its bias-free bf16 up projection plus the float32 bias, one pass each
+# way (torch.ops.lmlab.gelu_bf16); False: torch's addmm and gelu (A/B benchmarks).
+TRAIN_GELU_KERNEL = True
+
+
+def gelu_up(x: torch.Tensor, up: torch.nn.Module) -> torch.Tensor | None:
+    """``F.gelu(up(x))`` (exact erf GELU) for an MLP's up projection ``up`` (a plain
+    :class:`torch.nn.Linear`, weight (F, D), bias (F,) or None) and input x (..., D), or None
+    where this path does not apply (the caller runs ``up`` and ``F.gelu``).
+
+    It applies in bf16 autocast CPU training (gradients recorded, autocast on for the CPU in
+    bfloat16, float32 parameters, not under torch.compile) with the kernels :func:`available`
+    and built for AVX-512: the projection runs bias-free under autocast (a bf16 ``mm`` instead of
+    ``addmm``, which first writes the bias broadcast into its output), then
+    ``torch.ops.lmlab.gelu_bf16`` computes gelu(u + bias) in float32 from the bf16 product u and
+    the float32 bias in one pass, rounding once to bf16; its backward is one pass: GELU's
+    gradient (rounded to bf16) and the bias gradient (float32 column sums, the same bits for any
+    thread count). Against torch's path the bias is not rounded to bf16 first and z = u + bias
+    is not rounded before the GELU: values agree to bf16 rounding, not bit for bit. Torch's own
+    erf formula (Abramowitz & Stegun 7.1.26, absolute error 1.5e-7). A backward that records
+    its graph (create_graph) runs the same formula as ATen ops."""
+    if not (TRAIN_GELU_KERNEL and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        return None
+    if not (x.is_cpu and torch.is_autocast_enabled("cpu")):
+        return None
+    if torch.get_autocast_dtype("cpu") is not torch.bfloat16:
+        return None
+    weight, bias = up._parameters.get("weight"), up._parameters.get("bias")
+    if weight is None or weight.dtype is not torch.float32 or not weight.is_cpu:
+        return None
+    if bias is not None and (bias.dtype is not torch.float32 or not bias.is_cpu or bias.dim() != 1):
+        return None
+    if x.dtype not in (torch.float32, torch.bfloat16) or _build_kind() == "generic":
+        return None
+    if not available():
+        return None
+    u = torch.nn.functional.linear(x, weight)  # autocast: bf16 (..., F)
+    if u.dtype is not torch.bfloat16:
+        return None  # pragma: no cover - autocast in bf16 casts it so
+    return torch.ops.lmlab.gelu_bf16(u, bias)

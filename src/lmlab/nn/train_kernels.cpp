@@ -387,6 +387,125 @@ void add_f32_bf16(const float* x, const uint16_t* y, float* out, int64_t n) {
   });
 }
 
+// ---- GELU of a bias-free bfloat16 projection plus its bias ------------------------------------
+//
+// Legend: M rows, N columns. u (M, N) bfloat16, a projection's output computed without its bias;
+// b (N,) float32 or null. Forward: a = gelu(z), z = u + b in float32 (not rounded), gelu(z) = z
+// Phi(z) with Phi(z) = (1 + erf(z / sqrt 2)) / 2 (Hendrycks & Gimpel 2016, the exact form, torch's
+// F.gelu default), a rounded once to bfloat16. Backward: du = g gelu'(z), gelu'(z) = Phi(z) + z
+// phi(z) with phi the standard normal density, rounded to bfloat16; db[j] = the float32 sum over
+// i of du[i, j] as stored, summed over fixed blocks of rows (gelu_block_rows: the shape alone
+// decides them) and then in block order: the same bits for any thread count.
+//
+// erf by Abramowitz & Stegun 7.1.26 (absolute error <= 1.5e-7; the formula of torch's own
+// vectorised erf), its e^(-z^2 / 2) by exp16, which phi shares: one exponential per element each
+// way. Against torch's path (addmm with the bias rounded to bfloat16, its output rounded, then
+// gelu and gelu_backward each a pass, the bias gradient a separate column sum in bfloat16) this
+// is one pass each way, with z and the bias gradient kept in float32. Scalar builds use std::erf.
+
+constexpr float kInvSqrt2 = 0.70710678118654752f;
+constexpr float kInvSqrt2Pi = 0.39894228040143268f;
+
+inline int64_t gelu_block_rows(int64_t m) {
+  const int64_t per = (m + 255) / 256;  // at most 256 blocks of partial sums
+  return per < 64 ? 64 : per;
+}
+
+inline void gelu_scalar(float z, float* phi_cdf, float* pdf) {
+  *phi_cdf = 0.5f * (1.0f + std::erf(z * kInvSqrt2));
+  *pdf = std::exp(-0.5f * z * z) * kInvSqrt2Pi;
+}
+
+#ifdef LMLAB_TRAIN_AVX512
+// Phi(z) and e^(-z^2 / 2), sixteen lanes (a NaN z gives NaN; +-inf give Phi 1 / 0, e 0).
+inline void gelu_cdf16(__m512 z, __m512* cdf, __m512* e) {
+  const __m512 az = _mm512_castsi512_ps(
+      _mm512_and_si512(_mm512_castps_si512(z), _mm512_set1_epi32(0x7fffffff)));
+  // t = 1 / (1 + p |x|), x = z / sqrt 2
+  const __m512 t = _mm512_div_ps(bcast(1.0f), _mm512_fmadd_ps(bcast(0.3275911f * kInvSqrt2), az,
+                                                                bcast(1.0f)));
+  __m512 poly = bcast(1.061405429f);
+  poly = _mm512_fmadd_ps(poly, t, bcast(-1.453152027f));
+  poly = _mm512_fmadd_ps(poly, t, bcast(1.421413741f));
+  poly = _mm512_fmadd_ps(poly, t, bcast(-0.284496736f));
+  poly = _mm512_fmadd_ps(poly, t, bcast(0.254829592f));
+  poly = _mm512_mul_ps(poly, t);
+  *e = exp16(_mm512_mul_ps(_mm512_mul_ps(z, z), bcast(-0.5f)));
+  // erf(|x|) = 1 - poly e; Phi = (1 + sign(z) erf(|x|)) / 2
+  const __m512 erf_abs = _mm512_fnmadd_ps(poly, *e, bcast(1.0f));
+  const __m512 sign = _mm512_castsi512_ps(
+      _mm512_and_si512(_mm512_castps_si512(z), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+  *cdf = _mm512_fmadd_ps(_mm512_or_ps(erf_abs, sign), bcast(0.5f), bcast(0.5f));
+}
+#endif
+
+void gelu_bf16_forward(const uint16_t* u, const float* b, uint16_t* a, int64_t m, int64_t n) {
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint16_t* ur = u + r * n;
+      uint16_t* ar = a + r * n;
+      int64_t j = 0;
+#ifdef LMLAB_TRAIN_AVX512
+      for (; j + 16 <= n; j += 16) {
+        __m512 z = load16(ur + j);
+        if (b) z = _mm512_add_ps(z, _mm512_loadu_ps(b + j));
+        __m512 cdf, e;
+        gelu_cdf16(z, &cdf, &e);
+        store16(_mm512_mul_ps(z, cdf), ar + j);
+      }
+#endif
+      for (; j < n; ++j) {
+        const float z = bf16_to_f32(ur[j]) + (b ? b[j] : 0.0f);
+        float cdf, pdf;
+        gelu_scalar(z, &cdf, &pdf);
+        ar[j] = f32_to_bf16(z * cdf);
+      }
+    }
+  });
+}
+
+// partial: (blocks, n) float32 scratch when b is not null (db is its column sums in block order).
+void gelu_bf16_backward(const uint16_t* g, const uint16_t* u, const float* b, uint16_t* du,
+                        float* partial, float* db, int64_t m, int64_t n) {
+  const int64_t per = gelu_block_rows(m), blocks = (m + per - 1) / per;
+  at::parallel_for(0, blocks, 1, [&](int64_t k0, int64_t k1) {
+    for (int64_t blk = k0; blk < k1; ++blk) {
+      float* acc = db ? partial + blk * n : nullptr;
+      if (acc) std::memset(acc, 0, n * sizeof(float));
+      const int64_t rows_end = (blk + 1) * per < m ? (blk + 1) * per : m;
+      for (int64_t r = blk * per; r < rows_end; ++r) {
+        const uint16_t* ur = u + r * n;
+        const uint16_t* gr = g + r * n;
+        uint16_t* dr = du + r * n;
+        int64_t j = 0;
+#ifdef LMLAB_TRAIN_AVX512
+        for (; j + 16 <= n; j += 16) {
+          __m512 z = load16(ur + j);
+          if (b) z = _mm512_add_ps(z, _mm512_loadu_ps(b + j));
+          __m512 cdf, e;
+          gelu_cdf16(z, &cdf, &e);
+          const __m512 slope = _mm512_fmadd_ps(_mm512_mul_ps(z, e), bcast(kInvSqrt2Pi), cdf);
+          store16(_mm512_mul_ps(load16(gr + j), slope), dr + j);
+          if (acc) _mm512_storeu_ps(acc + j, _mm512_add_ps(_mm512_loadu_ps(acc + j), load16(dr + j)));
+        }
+#endif
+        for (; j < n; ++j) {
+          const float z = bf16_to_f32(ur[j]) + (b ? b[j] : 0.0f);
+          float cdf, pdf;
+          gelu_scalar(z, &cdf, &pdf);
+          dr[j] = f32_to_bf16(bf16_to_f32(gr[j]) * (cdf + z * pdf));
+          if (acc) acc[j] += bf16_to_f32(dr[j]);
+        }
+      }
+    }
+  });
+  if (db) {
+    std::memset(db, 0, n * sizeof(float));
+    for (int64_t blk = 0; blk < blocks; ++blk)
+      for (int64_t j = 0; j < n; ++j) db[j] += partial[blk * n + j];
+  }
+}
+
 // ---- gradient clipping: the global L2 norm and the scaling, one call each ---------------------
 //
 // The gradients are cut into blocks of kGradBlock elements (a tensor's last block shorter);
@@ -510,5 +629,22 @@ extern "C" int lmlab_norm_bf16_backward(int kind, const void* dy, const float* x
 // x float32, y bfloat16, out float32, each (n,) contiguous (out may be x): out = x + y. Returns 0.
 extern "C" int lmlab_add_f32_bf16(const float* x, const void* y, float* out, int64_t n) {
   add_f32_bf16(x, static_cast<const uint16_t*>(y), out, n);
+  return 0;
+}
+
+extern "C" int64_t lmlab_gelu_bf16_blocks(int64_t m) {
+  const int64_t per = gelu_block_rows(m);
+  return (m + per - 1) / per;
+}
+
+extern "C" int lmlab_gelu_bf16_forward(const void* u, const float* b, void* a, int64_t m, int64_t n) {
+  gelu_bf16_forward(static_cast<const uint16_t*>(u), b, static_cast<uint16_t*>(a), m, n);
+  return 0;
+}
+
+extern "C" int lmlab_gelu_bf16_backward(const void* g, const void* u, const float* b, void* du,
+                                        float* partial, float* db, int64_t m, int64_t n) {
+  gelu_bf16_backward(static_cast<const uint16_t*>(g), static_cast<const uint16_t*>(u), b,
+                     static_cast<uint16_t*>(du), partial, db, m, n);
   return 0;
 }
