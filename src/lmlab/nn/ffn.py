@@ -49,6 +49,8 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 ACTIVATIONS.register("gelu", "GELU, exact erf form (Hendrycks & Gimpel 2016).")(F.gelu)
 ACTIVATIONS.register("gelu_tanh", "GELU, tanh approximation (GPT-2).")(gelu_tanh)
+# the activations lmlab's bias + GELU operator computes (MLP._gelu_up)
+_GELUS = (F.gelu, gelu_tanh)
 
 
 def relu(x: torch.Tensor) -> torch.Tensor:
@@ -110,22 +112,22 @@ class MLP(nn.Module):
         self.hook_out = HookPoint()  # (B, T, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self._gelu_up(x) if self.act is F.gelu else None
+        hidden = self._gelu_up(x) if self.act in _GELUS else None
         if hidden is None:
             hidden = self.act(linear(self.up_proj, x))
         hidden = self.hook_hidden(hidden)  # (B, T, F)
         return self.hook_out(linear(self.down_proj, hidden))
 
     def _gelu_up(self, x: torch.Tensor) -> torch.Tensor | None:
-        """gelu(up_proj(x)) through lmlab's one-pass bias + GELU operator in bf16 autocast CPU
-        training (:func:`lmlab.nn.train_kernel.gelu_up`) when up_proj is a plain linear (no
-        torch hooks, no global module hooks), else None."""
+        """gelu(up_proj(x)) (exact, or gelu_tanh) through lmlab's one-pass bias + GELU operator
+        in bf16 autocast CPU training (:func:`lmlab.nn.train_kernel.gelu_up`) when up_proj is a
+        plain linear (no torch hooks, no global module hooks), else None."""
         up = self.up_proj
         if not torch.is_grad_enabled() or not plain_linear(up) or global_hooks():
             return None
         from lmlab.nn.train_kernel import gelu_up
 
-        return gelu_up(x, up)
+        return gelu_up(x, up, tanh=self.act is gelu_tanh)
 
     def saved_activation_bytes(self, act_bytes: int) -> int:
         """Bytes per token autograd keeps of the hidden activations for backward: up(x) and

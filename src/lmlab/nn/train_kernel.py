@@ -384,8 +384,9 @@ def residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 TRAIN_GELU_KERNEL = True
 
 
-def gelu_up(x: torch.Tensor, up: torch.nn.Module) -> torch.Tensor | None:
-    """``F.gelu(up(x))`` (exact erf GELU) for an MLP's up projection ``up`` (a plain
+def gelu_up(x: torch.Tensor, up: torch.nn.Module, tanh: bool = False) -> torch.Tensor | None:
+    """``F.gelu(up(x))`` (the exact erf GELU; ``tanh``: ``approximate="tanh"``, GPT-2's
+    ``gelu_new``) for an MLP's up projection ``up`` (a plain
     :class:`torch.nn.Linear`, weight (F, D), bias (F,) or None) and input x (..., D), or None
     where this path does not apply (the caller runs ``up`` and ``F.gelu``).
 
@@ -398,8 +399,9 @@ def gelu_up(x: torch.Tensor, up: torch.nn.Module) -> torch.Tensor | None:
     gradient (rounded to bf16) and the bias gradient (float32 column sums, the same bits for any
     thread count). Against torch's path the bias is not rounded to bf16 first and z = u + bias
     is not rounded before the GELU: values agree to bf16 rounding, not bit for bit. Torch's own
-    erf formula (Abramowitz & Stegun 7.1.26, absolute error 1.5e-7). A backward that records
-    its graph (create_graph) runs the same formula as ATen ops."""
+    erf formula (Abramowitz & Stegun 7.1.26, absolute error 1.5e-7); the tanh form's tanh from
+    one exponential. A backward that records its graph (create_graph) runs the same formula as
+    ATen ops."""
     if not (TRAIN_GELU_KERNEL and torch.is_grad_enabled()) or torch.compiler.is_compiling():
         return None
     if not (x.is_cpu and torch.is_autocast_enabled("cpu")):
@@ -418,4 +420,4 @@ def gelu_up(x: torch.Tensor, up: torch.nn.Module) -> torch.Tensor | None:
     u = torch.nn.functional.linear(x, weight)  # autocast: bf16 (..., F)
     if u.dtype is not torch.bfloat16:
         return None  # pragma: no cover - autocast in bf16 casts it so
-    return torch.ops.lmlab.gelu_bf16(u, bias)
+    return torch.ops.lmlab.gelu_bf16(u, bias, tanh)

@@ -403,6 +403,8 @@ void add_f32_bf16(const float* x, const uint16_t* y, float* out, int64_t n) {
 // way. Against torch's path (addmm with the bias rounded to bfloat16, its output rounded, then
 // gelu and gelu_backward each a pass, the bias gradient a separate column sum in bfloat16) this
 // is one pass each way, with z and the bias gradient kept in float32. Scalar builds use std::erf.
+// The tanh approximation (torch's approximate="tanh", GPT-2's gelu_new) likewise, its tanh from
+// one e^(-2 |y|) (relative error a few float32 ulps).
 
 constexpr float kInvSqrt2 = 0.70710678118654752f;
 constexpr float kInvSqrt2Pi = 0.39894228040143268f;
@@ -412,19 +414,42 @@ inline int64_t gelu_block_rows(int64_t m) {
   return per < 64 ? 64 : per;
 }
 
-inline void gelu_scalar(float z, float* phi_cdf, float* pdf) {
-  *phi_cdf = 0.5f * (1.0f + std::erf(z * kInvSqrt2));
-  *pdf = std::exp(-0.5f * z * z) * kInvSqrt2Pi;
+// The tanh form (GPT-2's gelu_new, torch's approximate="tanh"): gelu(z) = z (1 + tanh(y)) / 2,
+// y = k (z + c z^3); gelu'(z) = (1 + t) / 2 + z (1 - t^2) k (1 + 3 c z^2) / 2, t = tanh(y).
+constexpr float kTanhK = 0.79788456080286536f;  // sqrt(2 / pi)
+constexpr float kTanhC = 0.044715f;
+
+// gelu(z) (Tanh: the tanh form) and gelu'(z), scalar
+template <bool Tanh>
+inline float gelu_value(float z) {
+  if (Tanh) return 0.5f * z * (1.0f + std::tanh(kTanhK * (z + kTanhC * z * z * z)));
+  return 0.5f * z * (1.0f + std::erf(z * kInvSqrt2));
+}
+
+template <bool Tanh>
+inline float gelu_slope(float z) {
+  const float zc = z != z ? z : z < -1e4f ? -1e4f : z > 1e4f ? 1e4f : z;  // as gelu_slope16
+  if (Tanh) {
+    const float t = std::tanh(kTanhK * (z + kTanhC * z * z * z));
+    return 0.5f * (1.0f + t) + 0.5f * zc * (1.0f - t * t) * kTanhK * (1.0f + 3.0f * kTanhC * zc * zc);
+  }
+  return 0.5f * (1.0f + std::erf(z * kInvSqrt2)) + zc * std::exp(-0.5f * z * z) * kInvSqrt2Pi;
 }
 
 #ifdef LMLAB_TRAIN_AVX512
+inline __m512 abs16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff)));
+}
+inline __m512 sign16(__m512 v) {
+  return _mm512_castsi512_ps(
+      _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+}
+
 // Phi(z) and e^(-z^2 / 2), sixteen lanes (a NaN z gives NaN; +-inf give Phi 1 / 0, e 0).
 inline void gelu_cdf16(__m512 z, __m512* cdf, __m512* e) {
-  const __m512 az = _mm512_castsi512_ps(
-      _mm512_and_si512(_mm512_castps_si512(z), _mm512_set1_epi32(0x7fffffff)));
   // t = 1 / (1 + p |x|), x = z / sqrt 2
-  const __m512 t = _mm512_div_ps(bcast(1.0f), _mm512_fmadd_ps(bcast(0.3275911f * kInvSqrt2), az,
-                                                                bcast(1.0f)));
+  const __m512 t = _mm512_div_ps(
+      bcast(1.0f), _mm512_fmadd_ps(bcast(0.3275911f * kInvSqrt2), abs16(z), bcast(1.0f)));
   __m512 poly = bcast(1.061405429f);
   poly = _mm512_fmadd_ps(poly, t, bcast(-1.453152027f));
   poly = _mm512_fmadd_ps(poly, t, bcast(1.421413741f));
@@ -434,12 +459,50 @@ inline void gelu_cdf16(__m512 z, __m512* cdf, __m512* e) {
   *e = exp16(_mm512_mul_ps(_mm512_mul_ps(z, z), bcast(-0.5f)));
   // erf(|x|) = 1 - poly e; Phi = (1 + sign(z) erf(|x|)) / 2
   const __m512 erf_abs = _mm512_fnmadd_ps(poly, *e, bcast(1.0f));
-  const __m512 sign = _mm512_castsi512_ps(
-      _mm512_and_si512(_mm512_castps_si512(z), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
-  *cdf = _mm512_fmadd_ps(_mm512_or_ps(erf_abs, sign), bcast(0.5f), bcast(0.5f));
+  *cdf = _mm512_fmadd_ps(_mm512_or_ps(erf_abs, sign16(z)), bcast(0.5f), bcast(0.5f));
+}
+
+// tanh(k (z + c z^3)) from e^(-2 |y|) <= 1 (exp16's range): (1 - e) / (1 + e), signed
+inline __m512 gelu_tanh16(__m512 z) {
+  const __m512 y = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_mul_ps(z, z), bcast(kTanhC), bcast(1.0f)),
+                                 _mm512_mul_ps(z, bcast(kTanhK)));
+  const __m512 e = exp16(_mm512_mul_ps(abs16(y), bcast(-2.0f)));
+  const __m512 t = _mm512_div_ps(_mm512_sub_ps(bcast(1.0f), e), _mm512_add_ps(bcast(1.0f), e));
+  return _mm512_or_ps(t, sign16(y));
+}
+
+template <bool Tanh>
+inline __m512 gelu_value16(__m512 z) {
+  if (Tanh) {
+    const __m512 half_z = _mm512_mul_ps(z, bcast(0.5f));
+    return _mm512_fmadd_ps(half_z, gelu_tanh16(z), half_z);
+  }
+  __m512 cdf, e;
+  gelu_cdf16(z, &cdf, &e);
+  return _mm512_mul_ps(z, cdf);
+}
+
+// gelu'(z). The second term's z is clamped to +-1e4, where that term is exactly 0 (its
+// exponential underflows), so that +-inf and huge z give the limits 1 and 0 rather than inf x 0
+// (torch's CPU kernels give NaN there); a NaN z stays NaN through t or e.
+template <bool Tanh>
+inline __m512 gelu_slope16(__m512 z) {
+  const __m512 zc = _mm512_min_ps(_mm512_max_ps(z, bcast(-1e4f)), bcast(1e4f));
+  if (Tanh) {
+    const __m512 t = gelu_tanh16(z);
+    const __m512 z2 = _mm512_mul_ps(zc, zc);
+    const __m512 dy = _mm512_fmadd_ps(z2, bcast(3.0f * kTanhC * kTanhK), bcast(kTanhK));
+    const __m512 sech2 = _mm512_fnmadd_ps(t, t, bcast(1.0f));  // 1 - t^2
+    const __m512 half = _mm512_fmadd_ps(t, bcast(0.5f), bcast(0.5f));  // (1 + t) / 2
+    return _mm512_fmadd_ps(_mm512_mul_ps(_mm512_mul_ps(zc, bcast(0.5f)), sech2), dy, half);
+  }
+  __m512 cdf, e;
+  gelu_cdf16(z, &cdf, &e);
+  return _mm512_fmadd_ps(_mm512_mul_ps(zc, e), bcast(kInvSqrt2Pi), cdf);
 }
 #endif
 
+template <bool Tanh>
 void gelu_bf16_forward(const uint16_t* u, const float* b, uint16_t* a, int64_t m, int64_t n) {
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -450,22 +513,16 @@ void gelu_bf16_forward(const uint16_t* u, const float* b, uint16_t* a, int64_t m
       for (; j + 16 <= n; j += 16) {
         __m512 z = load16(ur + j);
         if (b) z = _mm512_add_ps(z, _mm512_loadu_ps(b + j));
-        __m512 cdf, e;
-        gelu_cdf16(z, &cdf, &e);
-        store16(_mm512_mul_ps(z, cdf), ar + j);
+        store16(gelu_value16<Tanh>(z), ar + j);
       }
 #endif
-      for (; j < n; ++j) {
-        const float z = bf16_to_f32(ur[j]) + (b ? b[j] : 0.0f);
-        float cdf, pdf;
-        gelu_scalar(z, &cdf, &pdf);
-        ar[j] = f32_to_bf16(z * cdf);
-      }
+      for (; j < n; ++j) ar[j] = f32_to_bf16(gelu_value<Tanh>(bf16_to_f32(ur[j]) + (b ? b[j] : 0.0f)));
     }
   });
 }
 
 // partial: (blocks, n) float32 scratch when b is not null (db is its column sums in block order).
+template <bool Tanh>
 void gelu_bf16_backward(const uint16_t* g, const uint16_t* u, const float* b, uint16_t* du,
                         float* partial, float* db, int64_t m, int64_t n) {
   const int64_t per = gelu_block_rows(m), blocks = (m + per - 1) / per;
@@ -486,10 +543,7 @@ void gelu_bf16_backward(const uint16_t* g, const uint16_t* u, const float* b, ui
           for (int64_t k = 0; k < rows; ++k) {
             const int64_t at = (r0 + k) * n + j;
             const __m512 z = b ? _mm512_add_ps(load16(u + at), bj) : load16(u + at);
-            __m512 cdf, e;
-            gelu_cdf16(z, &cdf, &e);
-            const __m512 slope = _mm512_fmadd_ps(_mm512_mul_ps(z, e), bcast(kInvSqrt2Pi), cdf);
-            store16(_mm512_mul_ps(load16(g + at), slope), du + at);
+            store16(_mm512_mul_ps(load16(g + at), gelu_slope16<Tanh>(z)), du + at);
             if (acc) sum = _mm512_add_ps(sum, load16(du + at));  // the value as stored
           }
           if (acc) _mm512_storeu_ps(acc + j, _mm512_add_ps(_mm512_loadu_ps(acc + j), sum));
@@ -500,9 +554,7 @@ void gelu_bf16_backward(const uint16_t* g, const uint16_t* u, const float* b, ui
           for (int64_t k = 0; k < rows; ++k) {
             const int64_t at = (r0 + k) * n + j;
             const float z = bf16_to_f32(u[at]) + (b ? b[j] : 0.0f);
-            float cdf, pdf;
-            gelu_scalar(z, &cdf, &pdf);
-            du[at] = f32_to_bf16(bf16_to_f32(g[at]) * (cdf + z * pdf));
+            du[at] = f32_to_bf16(bf16_to_f32(g[at]) * gelu_slope<Tanh>(z));
             sum += bf16_to_f32(du[at]);
           }
           if (acc) acc[j] += sum;
@@ -648,14 +700,24 @@ extern "C" int64_t lmlab_gelu_bf16_blocks(int64_t m) {
   return (m + per - 1) / per;
 }
 
-extern "C" int lmlab_gelu_bf16_forward(const void* u, const float* b, void* a, int64_t m, int64_t n) {
-  gelu_bf16_forward(static_cast<const uint16_t*>(u), b, static_cast<uint16_t*>(a), m, n);
+extern "C" int lmlab_gelu_bf16_forward(int form, const void* u, const float* b, void* a, int64_t m,
+                                       int64_t n) {
+  auto up = static_cast<const uint16_t*>(u);
+  auto ap = static_cast<uint16_t*>(a);
+  if (form == 0) gelu_bf16_forward<false>(up, b, ap, m, n);
+  else if (form == 1) gelu_bf16_forward<true>(up, b, ap, m, n);
+  else return 1;
   return 0;
 }
 
-extern "C" int lmlab_gelu_bf16_backward(const void* g, const void* u, const float* b, void* du,
-                                        float* partial, float* db, int64_t m, int64_t n) {
-  gelu_bf16_backward(static_cast<const uint16_t*>(g), static_cast<const uint16_t*>(u), b,
-                     static_cast<uint16_t*>(du), partial, db, m, n);
+// form 0: the exact (erf) GELU, 1: its tanh approximation. Returns 0, or 1 for another form.
+extern "C" int lmlab_gelu_bf16_backward(int form, const void* g, const void* u, const float* b,
+                                        void* du, float* partial, float* db, int64_t m, int64_t n) {
+  auto gp = static_cast<const uint16_t*>(g);
+  auto up = static_cast<const uint16_t*>(u);
+  auto dp = static_cast<uint16_t*>(du);
+  if (form == 0) gelu_bf16_backward<false>(gp, up, b, dp, partial, db, m, n);
+  else if (form == 1) gelu_bf16_backward<true>(gp, up, b, dp, partial, db, m, n);
+  else return 1;
   return 0;
 }

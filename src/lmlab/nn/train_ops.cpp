@@ -10,10 +10,11 @@
 //   causal_attention_bmm(q, k, v, scale, kernel) -> y  causal softmax(q k^T scale) v, three
 //                                                      batched matmuls, the softmax in the kernel
 //   add_f32_bf16(x, y) -> x + y                        the residual add of a bf16 branch
-//   gelu_bf16(u, bias) -> gelu(u + bias)               an MLP's exact GELU of its bias-free
-//                                                      bf16 up projection plus the float32
-//                                                      bias, one pass each way (the bias
-//                                                      gradient summed in the backward's pass)
+//   gelu_bf16(u, bias, tanh) -> gelu(u + bias)         an MLP's GELU (exact, or its tanh form)
+//                                                      of its bias-free bf16 up projection
+//                                                      plus the float32 bias, one pass each
+//                                                      way (the bias gradient summed in the
+//                                                      backward's pass)
 //   causal_attention_bf16(q, k, v, scale) -> y         causal softmax(q k^T scale) v in bf16,
 //                                                      one (batch, head) at a time in cache,
 //                                                      the masked blocks skipped, k and v may
@@ -46,9 +47,10 @@ extern "C" int lmlab_norm_bf16_backward(int kind, const void* dy, const float* x
                                         float* db, int64_t rows, int64_t d);
 extern "C" int lmlab_add_f32_bf16(const float* x, const void* y, float* out, int64_t n);
 extern "C" int64_t lmlab_gelu_bf16_blocks(int64_t m);
-extern "C" int lmlab_gelu_bf16_forward(const void* u, const float* b, void* a, int64_t m, int64_t n);
-extern "C" int lmlab_gelu_bf16_backward(const void* g, const void* u, const float* b, void* du,
-                                        float* partial, float* db, int64_t m, int64_t n);
+extern "C" int lmlab_gelu_bf16_forward(int form, const void* u, const float* b, void* a, int64_t m,
+                                       int64_t n);
+extern "C" int lmlab_gelu_bf16_backward(int form, const void* g, const void* u, const float* b,
+                                        void* du, float* partial, float* db, int64_t m, int64_t n);
 
 namespace {
 
@@ -346,23 +348,24 @@ at::Tensor add_f32_bf16(const at::Tensor& x, const at::Tensor& y) {
 
 // The ATen formula gelu_bf16 computes (float32 z = u + bias, torch's exact GELU, rounded to
 // bfloat16): what a backward that records its graph differentiates.
-at::Tensor gelu_bf16_aten(const at::Tensor& u, const at::Tensor& bias) {
+at::Tensor gelu_bf16_aten(const at::Tensor& u, const at::Tensor& bias, bool tanh) {
   const at::Tensor z = bias.defined() ? u.to(at::kFloat) + bias : u.to(at::kFloat);
-  return at::gelu(z).to(at::kBFloat16);
+  return at::gelu(z, tanh ? "tanh" : "none").to(at::kBFloat16);
 }
 
 struct GeluBf16 : public torch::autograd::Function<GeluBf16> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& u,
-                            const std::optional<at::Tensor>& bias) {
+                            const std::optional<at::Tensor>& bias, bool tanh) {
     // the kernels read raw storage: a negated view (torch._neg_view) is resolved to its values
     const at::Tensor uc = u.resolve_neg().contiguous();
     const bool has_bias = bias.has_value() && bias->defined();
     const at::Tensor bc = has_bias ? bias->resolve_neg().contiguous() : at::Tensor();
     const int64_t n = u.size(-1), m = u.numel() / n;
     at::Tensor a = at::empty(u.sizes(), u.options().memory_format(at::MemoryFormat::Contiguous));
-    lmlab_gelu_bf16_forward(uc.data_ptr(), has_bias ? bc.data_ptr<float>() : nullptr, a.data_ptr(),
-                            m, n);
+    lmlab_gelu_bf16_forward(tanh ? 1 : 0, uc.data_ptr(), has_bias ? bc.data_ptr<float>() : nullptr,
+                            a.data_ptr(), m, n);
     ctx->save_for_backward({u, has_bias ? *bias : at::Tensor()});  // as given: create_graph
+    ctx->saved_data["tanh"] = tanh;
     return a;
   }
 
@@ -370,14 +373,15 @@ struct GeluBf16 : public torch::autograd::Function<GeluBf16> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &u = saved[0], &bias = saved[1];
     const at::Tensor& g = grads[0];
+    const bool tanh = ctx->saved_data["tanh"].toBool();
     if (!g.defined() || g._is_zerotensor()) {  // no gradient, or one known to be 0: zeros
-      return {at::zeros_like(u), bias.defined() ? at::zeros_like(bias) : at::Tensor()};
+      return {at::zeros_like(u), bias.defined() ? at::zeros_like(bias) : at::Tensor(), at::Tensor()};
     }
     const bool graph = at::GradMode::is_enabled() &&
                        (g.requires_grad() || u.requires_grad() ||
                         (bias.defined() && bias.requires_grad()));
     if (graph) {  // create_graph: the ATen formula, differentiated (gradients with a graph)
-      const at::Tensor y = gelu_bf16_aten(u, bias);
+      const at::Tensor y = gelu_bf16_aten(u, bias, tanh);
       variable_list wanted;
       std::vector<int> index;
       const at::Tensor* ins[2] = {&u, &bias};
@@ -386,7 +390,7 @@ struct GeluBf16 : public torch::autograd::Function<GeluBf16> {
           wanted.push_back(*ins[i]);
           index.push_back(i);
         }
-      variable_list out(2);
+      variable_list out(3);
       if (!wanted.empty()) {
         const variable_list got = torch::autograd::grad({y}, wanted, {g.to(y.scalar_type())},
                                                         /*retain_graph=*/true,
@@ -407,15 +411,15 @@ struct GeluBf16 : public torch::autograd::Function<GeluBf16> {
       db = at::empty({n}, bias.options());
       partial = at::empty({lmlab_gelu_bf16_blocks(m), n}, bias.options());
     }
-    lmlab_gelu_bf16_backward(gb.data_ptr(), uc.data_ptr(),
+    lmlab_gelu_bf16_backward(tanh ? 1 : 0, gb.data_ptr(), uc.data_ptr(),
                              bias.defined() ? bc.data_ptr<float>() : nullptr, du.data_ptr(),
                              bias.defined() ? partial.data_ptr<float>() : nullptr,
                              bias.defined() ? db.data_ptr<float>() : nullptr, m, n);
-    return {du, db};
+    return {du, db, at::Tensor()};
   }
 };
 
-at::Tensor gelu_bf16(const at::Tensor& u, const std::optional<at::Tensor>& bias) {
+at::Tensor gelu_bf16(const at::Tensor& u, const std::optional<at::Tensor>& bias, bool tanh) {
   check_cpu(u, "gelu_bf16", "u");
   TORCH_CHECK(u.scalar_type() == at::kBFloat16 && u.dim() >= 1 && u.size(-1) >= 1,
               "lmlab.gelu_bf16: u must be bfloat16 (..., N >= 1)");
@@ -425,7 +429,7 @@ at::Tensor gelu_bf16(const at::Tensor& u, const std::optional<at::Tensor>& bias)
                     bias->size(0) == u.size(-1),
                 "lmlab.gelu_bf16: bias must be float32 (", u.size(-1), ",)");
   }
-  return GeluBf16::apply(u, bias);
+  return GeluBf16::apply(u, bias, tanh);
 }
 
 }  // namespace
@@ -435,7 +439,7 @@ TORCH_LIBRARY_FRAGMENT(lmlab, m) {
   m.def("causal_attention_bmm(Tensor q, Tensor k, Tensor v, float scale, bool kernel) -> Tensor");
   m.def("add_f32_bf16(Tensor x, Tensor y) -> Tensor");
   m.def("causal_attention_bf16(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
-  m.def("gelu_bf16(Tensor u, Tensor? bias) -> Tensor");
+  m.def("gelu_bf16(Tensor u, Tensor? bias, bool tanh=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lmlab, CompositeImplicitAutograd, m) {
