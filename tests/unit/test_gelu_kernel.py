@@ -262,3 +262,18 @@ def test_the_operator_is_not_taken_where_it_does_not_apply(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         relu(x, targets=x).loss.backward()
     assert calls == []
+
+
+@needs_kernel
+@pytest.mark.parametrize("tanh", [False, True])
+def test_gelu_bf16_rounds_every_column_alike_subnormals_included(tanh):
+    # the last N % 16 columns run the same vector code, masked: a subnormal result is rounded
+    # (or flushed, where the CPU's bf16 conversion flushes) the same in every column
+    u = torch.full((3, 37), 2e-39).bfloat16()
+    a = torch.ops.lmlab.gelu_bf16(u, None, tanh)
+    assert torch.equal(a, a[:, :1].expand_as(a))
+    u = torch.zeros(3, 37).bfloat16().requires_grad_()
+    b = torch.zeros(37, requires_grad=True)
+    torch.ops.lmlab.gelu_bf16(u, b, tanh).backward(torch.full((3, 37), 1.5e-38).bfloat16())
+    assert torch.equal(u.grad, u.grad[:, :1].expand_as(u.grad))
+    assert torch.equal(b.grad, b.grad[:1].expand_as(b.grad))

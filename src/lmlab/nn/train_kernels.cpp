@@ -99,14 +99,6 @@ void softmax_backward_row(const T* p, const T* dp, T* ds, int64_t n, int64_t t) 
 }
 
 #ifdef LMLAB_TRAIN_AVX512
-// Stores the lanes of v selected by m, rounded to T (store16's rounding).
-inline void store16_masked(__m512 v, float* p, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store16_masked(__m512 v, uint16_t* p, __mmask16 m) {
-  alignas(64) uint16_t tmp[16];
-  store16(v, tmp);
-  _mm256_mask_storeu_epi16(p, m, _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp)));
-}
-
 // Lanes j < n of vector v (channels 16 v .. 16 v + 15).
 inline __mmask16 lanes_below(int64_t n, int64_t v) {
   const int64_t left = n - 16 * v;
@@ -515,6 +507,13 @@ void gelu_bf16_forward(const uint16_t* u, const float* b, uint16_t* a, int64_t m
         if (b) z = _mm512_add_ps(z, _mm512_loadu_ps(b + j));
         store16(gelu_value16<Tanh>(z), ar + j);
       }
+      if (j < n) {  // the last n % 16 columns, masked: rounded as the rest (store16)
+        const __mmask16 mk = tail_mask(n - j);
+        __m512 z = load16_masked(ur + j, mk, _mm512_setzero_ps());
+        if (b) z = _mm512_add_ps(z, load16_masked(b + j, mk, _mm512_setzero_ps()));
+        store16_masked(gelu_value16<Tanh>(z), ar + j, mk);
+        j = n;
+      }
 #endif
       for (; j < n; ++j) ar[j] = f32_to_bf16(gelu_value<Tanh>(bf16_to_f32(ur[j]) + (b ? b[j] : 0.0f)));
     }
@@ -547,6 +546,24 @@ void gelu_bf16_backward(const uint16_t* g, const uint16_t* u, const float* b, ui
             if (acc) sum = _mm512_add_ps(sum, load16(du + at));  // the value as stored
           }
           if (acc) _mm512_storeu_ps(acc + j, _mm512_add_ps(_mm512_loadu_ps(acc + j), sum));
+        }
+        if (j < n) {  // the last n % 16 columns, masked: rounded as the rest (store16)
+          const __mmask16 mk = tail_mask(n - j);
+          const __m512 zero = _mm512_setzero_ps();
+          const __m512 bj = b ? load16_masked(b + j, mk, zero) : zero;
+          __m512 sum = zero;
+          for (int64_t k = 0; k < rows; ++k) {
+            const int64_t at = (r0 + k) * n + j;
+            const __m512 z = _mm512_add_ps(load16_masked(u + at, mk, zero), bj);
+            const __m512 slope = gelu_slope16<Tanh>(z);
+            store16_masked(_mm512_mul_ps(load16_masked(g + at, mk, zero), slope), du + at, mk);
+            if (acc) sum = _mm512_add_ps(sum, load16_masked(du + at, mk, zero));
+          }
+          if (acc) {
+            const __m512 total = _mm512_add_ps(load16_masked(acc + j, mk, zero), sum);
+            _mm512_mask_storeu_ps(acc + j, mk, total);
+          }
+          j = n;
         }
 #endif
         for (; j < n; ++j) {

@@ -83,20 +83,29 @@ inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
-// Stores v rounded to T.
-inline void store16(__m512 v, float* p) { _mm512_storeu_ps(p, v); }
-inline void store16(__m512 v, uint16_t* p) {
+// v rounded to bfloat16, sixteen lanes (with AVX512-BF16 its conversion, which also flushes
+// subnormal inputs and results to zero).
+inline __m256i to_bf16x16(__m512 v) {
 #if defined(__AVX512BF16__)
-  __m256i w = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));  // nearest even, NaN quiet
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));  // nearest even, NaN quiet
 #else
   __m512i u = _mm512_castps_si512(v);
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
   __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  __m256i w = _mm512_cvtepi32_epi16(r);
+  return _mm512_cvtepi32_epi16(r);
 #endif
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), w);
+}
+
+// Stores v rounded to T (store16_masked: the lanes selected by m only, rounded alike).
+inline void store16(__m512 v, float* p) { _mm512_storeu_ps(p, v); }
+inline void store16(__m512 v, uint16_t* p) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16x16(v));
+}
+inline void store16_masked(__m512 v, float* p, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16_masked(__m512 v, uint16_t* p, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, to_bf16x16(v));
 }
 #endif
 
