@@ -83,6 +83,34 @@ void check_param(const std::optional<at::Tensor>& p, int64_t d, const char* name
               "lmlab.norm_bf16: ", name, " must be float32 (", d, ",) contiguous");
 }
 
+// A backward that records its graph (create_graph): the gradients of y (the operator's ATen
+// formula, recomputed with a graph) for g, with respect to those of `ins` that require grad,
+// at their positions in a list of `n` outputs (undefined for the others; zeros where y does not
+// depend on one).
+variable_list graph_grads(const at::Tensor& y, const at::Tensor& g,
+                          std::initializer_list<const at::Tensor*> ins, size_t n) {
+  variable_list wanted;
+  std::vector<size_t> index;
+  size_t i = 0;
+  for (const at::Tensor* in : ins) {
+    if (in->defined() && in->requires_grad()) {
+      wanted.push_back(*in);
+      index.push_back(i);
+    }
+    ++i;
+  }
+  variable_list out(n);
+  if (!wanted.empty()) {
+    const variable_list got = torch::autograd::grad({y}, wanted, {g.to(y.scalar_type())},
+                                                    /*retain_graph=*/true,
+                                                    /*create_graph=*/true,
+                                                    /*allow_unused=*/true);
+    for (size_t j = 0; j < index.size(); ++j)
+      out[index[j]] = got[j].defined() ? got[j] : at::zeros_like(wanted[j]);
+  }
+  return out;
+}
+
 // ---- norm_bf16 ------------------------------------------------------------------------------
 
 struct NormBf16 : public torch::autograd::Function<NormBf16> {
@@ -116,24 +144,7 @@ struct NormBf16 : public torch::autograd::Function<NormBf16> {
       const int64_t d = x.size(-1);
       const at::Tensor y = rms ? x * at::rsqrt(x.pow(2).mean(-1, true) + eps) * weight
                                : at::layer_norm(x, {d}, weight, bias, eps);
-      const at::Tensor* ins[3] = {&x, &weight, &bias};
-      variable_list wanted;
-      std::vector<int> index;
-      for (int i = 0; i < 3; ++i)
-        if (ins[i]->defined() && ins[i]->requires_grad()) {
-          wanted.push_back(*ins[i]);
-          index.push_back(i);
-        }
-      variable_list out(5);
-      if (!wanted.empty()) {
-        const variable_list got = torch::autograd::grad({y}, wanted, {g.to(y.scalar_type())},
-                                                        /*retain_graph=*/true,
-                                                        /*create_graph=*/true,
-                                                        /*allow_unused=*/true);
-        for (size_t j = 0; j < index.size(); ++j)
-          out[index[j]] = got[j].defined() ? got[j] : at::zeros_like(wanted[j]);
-      }
-      return out;
+      return graph_grads(y, g, {&x, &weight, &bias}, 5);
     }
     const at::Tensor gb = g.to(at::kBFloat16).contiguous();
     const at::Tensor xc = x.contiguous();
@@ -381,25 +392,7 @@ struct GeluBf16 : public torch::autograd::Function<GeluBf16> {
                        (g.requires_grad() || u.requires_grad() ||
                         (bias.defined() && bias.requires_grad()));
     if (graph) {  // create_graph: the ATen formula, differentiated (gradients with a graph)
-      const at::Tensor y = gelu_bf16_aten(u, bias, tanh);
-      variable_list wanted;
-      std::vector<int> index;
-      const at::Tensor* ins[2] = {&u, &bias};
-      for (int i = 0; i < 2; ++i)
-        if (ins[i]->defined() && ins[i]->requires_grad()) {
-          wanted.push_back(*ins[i]);
-          index.push_back(i);
-        }
-      variable_list out(3);
-      if (!wanted.empty()) {
-        const variable_list got = torch::autograd::grad({y}, wanted, {g.to(y.scalar_type())},
-                                                        /*retain_graph=*/true,
-                                                        /*create_graph=*/true,
-                                                        /*allow_unused=*/true);
-        for (size_t j = 0; j < index.size(); ++j)
-          out[index[j]] = got[j].defined() ? got[j] : at::zeros_like(wanted[j]);
-      }
-      return out;
+      return graph_grads(gelu_bf16_aten(u, bias, tanh), g, {&u, &bias}, 3);
     }
     const at::Tensor gb = g.to(at::kBFloat16).resolve_neg().contiguous();
     const at::Tensor uc = u.resolve_neg().contiguous();
