@@ -48,7 +48,7 @@ autocast training the up projection runs without its bias (``mm``, not ``addmm``
 pass computes the exact GELU of its output plus the float32 bias; the backward is one pass too,
 GELU's gradient and the bias gradient's column sums together. A fourth-session kernel of this
 kind measured 1.00x on the Xeon of the time and was removed; rebuilt in the tenth session with
-torch's own erf formula and one exponential each way, it measured 1.03-1.05x of the Mini-GPT
+torch's own erf formula and one exponential each way, it measured 1.02-1.05x of the Mini-GPT
 bf16 step on the Zen 4 (benchmarks/README.md, "tenth session").
 """
 
