@@ -46,11 +46,11 @@ measured 1.007x and 1.00x of the step; neither was kept (benchmarks/README.md, "
 **GELU of the MLP's up projection** (:func:`gelu_up`, ``torch.ops.lmlab.gelu_bf16``): in bf16
 autocast training the up projection runs without its bias (``mm``, not ``addmm``) and one
 pass computes the GELU (exact, or its tanh form) of its output plus the float32 bias; the
-backward is one pass too,
-GELU's gradient and the bias gradient's column sums together. A fourth-session kernel of this
-kind measured 1.00x on the Xeon of the time and was removed; rebuilt in the tenth session with
-torch's own erf formula and one exponential each way, it measured 1.02-1.05x of the Mini-GPT
-bf16 step on the Zen 4 (benchmarks/README.md, "tenth session").
+backward is one pass too, GELU's gradient and the bias gradient's column sums together. A
+fourth-session kernel of this kind measured 1.00x on the Xeon of the time and was removed;
+rebuilt in the tenth session with torch's own erf formula and one exponential each way, it
+measured 1.02-1.05x of the Mini-GPT bf16 step on the Zen 4 (benchmarks/README.md, "tenth
+session").
 """
 
 from __future__ import annotations
@@ -380,8 +380,8 @@ def residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return x + y
 
 
-# The MLP's exact GELU of its bias-free bf16 up projection plus the float32 bias, one pass each
-# way (torch.ops.lmlab.gelu_bf16); False: torch's addmm and gelu (A/B benchmarks).
+# The MLP's GELU (exact or tanh form) of its bias-free bf16 up projection plus the float32 bias,
+# one pass each way (torch.ops.lmlab.gelu_bf16); False: torch's addmm and gelu (A/B benchmarks).
 TRAIN_GELU_KERNEL = True
 
 
