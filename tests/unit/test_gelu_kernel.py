@@ -277,3 +277,7 @@ def test_gelu_bf16_rounds_every_column_alike_subnormals_included(tanh):
     torch.ops.lmlab.gelu_bf16(u, b, tanh).backward(torch.full((3, 37), 1.5e-38).bfloat16())
     assert torch.equal(u.grad, u.grad[:, :1].expand_as(u.grad))
     assert torch.equal(b.grad, b.grad[:1].expand_as(b.grad))
+    # -0 without a bias: every column keeps its sign (nothing adds a +0 bias to the tail)
+    a = torch.ops.lmlab.gelu_bf16(torch.full((2, 37), -0.0).bfloat16(), None, tanh)
+    bits = a.view(torch.int16)
+    assert torch.equal(bits, bits[:, :1].expand_as(bits))

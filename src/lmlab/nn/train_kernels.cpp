@@ -494,6 +494,53 @@ inline __m512 gelu_slope16(__m512 z) {
 }
 #endif
 
+#ifdef LMLAB_TRAIN_AVX512
+// Sixteen columns from j (Full) or the lanes of mk (the row's last n % 16, masked: rounded as the
+// rest), read and written with store16's rounding.
+template <bool Full>
+inline __m512 gelu_load16(const uint16_t* p, __mmask16 mk) {
+  return Full ? load16(p) : load16_masked(p, mk, _mm512_setzero_ps());
+}
+template <bool Full>
+inline __m512 gelu_load16(const float* p, __mmask16 mk) {
+  return Full ? _mm512_loadu_ps(p) : load16_masked(p, mk, _mm512_setzero_ps());
+}
+template <bool Full, typename T>
+inline void gelu_store16(__m512 v, T* p, __mmask16 mk) {
+  if (Full) store16(v, p);
+  else store16_masked(v, p, mk);
+}
+
+// u + b of sixteen columns (u alone without a bias: no +0 added, so a -0 stays -0)
+template <bool Full>
+inline __m512 gelu_z16(const uint16_t* u, const float* b, __mmask16 mk) {
+  const __m512 z = gelu_load16<Full>(u, mk);
+  return b ? _mm512_add_ps(z, gelu_load16<Full>(b, mk)) : z;
+}
+
+template <bool Tanh, bool Full>
+inline void gelu_forward16(const uint16_t* u, const float* b, uint16_t* a, __mmask16 mk) {
+  gelu_store16<Full>(gelu_value16<Tanh>(gelu_z16<Full>(u, b, mk)), a, mk);
+}
+
+// Rows r0 .. r0 + rows - 1 of the sixteen columns from j: du = g gelu'(u + b), and (acc not
+// null) their sum as stored, added in row order, then to acc.
+template <bool Tanh, bool Full>
+inline void gelu_backward16(const uint16_t* g, const uint16_t* u, const float* b, uint16_t* du,
+                            float* acc, int64_t r0, int64_t rows, int64_t n, int64_t j,
+                            __mmask16 mk) {
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t k = 0; k < rows; ++k) {
+    const int64_t at = (r0 + k) * n + j;
+    const __m512 z = gelu_z16<Full>(u + at, b ? b + j : b, mk);
+    gelu_store16<Full>(_mm512_mul_ps(gelu_load16<Full>(g + at, mk), gelu_slope16<Tanh>(z)),
+                       du + at, mk);
+    if (acc) sum = _mm512_add_ps(sum, gelu_load16<Full>(du + at, mk));  // the value as stored
+  }
+  if (acc) gelu_store16<Full>(_mm512_add_ps(gelu_load16<Full>(acc + j, mk), sum), acc + j, mk);
+}
+#endif
+
 template <bool Tanh>
 void gelu_bf16_forward(const uint16_t* u, const float* b, uint16_t* a, int64_t m, int64_t n) {
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
@@ -502,18 +549,9 @@ void gelu_bf16_forward(const uint16_t* u, const float* b, uint16_t* a, int64_t m
       uint16_t* ar = a + r * n;
       int64_t j = 0;
 #ifdef LMLAB_TRAIN_AVX512
-      for (; j + 16 <= n; j += 16) {
-        __m512 z = load16(ur + j);
-        if (b) z = _mm512_add_ps(z, _mm512_loadu_ps(b + j));
-        store16(gelu_value16<Tanh>(z), ar + j);
-      }
-      if (j < n) {  // the last n % 16 columns, masked: rounded as the rest (store16)
-        const __mmask16 mk = tail_mask(n - j);
-        __m512 z = load16_masked(ur + j, mk, _mm512_setzero_ps());
-        if (b) z = _mm512_add_ps(z, load16_masked(b + j, mk, _mm512_setzero_ps()));
-        store16_masked(gelu_value16<Tanh>(z), ar + j, mk);
-        j = n;
-      }
+      for (; j + 16 <= n; j += 16) gelu_forward16<Tanh, true>(ur + j, b ? b + j : b, ar + j, 0);
+      if (j < n) gelu_forward16<Tanh, false>(ur + j, b ? b + j : b, ar + j, tail_mask(n - j));
+      j = n;
 #endif
       for (; j < n; ++j) ar[j] = f32_to_bf16(gelu_value<Tanh>(bf16_to_f32(ur[j]) + (b ? b[j] : 0.0f)));
     }
@@ -536,35 +574,9 @@ void gelu_bf16_backward(const uint16_t* g, const uint16_t* u, const float* b, ui
         const int64_t rows = rows_end - r0 < 4 ? rows_end - r0 : 4;
         int64_t j = 0;
 #ifdef LMLAB_TRAIN_AVX512
-        for (; j + 16 <= n; j += 16) {
-          const __m512 bj = b ? _mm512_loadu_ps(b + j) : _mm512_setzero_ps();
-          __m512 sum = _mm512_setzero_ps();
-          for (int64_t k = 0; k < rows; ++k) {
-            const int64_t at = (r0 + k) * n + j;
-            const __m512 z = b ? _mm512_add_ps(load16(u + at), bj) : load16(u + at);
-            store16(_mm512_mul_ps(load16(g + at), gelu_slope16<Tanh>(z)), du + at);
-            if (acc) sum = _mm512_add_ps(sum, load16(du + at));  // the value as stored
-          }
-          if (acc) _mm512_storeu_ps(acc + j, _mm512_add_ps(_mm512_loadu_ps(acc + j), sum));
-        }
-        if (j < n) {  // the last n % 16 columns, masked: rounded as the rest (store16)
-          const __mmask16 mk = tail_mask(n - j);
-          const __m512 zero = _mm512_setzero_ps();
-          const __m512 bj = b ? load16_masked(b + j, mk, zero) : zero;
-          __m512 sum = zero;
-          for (int64_t k = 0; k < rows; ++k) {
-            const int64_t at = (r0 + k) * n + j;
-            const __m512 z = _mm512_add_ps(load16_masked(u + at, mk, zero), bj);
-            const __m512 slope = gelu_slope16<Tanh>(z);
-            store16_masked(_mm512_mul_ps(load16_masked(g + at, mk, zero), slope), du + at, mk);
-            if (acc) sum = _mm512_add_ps(sum, load16_masked(du + at, mk, zero));
-          }
-          if (acc) {
-            const __m512 total = _mm512_add_ps(load16_masked(acc + j, mk, zero), sum);
-            _mm512_mask_storeu_ps(acc + j, mk, total);
-          }
-          j = n;
-        }
+        for (; j + 16 <= n; j += 16) gelu_backward16<Tanh, true>(g, u, b, du, acc, r0, rows, n, j, 0);
+        if (j < n) gelu_backward16<Tanh, false>(g, u, b, du, acc, r0, rows, n, j, tail_mask(n - j));
+        j = n;
 #endif
         for (; j < n; ++j) {
           float sum = 0.0f;
