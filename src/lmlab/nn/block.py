@@ -13,7 +13,7 @@ from torch import nn
 
 from lmlab.nn.attention import ATTENTION
 from lmlab.nn.cross_attention import CrossAttention
-from lmlab.nn.ffn import build_ffn
+from lmlab.nn.ffn import MLP, GatedActivationMLP, GeGLU, SwiGLU, build_ffn
 from lmlab.nn.fused import global_hooks, torch_hooks
 from lmlab.nn.hooks import HookPoint
 from lmlab.nn.kv_cache import CrossAttentionCache, LayerCache
@@ -72,10 +72,15 @@ class Block(nn.Module):
     def dropped(self, x: torch.Tensor) -> torch.Tensor:
         """Residual dropout of a branch: ``self.drop(x)``; x itself (what Dropout returns) in eval
         mode or at p = 0 (with no hooks on the module), without the module call."""
-        d = self.drop
-        if not d.training or (d.p == 0.0 and not torch_hooks(d) and not global_hooks()):
+        if self.drop_idle():
             return x  # p = 0: what Dropout returns, without the module call
-        return d(x)
+        return self.drop(x)
+
+    def drop_idle(self) -> bool:
+        """Whether residual dropout is the identity without its module call: eval mode, or
+        p = 0 with no hooks on the module."""
+        d = self.drop
+        return not d.training or (d.p == 0.0 and not torch_hooks(d) and not global_hooks())
 
     def expand_stream(self, x: torch.Tensor) -> torch.Tensor:
         """The embedding x (B, T, D) -> the residual stream the first layer reads: x itself (a
@@ -110,6 +115,8 @@ def _matmul_input_kinds() -> frozenset[type]:
 
 
 _MATMUL_INPUT = _matmul_input_kinds()
+# the FFN classes whose down projection's bias the residual add may add (ffn.residual_parts)
+_RESIDUAL_PARTS = frozenset({MLP, SwiGLU, GeGLU, GatedActivationMLP})
 
 
 @BLOCK.register("pre")
@@ -129,7 +136,23 @@ class PreNormBlock(Block):
             h = self.norm_in(self.ffn_norm, x, self.ffn)
             return self.add(x, self.dropped(a.out) + self.dropped(self.ffn(h)))
         x = self.hook_resid_mid(self.add(x, self.dropped(a.out)))
-        return self.add(x, self.dropped(self.ffn(self.norm_in(self.ffn_norm, x, self.ffn))))
+        return self.add_ffn(x, self.norm_in(self.ffn_norm, x, self.ffn))
+
+    def add_ffn(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """``self.add(x, self.dropped(self.ffn(h)))``: x (B, T, D) float32 stream, h the FFN's
+        input. In bf16 CPU training with an MLP or gated FFN whose down projection has a bias
+        (:func:`lmlab.nn.ffn.residual_parts`), residual dropout idle and no hooks on the FFN or
+        its output, the projection runs bias-free and the residual add adds the bias (one pass
+        each way, :func:`lmlab.nn.train_kernel.residual_add`)."""
+        ffn = self.ffn
+        stream_ok = self.residual and x.dtype is torch.float32
+        if stream_ok and type(ffn) in _RESIDUAL_PARTS and self.drop_idle():
+            parts = ffn.residual_parts(h)  # type: ignore[operator]
+            if parts is not None:
+                from lmlab.nn.train_kernel import residual_add
+
+                return residual_add(x, *parts)
+        return self.add(x, self.dropped(ffn(h)))
 
     @staticmethod
     def norm_in(norm: nn.Module, x: torch.Tensor, consumer: nn.Module) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmlab.errors import ConfigError
-from lmlab.nn.fused import fused_linear, global_hooks, linear, plain_linear
+from lmlab.nn.fused import fused_linear, global_hooks, linear, plain_linear, torch_hooks
 from lmlab.nn.hooks import HookPoint
 from lmlab.registry import Registry
 
@@ -97,6 +97,31 @@ def refuse_fixed_activation(m: ModelConfig, field: str = "model.ffn.kind") -> No
     )
 
 
+def residual_parts(
+    ffn: MLP | GatedMLP, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``ffn(x)`` as (its down projection without the bias, that bias) for a residual add that
+    adds the bias itself (:func:`lmlab.nn.train_kernel.residual_add`: x + (y + bias) in one pass,
+    the bias gradient summed in its backward's pass), or None where this does not apply (the
+    caller calls the module): in bf16 autocast CPU training
+    (:func:`lmlab.nn.train_kernel.residual_bias_applies`) when down_proj is a plain linear with
+    a float32 bias and neither the module itself nor its ``hook_out`` is hooked (``hook_hidden``
+    and the other projections' hooks still run). x (B, T, D) float32 or bfloat16 -> ((B, T, D)
+    bfloat16, (D,) float32). Against ``ffn(x)`` (autocast's addmm, the bias rounded to bfloat16
+    and added into the rounded output) y + bias is not rounded: the sum agrees to bf16 rounding,
+    not bit for bit."""
+    from lmlab.nn.train_kernel import residual_bias_applies
+
+    down = ffn.down_proj
+    if ffn.hook_out.fns or torch_hooks(ffn) or not plain_linear(down):
+        return None
+    weight, bias = down._parameters["weight"], down._parameters["bias"]
+    if weight is None or bias is None or not residual_bias_applies(weight, bias):
+        return None
+    y = F.linear(ffn._hidden(x), weight)  # autocast: bf16 (B, T, D)
+    return y, bias
+
+
 @FFN.register("mlp")
 class MLP(nn.Module):
     """down(act(up(x))) with d_ff hidden units (Vaswani et al. 2017)."""
@@ -112,11 +137,19 @@ class MLP(nn.Module):
         self.hook_out = HookPoint()  # (B, T, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.hook_out(linear(self.down_proj, self._hidden(x)))
+
+    def _hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """act(up_proj(x)) through ``hook_hidden``: (B, T, D) -> (B, T, F)."""
         hidden = self._gelu_up(x) if self.act in _GELUS else None
         if hidden is None:
             hidden = self.act(linear(self.up_proj, x))
-        hidden = self.hook_hidden(hidden)  # (B, T, F)
-        return self.hook_out(linear(self.down_proj, hidden))
+        return self.hook_hidden(hidden)  # (B, T, F)
+
+    def residual_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``self(x)`` as (down_proj without its bias, that bias) for a residual add that adds
+        the bias itself (:func:`residual_parts`), or None (the caller calls the module)."""
+        return residual_parts(self, x)
 
     def _gelu_up(self, x: torch.Tensor) -> torch.Tensor | None:
         """gelu(up_proj(x)) (exact, or gelu_tanh) through lmlab's one-pass bias + GELU operator
@@ -162,13 +195,21 @@ class GatedMLP(nn.Module):
         self.hook_out = HookPoint()  # (B, T, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.hook_out(linear(self.down_proj, self._hidden(x)))
+
+    def _hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """act(gate_proj(x)) * up_proj(x) through ``hook_hidden``: (B, T, D) -> (B, T, F)."""
         both = fused_linear(self, "gate_up", ("gate_proj", "up_proj"), x)
         if both is not None:  # inference: one matmul (lmlab.nn.fused)
             gate, up = both.chunk(2, dim=-1)  # (B, T, F) each
         else:
             gate, up = linear(self.gate_proj, x), linear(self.up_proj, x)
-        hidden = self.hook_hidden(self.act(gate) * up)
-        return self.hook_out(linear(self.down_proj, hidden))
+        return self.hook_hidden(self.act(gate) * up)
+
+    def residual_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``self(x)`` as (down_proj without its bias, that bias) for a residual add that adds
+        the bias itself (:func:`residual_parts`), or None (the caller calls the module)."""
+        return residual_parts(self, x)
 
     def saved_activation_bytes(self, act_bytes: int) -> int:
         """Bytes per token autograd keeps for backward: gate(x), up(x), act(gate(x)) and the

@@ -357,12 +357,19 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float) -> tuple[float, floa
 TRAIN_ADD_KERNEL = True
 
 
-def residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``x + y``. For a float32 x and a bfloat16 y of the same shape, both contiguous on the
-    CPU, while gradients are recorded (bf16 autocast training: the residual stream and a
-    branch's output): torch.ops.lmlab.add_f32_bf16, one pass, the same bits (torch widens y
-    into a float32 temporary first, then adds: 0.5 ms of a 1 ms add at the Mini-GPT shape);
-    its backward is add's (g to x, g cast to bfloat16 to y)."""
+def residual_add(
+    x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x + y`` (``bias``: ``x + (y + bias)``, bias (N,) broadcast over y (..., N)). For a
+    float32 x and a bfloat16 y of the same shape, both contiguous on the CPU, while gradients
+    are recorded (bf16 autocast training: the residual stream and a branch's output):
+    torch.ops.lmlab.add_f32_bf16, one pass, the same bits as torch's x + y (torch widens y into
+    a float32 temporary first, then adds: 0.5 ms of a 1 ms add at the Mini-GPT shape); its
+    backward is add's (g to x, g cast to bfloat16 to y). With a float32 ``bias`` (a residual
+    projection's, which then runs bias-free: :func:`residual_bias_applies`) y + bias is added in
+    float32 in the same pass, and the backward's one pass also sums the bias gradient's float32
+    columns (fixed row blocks: the same bits for any thread count); torch's path (addmm, then
+    the add) rounds y + bias to bfloat16 and sums the bias gradient in bfloat16."""
     if (
         TRAIN_ADD_KERNEL
         and x.dtype is torch.float32
@@ -376,8 +383,34 @@ def residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         and not torch.compiler.is_compiling()
         and available()
     ):
-        return torch.ops.lmlab.add_f32_bf16(x, y)
-    return x + y
+        return torch.ops.lmlab.add_f32_bf16(x, y, bias)
+    return x + y if bias is None else x + (y + bias)
+
+
+# A residual projection's bias added by the residual add (residual_add's bias; MLP.residual_parts)
+# instead of by the projection's addmm; False: the biased projection, then the add (A/B benchmarks).
+TRAIN_RESIDUAL_BIAS = True
+
+
+def residual_bias_applies(weight: torch.Tensor, bias: torch.Tensor) -> bool:
+    """Whether a residual projection (``weight`` (D, F), ``bias`` (D,)) should run bias-free and
+    leave its bias to :func:`residual_add` (whose caller checks that the stream is float32): in
+    bf16 autocast CPU training (gradients recorded, not under torch.compile), float32 CPU
+    parameters, no global module hooks, :data:`TRAIN_RESIDUAL_BIAS` and
+    :data:`TRAIN_ADD_KERNEL` on and the kernels built."""
+    if not (TRAIN_RESIDUAL_BIAS and TRAIN_ADD_KERNEL and torch.is_grad_enabled()):
+        return False
+    if torch.compiler.is_compiling() or not torch.is_autocast_enabled("cpu"):
+        return False
+    if torch.get_autocast_dtype("cpu") is not torch.bfloat16:
+        return False
+    if weight.dtype is not torch.float32 or bias.dtype is not torch.float32 or bias.dim() != 1:
+        return False
+    if not (weight.is_cpu and bias.is_cpu):
+        return False
+    from lmlab.nn.fused import global_hooks
+
+    return not global_hooks() and available()
 
 
 # The MLP's GELU (exact or tanh form) of its bias-free bf16 up projection plus the float32 bias,

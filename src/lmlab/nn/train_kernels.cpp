@@ -379,6 +379,102 @@ void add_f32_bf16(const float* x, const uint16_t* y, float* out, int64_t n) {
   });
 }
 
+// ---- the residual add with the branch's bias: x + (y + b) --------------------------------------
+//
+// Legend: M rows, N columns. x (M, N) float32 (the residual stream), y (M, N) bfloat16 (a
+// residual projection's output computed without its bias), b (N,) float32 (that bias). Forward:
+// out = x + (y + b) in float32, one pass (torch's path: addmm writes y + b rounded to bfloat16,
+// then the add widens it: the bias rounded twice, three passes). Backward from g (M, N) float32:
+// x's gradient is g itself; dy = g rounded to bfloat16 (what autograd's cast gives the branch);
+// db[j] = the float32 sum over i of g[i, j], four rows in registers within fixed blocks of rows
+// (sum_block_rows: the shape alone decides them), then in block order: the same bits for any
+// thread count (torch: a bfloat16 column sum of dy, then a cast).
+
+inline int64_t sum_block_rows(int64_t m) {
+  const int64_t per = (m + 255) / 256;  // at most 256 blocks of partial sums
+  return per < 64 ? 64 : per;
+}
+
+// out (m, n) = x + (y + b[j]); out may be x.
+void add_bias_f32_bf16(const float* x, const uint16_t* y, const float* b, float* out, int64_t m,
+                       int64_t n) {
+  const int64_t grain = n >= kAddBlock ? 1 : kAddBlock / n;
+  at::parallel_for(0, m, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = x + r * n;
+      const uint16_t* yr = y + r * n;
+      float* o = out + r * n;
+      int64_t j = 0;
+#ifdef LMLAB_TRAIN_AVX512
+      for (; j + 16 <= n; j += 16)
+        _mm512_storeu_ps(o + j, _mm512_add_ps(_mm512_loadu_ps(xr + j),
+                                              _mm512_add_ps(load16(yr + j), load16(b + j))));
+      if (j < n) {
+        const __mmask16 mk = tail_mask(n - j);
+        const __m512 zero = _mm512_setzero_ps();
+        const __m512 v = _mm512_add_ps(load16_masked(yr + j, mk, zero), load16_masked(b + j, mk, zero));
+        store16_masked(_mm512_add_ps(load16_masked(xr + j, mk, zero), v), o + j, mk);
+      }
+      j = n;
+#endif
+      for (; j < n; ++j) o[j] = xr[j] + (bf16_to_f32(yr[j]) + b[j]);
+    }
+  });
+}
+
+#ifdef LMLAB_TRAIN_AVX512
+// Rows r0 .. r0 + rows - 1 of the sixteen columns from j (Full: all sixteen, else the lanes of
+// mk): dy = g rounded, and g's sum over those rows, added in row order, then to acc.
+template <bool Full>
+inline void add_bias_backward16(const float* g, uint16_t* dy, float* acc, int64_t r0,
+                                int64_t rows, int64_t n, int64_t j, __mmask16 mk) {
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t k = 0; k < rows; ++k) {
+    const int64_t at = (r0 + k) * n + j;
+    const __m512 v = Full ? _mm512_loadu_ps(g + at) : load16_masked(g + at, mk, _mm512_setzero_ps());
+    if (Full) store16(v, dy + at);
+    else store16_masked(v, dy + at, mk);
+    sum = _mm512_add_ps(sum, v);
+  }
+  if (Full) _mm512_storeu_ps(acc + j, _mm512_add_ps(_mm512_loadu_ps(acc + j), sum));
+  else _mm512_mask_storeu_ps(acc + j, mk, _mm512_add_ps(_mm512_maskz_loadu_ps(mk, acc + j), sum));
+}
+#endif
+
+// partial: (blocks, n) float32 scratch (db is its column sums in block order).
+void add_bias_backward(const float* g, uint16_t* dy, float* partial, float* db, int64_t m,
+                       int64_t n) {
+  const int64_t per = sum_block_rows(m), blocks = (m + per - 1) / per;
+  at::parallel_for(0, blocks, 1, [&](int64_t k0, int64_t k1) {
+    for (int64_t blk = k0; blk < k1; ++blk) {
+      float* acc = partial + blk * n;
+      std::memset(acc, 0, n * sizeof(float));
+      const int64_t rows_end = (blk + 1) * per < m ? (blk + 1) * per : m;
+      for (int64_t r0 = blk * per; r0 < rows_end; r0 += 4) {
+        const int64_t rows = rows_end - r0 < 4 ? rows_end - r0 : 4;
+        int64_t j = 0;
+#ifdef LMLAB_TRAIN_AVX512
+        for (; j + 16 <= n; j += 16) add_bias_backward16<true>(g, dy, acc, r0, rows, n, j, 0);
+        if (j < n) add_bias_backward16<false>(g, dy, acc, r0, rows, n, j, tail_mask(n - j));
+        j = n;
+#endif
+        for (; j < n; ++j) {
+          float sum = 0.0f;
+          for (int64_t k = 0; k < rows; ++k) {
+            const int64_t at = (r0 + k) * n + j;
+            dy[at] = f32_to_bf16(g[at]);
+            sum += g[at];
+          }
+          acc[j] += sum;
+        }
+      }
+    }
+  });
+  std::memset(db, 0, n * sizeof(float));
+  for (int64_t blk = 0; blk < blocks; ++blk)
+    for (int64_t j = 0; j < n; ++j) db[j] += partial[blk * n + j];
+}
+
 // ---- GELU of a bias-free bfloat16 projection plus its bias ------------------------------------
 //
 // Legend: M rows, N columns. u (M, N) bfloat16, a projection's output computed without its bias;
@@ -387,7 +483,7 @@ void add_f32_bf16(const float* x, const uint16_t* y, float* out, int64_t n) {
 // F.gelu default), a rounded once to bfloat16. Backward: du = g gelu'(z), gelu'(z) = Phi(z) + z
 // phi(z) with phi the standard normal density, rounded to bfloat16; db[j] = the float32 sum over
 // i of du[i, j] as stored, summed four rows at a time within fixed blocks of rows
-// (gelu_block_rows: the shape alone decides them), then in block order: the same bits for any
+// (sum_block_rows: the shape alone decides them), then in block order: the same bits for any
 // thread count.
 //
 // erf by Abramowitz & Stegun 7.1.26 (absolute error <= 1.5e-7; the formula of torch's own
@@ -401,10 +497,6 @@ void add_f32_bf16(const float* x, const uint16_t* y, float* out, int64_t n) {
 constexpr float kInvSqrt2 = 0.70710678118654752f;
 constexpr float kInvSqrt2Pi = 0.39894228040143268f;
 
-inline int64_t gelu_block_rows(int64_t m) {
-  const int64_t per = (m + 255) / 256;  // at most 256 blocks of partial sums
-  return per < 64 ? 64 : per;
-}
 
 // The tanh form (GPT-2's gelu_new, torch's approximate="tanh"): gelu(z) = z (1 + tanh(y)) / 2,
 // y = k (z + c z^3); gelu'(z) = (1 + t) / 2 + z (1 - t^2) k (1 + 3 c z^2) / 2, t = tanh(y).
@@ -562,7 +654,7 @@ void gelu_bf16_forward(const uint16_t* u, const float* b, uint16_t* a, int64_t m
 template <bool Tanh>
 void gelu_bf16_backward(const uint16_t* g, const uint16_t* u, const float* b, uint16_t* du,
                         float* partial, float* db, int64_t m, int64_t n) {
-  const int64_t per = gelu_block_rows(m), blocks = (m + per - 1) / per;
+  const int64_t per = sum_block_rows(m), blocks = (m + per - 1) / per;
   at::parallel_for(0, blocks, 1, [&](int64_t k0, int64_t k1) {
     for (int64_t blk = k0; blk < k1; ++blk) {
       float* acc = db ? partial + blk * n : nullptr;
@@ -724,8 +816,30 @@ extern "C" int lmlab_add_f32_bf16(const float* x, const void* y, float* out, int
   return 0;
 }
 
+// x, out float32, y bfloat16, each (m, n) contiguous (out may be x), b float32 (n,):
+// out = x + (y + b). Returns 0.
+extern "C" int lmlab_add_bias_f32_bf16(const float* x, const void* y, const float* b, float* out,
+                                       int64_t m, int64_t n) {
+  add_bias_f32_bf16(x, static_cast<const uint16_t*>(y), b, out, m, n);
+  return 0;
+}
+
+// g float32 (m, n), dy bfloat16 (m, n), partial float32 (lmlab_sum_blocks(m), n), db float32
+// (n,): dy = g rounded, db = g's column sums. Returns 0.
+extern "C" int lmlab_add_bias_backward(const float* g, void* dy, float* partial, float* db,
+                                       int64_t m, int64_t n) {
+  add_bias_backward(g, static_cast<uint16_t*>(dy), partial, db, m, n);
+  return 0;
+}
+
+// The row blocks of the column sums of an (m, n) gradient (gelu_bf16's, add_bias's backward).
+extern "C" int64_t lmlab_sum_blocks(int64_t m) {
+  const int64_t per = sum_block_rows(m);
+  return (m + per - 1) / per;
+}
+
 extern "C" int64_t lmlab_gelu_bf16_blocks(int64_t m) {
-  const int64_t per = gelu_block_rows(m);
+  const int64_t per = sum_block_rows(m);
   return (m + per - 1) / per;
 }
 

@@ -9,7 +9,10 @@
 //   norm_bf16(x, weight, bias, eps, rms) -> y          LayerNorm / RMSNorm, float32 -> bfloat16
 //   causal_attention_bmm(q, k, v, scale, kernel) -> y  causal softmax(q k^T scale) v, three
 //                                                      batched matmuls, the softmax in the kernel
-//   add_f32_bf16(x, y) -> x + y                        the residual add of a bf16 branch
+//   add_f32_bf16(x, y, bias) -> x + (y + bias)         the residual add of a bf16 branch
+//                                                      (and of its projection's float32
+//                                                      bias, its gradient summed in the
+//                                                      backward's pass)
 //   gelu_bf16(u, bias, tanh) -> gelu(u + bias)         an MLP's GELU (exact, or its tanh form)
 //                                                      of its bias-free bf16 up projection
 //                                                      plus the float32 bias, one pass each
@@ -46,6 +49,11 @@ extern "C" int lmlab_norm_bf16_backward(int kind, const void* dy, const float* x
                                         const float* mean, const float* rstd, float* dx, float* dw,
                                         float* db, int64_t rows, int64_t d);
 extern "C" int lmlab_add_f32_bf16(const float* x, const void* y, float* out, int64_t n);
+extern "C" int lmlab_add_bias_f32_bf16(const float* x, const void* y, const float* b, float* out,
+                                       int64_t m, int64_t n);
+extern "C" int lmlab_add_bias_backward(const float* g, void* dy, float* partial, float* db,
+                                       int64_t m, int64_t n);
+extern "C" int64_t lmlab_sum_blocks(int64_t m);
 extern "C" int64_t lmlab_gelu_bf16_blocks(int64_t m);
 extern "C" int lmlab_gelu_bf16_forward(int form, const void* u, const float* b, void* a, int64_t m,
                                        int64_t n);
@@ -332,27 +340,58 @@ at::Tensor causal_attention_bf16(const at::Tensor& q, const at::Tensor& k, const
 // ---- add_f32_bf16 ---------------------------------------------------------------------------
 
 struct AddF32Bf16 : public torch::autograd::Function<AddF32Bf16> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& y) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& y,
+                            const std::optional<at::Tensor>& bias) {
     at::Tensor out = at::empty(x.sizes(), x.options());
-    lmlab_add_f32_bf16(x.data_ptr<float>(), y.data_ptr(), out.data_ptr<float>(), x.numel());
+    const bool has_bias = bias.has_value() && bias->defined();
+    if (has_bias) {
+      const at::Tensor bc = bias->resolve_neg().contiguous();
+      const int64_t n = x.size(-1);
+      lmlab_add_bias_f32_bf16(x.data_ptr<float>(), y.data_ptr(), bc.data_ptr<float>(),
+                              out.data_ptr<float>(), x.numel() / n, n);
+    } else {
+      lmlab_add_f32_bf16(x.data_ptr<float>(), y.data_ptr(), out.data_ptr<float>(), x.numel());
+    }
+    ctx->saved_data["bias"] = has_bias;
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     // add's gradient: g to both; the branch's cast to its dtype (autograd casts it so after
-    // torch's AddBackward); with create_graph both are recorded as the ATen ops they are
+    // torch's AddBackward); with create_graph these are recorded as the ATen ops they are
     const at::Tensor& g = grads[0];
-    return {g, g.to(at::kBFloat16)};
+    if (!ctx->saved_data["bias"].toBool()) return {g, g.to(at::kBFloat16), at::Tensor()};
+    if (!g.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    const int64_t n = g.size(-1), m = g.numel() / n;
+    if (g._is_zerotensor() || (at::GradMode::is_enabled() && g.requires_grad()) ||
+        g.scalar_type() != at::kFloat || m == 0) {
+      // create_graph (or a gradient the kernel does not read): the same values as ATen ops
+      return {g, g.to(at::kBFloat16), g.reshape({m, n}).sum(0).to(at::kFloat)};
+    }
+    const at::Tensor gc = g.resolve_neg().contiguous();
+    at::Tensor dy = at::empty(g.sizes(), g.options().dtype(at::kBFloat16));
+    at::Tensor db = at::empty({n}, g.options());
+    at::Tensor partial = at::empty({lmlab_sum_blocks(m), n}, g.options());
+    lmlab_add_bias_backward(gc.data_ptr<float>(), dy.data_ptr(), partial.data_ptr<float>(),
+                            db.data_ptr<float>(), m, n);
+    return {g, dy, db};
   }
 };
 
-at::Tensor add_f32_bf16(const at::Tensor& x, const at::Tensor& y) {
+at::Tensor add_f32_bf16(const at::Tensor& x, const at::Tensor& y,
+                        const std::optional<at::Tensor>& bias) {
   check_cpu(x, "add_f32_bf16", "x");
   check_cpu(y, "add_f32_bf16", "y");
   TORCH_CHECK(x.scalar_type() == at::kFloat && y.scalar_type() == at::kBFloat16 &&
                   x.sizes() == y.sizes() && x.is_contiguous() && y.is_contiguous(),
               "lmlab.add_f32_bf16: x float32 and y bfloat16 of one shape, both contiguous");
-  return AddF32Bf16::apply(x, y);
+  if (bias.has_value() && bias->defined()) {
+    check_cpu(*bias, "add_f32_bf16", "bias");
+    TORCH_CHECK(x.dim() >= 1 && x.size(-1) >= 1 && bias->scalar_type() == at::kFloat &&
+                    bias->dim() == 1 && bias->size(0) == x.size(-1),
+                "lmlab.add_f32_bf16: bias must be float32 (N,) for x and y (..., N >= 1)");
+  }
+  return AddF32Bf16::apply(x, y, bias);
 }
 
 // ---- gelu_bf16 ------------------------------------------------------------------------------
@@ -430,7 +469,7 @@ at::Tensor gelu_bf16(const at::Tensor& u, const std::optional<at::Tensor>& bias,
 TORCH_LIBRARY_FRAGMENT(lmlab, m) {
   m.def("norm_bf16(Tensor x, Tensor weight, Tensor? bias, float eps, bool rms) -> Tensor");
   m.def("causal_attention_bmm(Tensor q, Tensor k, Tensor v, float scale, bool kernel) -> Tensor");
-  m.def("add_f32_bf16(Tensor x, Tensor y) -> Tensor");
+  m.def("add_f32_bf16(Tensor x, Tensor y, Tensor? bias=None) -> Tensor");
   m.def("causal_attention_bf16(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
   m.def("gelu_bf16(Tensor u, Tensor? bias, bool tanh=False) -> Tensor");
 }
