@@ -225,6 +225,12 @@ def main(argv: list[str] | None = None) -> None:
         "(torchgelu)",
     )
     ap.add_argument(
+        "--bias-add-kernel",
+        action="store_true",
+        help="also lmlab with only its residual projections' bias added by the residual add "
+        "off: the biased addmm, then the add (biasedproj)",
+    )
+    ap.add_argument(
         "--add-kernel",
         action="store_true",
         help="also lmlab with only its one-pass residual add off (torchadd)",
@@ -351,6 +357,7 @@ OFF_CONTENDERS = (
     ("bmmattn", "attention_kernel", "attention_kernel", "fused attention kernel"),
     ("torchnorm", "norm_kernel", "norm_kernel", "norm kernel"),
     ("torchgelu", "gelu_kernel", "gelu_kernel", "gelu kernel"),
+    ("biasedproj", "bias_add_kernel", "bias_add_kernel", "residual bias add"),
     ("torchadd", "add_kernel", "add_kernel", "residual add kernel"),
     ("torchclip", "clip_kernel", "clip_kernel", "clip kernel"),
     ("untuned", "allocator", "malloc_tuning", "malloc tuning"),
@@ -616,6 +623,7 @@ def trainer_step(
     clip_kernel: bool = True,
     malloc_tuning: bool = True,
     gelu_kernel: bool = True,
+    bias_add_kernel: bool = True,
 ) -> Callable[[], None]:
     """One ``Trainer.train_step`` per call, at the next step number; ``fast_paths`` False runs
     it with the training fast paths switched off (the q/k/v fusion, the bf16 batched-matmul
@@ -653,6 +661,8 @@ def trainer_step(
         overrides.append((train_kernel, "TRAIN_ADD_KERNEL", False))
     if not (fast_paths and gelu_kernel):
         overrides.append((train_kernel, "TRAIN_GELU_KERNEL", False))
+    if not (fast_paths and bias_add_kernel):
+        overrides.append((train_kernel, "TRAIN_RESIDUAL_BIAS", False))
     if not (fast_paths and clip_kernel):
         overrides.append((guard, "CLIP_KERNEL", False))
     count = [0]
