@@ -3,7 +3,8 @@
     python benchmarks/train_step_ab.py --profile-arch minigpt,bf16 --rounds 4  # op by op
     python benchmarks/train_step_ab.py [--shapes nanogpt,minigpt] [--precisions fp32,bf16]
         [--rounds 20] [--threads 1] [--config CONFIG] [--reference] [--rope-kernel]
-        [--softmax-kernel] [--attention-kernel] [--norm-kernel] [--add-kernel] [--clip-kernel]
+        [--softmax-kernel] [--attention-kernel] [--norm-kernel] [--gelu-kernel]
+        [--bias-add-kernel] [--add-kernel] [--clip-kernel]
         [--allocator]
         [--only lmlab,nanogpt,...]
 
@@ -37,6 +38,9 @@ For each shape and precision it builds, in this one process:
 - **torchgelu** (``--gelu-kernel``): lmlab's default with only the MLP's one-pass bias + GELU
   operator (``lmlab.nn.train_kernel.gelu_up``) off, the up projection's ``addmm`` and torch's
   gelu instead: ``lmlab gelu kernel on/off``.
+- **biasedproj** (``--bias-add-kernel``): lmlab's default with only the residual add's bias off
+  (``lmlab.nn.train_kernel.TRAIN_RESIDUAL_BIAS``): the FFN's down projection keeps its bias in
+  its ``addmm``, then the plain residual add: ``lmlab residual bias add on/off``.
 - **torchadd** (``--add-kernel``) and **torchclip** (``--clip-kernel``): lmlab's default with only
   the one-pass residual add (``lmlab.nn.train_kernel.residual_add``) or only the one-call
   gradient clipping (``lmlab.nn.train_kernel.clip_grads_``) off: ``lmlab residual add kernel
@@ -628,13 +632,14 @@ def trainer_step(
     """One ``Trainer.train_step`` per call, at the next step number; ``fast_paths`` False runs
     it with the training fast paths switched off (the q/k/v fusion, the bf16 batched-matmul
     attention, the bf16 RoPE function, the C++ RoPE, causal softmax, norm, residual add and
-    clipping kernels, the bias + GELU operator): the
-    reference path they replace; ``rope_kernel`` False only the C++ RoPE kernel (RoPE as torch
+    clipping kernels, the bias + GELU operator, the residual add's bias): the reference path
+    they replace; ``rope_kernel`` False only the C++ RoPE kernel (RoPE as torch
     ops, as before it); ``softmax_kernel`` False only the causal softmax kernel (masked_fill +
     softmax); ``attention_kernel`` False only the fused bf16 attention (the batched matmuls
     instead); ``norm_kernel`` False only the norm-to-bf16 kernel (torch's norm, then a cast);
     ``add_kernel`` False only the one-pass residual add (torch's x + y); ``gelu_kernel`` False
-    only the MLP's bias + GELU operator (addmm and torch's gelu); ``clip_kernel`` False
+    only the MLP's bias + GELU operator (addmm and torch's gelu); ``bias_add_kernel`` False
+    only the residual add's bias (the down projection's addmm keeps it); ``clip_kernel`` False
     only the one-call gradient clipping (torch's clip_grad_norm_); ``malloc_tuning`` False only
     lmlab's malloc thresholds (the step runs under :func:`untuned_allocator`). The module flags
     are set for the step and restored after it."""

@@ -27,7 +27,8 @@ the coefficient is below 1, one scaling pass; one call in place of torch's per-t
 their stack and norm, and a multiply by 1 when nothing is clipped.
 
 **Norms straight to bf16** (:func:`norm_bf16`, :func:`norm_bf16_op`) and the **residual add**
-of a bf16 branch to the float32 stream (:func:`residual_add`), see their docstrings.
+of a bf16 branch to the float32 stream (:func:`residual_add`, with a residual projection's
+float32 bias where :func:`residual_bias_applies`), see their docstrings.
 
 In ``train_kernels.cpp``, compiled on first use by :func:`lmlab.nn.cpp_build.build` (some
 seconds once, then a cached load) together with ``train_ops.cpp``, which registers torch
