@@ -189,6 +189,7 @@ SAVED = [
     ("mlp-fp32", {}, {}),
     ("mlp-bf16", {}, {"precision": "bf16"}),
     ("swiglu", {"ffn": {"kind": "swiglu"}}, {}),
+    ("swiglu-bf16", {"ffn": {"kind": "swiglu"}}, {"precision": "bf16"}),
     ("math-backend", {"attention": {"n_heads": 4, "backend": "math"}}, {}),
     ("moe", {"ffn": {"kind": "moe", "n_experts": 4}}, {}),
     ("mqa-bf16", {"attention": {"n_heads": 4, "n_kv_heads": 1}}, {"precision": "bf16"}),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
@@ -97,6 +98,19 @@ def refuse_fixed_activation(m: ModelConfig, field: str = "model.ffn.kind") -> No
     )
 
 
+def saved_ffn_bytes(ffn: nn.Module, act_bytes: int, cpu_kernels: bool = False) -> int | None:
+    """``ffn.saved_activation_bytes(act_bytes, cpu_kernels=...)``: the bytes per token an FFN
+    declares autograd keeps (:mod:`lmlab.training.memory`); ``cpu_kernels`` (lmlab's bf16 CPU
+    training operators will run) is passed only to a declaration that takes it (an FFN
+    registered elsewhere may declare ``act_bytes`` alone); None when it declares nothing."""
+    declared = getattr(ffn, "saved_activation_bytes", None)
+    if not callable(declared):
+        return None
+    if "cpu_kernels" in inspect.signature(declared).parameters:
+        return int(declared(act_bytes, cpu_kernels=cpu_kernels))
+    return int(declared(act_bytes))
+
+
 def residual_parts(
     ffn: MLP | GatedMLP, x: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -162,10 +176,11 @@ class MLP(nn.Module):
 
         return gelu_up(x, up, tanh=self.act is gelu_tanh)
 
-    def saved_activation_bytes(self, act_bytes: int) -> int:
+    def saved_activation_bytes(self, act_bytes: int, cpu_kernels: bool = False) -> int:
         """Bytes per token autograd keeps of the hidden activations for backward: up(x) and
         act(up(x)), 2 F elements of ``act_bytes`` each (:mod:`lmlab.training.memory`); 1 F
-        when the activation's backward reads only its output (relu)."""
+        when the activation's backward reads only its output (relu). ``cpu_kernels`` changes
+        nothing here (the bias + GELU operator keeps what torch's path keeps)."""
         saved = 1 + int(getattr(self.act, "saves_input", True))
         return saved * self.up_proj.out_features * act_bytes
 
@@ -204,18 +219,38 @@ class GatedMLP(nn.Module):
             gate, up = both.chunk(2, dim=-1)  # (B, T, F) each
         else:
             gate, up = linear(self.gate_proj, x), linear(self.up_proj, x)
-        return self.hook_hidden(self.act(gate) * up)
+        hidden = self._silu_mul(gate, up) if self.act is F.silu else None
+        if hidden is None:
+            hidden = self.act(gate) * up
+        return self.hook_hidden(hidden)
+
+    @staticmethod
+    def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up through lmlab's one-pass operator in bf16 autocast CPU training
+        (:func:`lmlab.nn.train_kernel.silu_mul`), else None."""
+        if not torch.is_grad_enabled():
+            return None
+        from lmlab.nn.train_kernel import silu_mul
+
+        return silu_mul(gate, up)
 
     def residual_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``self(x)`` as (down_proj without its bias, that bias) for a residual add that adds
         the bias itself (:func:`residual_parts`), or None (the caller calls the module)."""
         return residual_parts(self, x)
 
-    def saved_activation_bytes(self, act_bytes: int) -> int:
+    def saved_activation_bytes(self, act_bytes: int, cpu_kernels: bool = False) -> int:
         """Bytes per token autograd keeps for backward: gate(x), up(x), act(gate(x)) and the
         product, 4 F elements of ``act_bytes`` each (:mod:`lmlab.training.memory`); 3 F when
-        the activation's backward reads only its output (ReGLU)."""
+        the activation's backward reads only its output (ReGLU), or where silu(gate) * up is
+        one operator that keeps gate and up only: ``cpu_kernels`` (bf16 CPU training without
+        torch.compile, the estimate's caller decides) and
+        :func:`lmlab.nn.train_kernel.silu_mul_expected`."""
         saved = 3 + int(getattr(self.act, "saves_input", True))
+        if cpu_kernels and act_bytes == 2 and self.act is F.silu:
+            from lmlab.nn.train_kernel import silu_mul_expected
+
+            saved -= int(silu_mul_expected())
         return saved * self.up_proj.out_features * act_bytes
 
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from lmlab.checks import choice, positive
 from lmlab.errors import ConfigError
-from lmlab.nn.ffn import FFN, refuse_fixed_activation
+from lmlab.nn.ffn import FFN, refuse_fixed_activation, saved_ffn_bytes
 from lmlab.nn.hooks import HookPoint
 from lmlab.registry import Registry
 
@@ -222,11 +222,14 @@ class MoE(nn.Module):
         shared = linear(self.shared_expert) if self.shared_expert is not None else 0
         return self.router.weight.numel() + self.top_k * linear(self.experts[0]) + shared
 
-    def saved_activation_bytes(self, act_bytes: int) -> int:
+    def saved_activation_bytes(self, act_bytes: int, cpu_kernels: bool = False) -> int:
         """Bytes per token autograd keeps for backward: the hidden activations of the top_k
         (+ shared) experts it visits and the float32 router logits (4 E)."""
         used = self.top_k + int(self.shared_expert is not None)
-        expert = self.experts[0].saved_activation_bytes(act_bytes)  # type: ignore[operator]
+        expert = saved_ffn_bytes(self.experts[0], act_bytes, cpu_kernels)
+        if expert is None:  # an expert kind that declares nothing: up(x) and act(up(x)), 2 F
+            widths = [m.out_features for m in self.experts[0].modules() if isinstance(m, nn.Linear)]
+            expert = 2 * max(widths, default=0) * act_bytes
         return used * expert + 4 * self.n_experts
 
 

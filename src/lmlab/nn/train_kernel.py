@@ -456,3 +456,48 @@ def gelu_up(x: torch.Tensor, up: torch.nn.Module, tanh: bool = False) -> torch.T
     if u.dtype is not torch.bfloat16:
         return None  # pragma: no cover - autocast in bf16 casts it so
     return torch.ops.lmlab.gelu_bf16(u, bias, tanh)
+
+
+# A SwiGLU FFN's silu(gate) * up in one pass each way (torch.ops.lmlab.silu_mul_bf16); False:
+# torch's silu and multiply (A/B benchmarks).
+TRAIN_SILU_KERNEL = True
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """``F.silu(gate) * up`` for a gated FFN's two bf16 projections gate and up (..., F), or None
+    where this path does not apply (the caller runs torch's ops).
+
+    It applies in bf16 autocast CPU training (gradients recorded, autocast on for the CPU in
+    bfloat16, not under torch.compile) to bfloat16 gate and up of one shape, with the kernels
+    :func:`available` and built for AVX-512: ``torch.ops.lmlab.silu_mul_bf16`` computes
+    silu(gate) up in float32 and rounds once (torch rounds silu(gate) to bf16 first, then the
+    product), keeping gate and up for its backward, which is one pass (both gradients, each
+    rounded once) where torch's takes three and keeps silu(gate) as well. Values agree with
+    torch's path to bf16 rounding, not bit for bit. A backward that records its graph
+    (create_graph) runs the formula as ATen ops."""
+    if not (TRAIN_SILU_KERNEL and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        return None
+    if not (gate.is_cpu and torch.is_autocast_enabled("cpu")):
+        return None
+    if torch.get_autocast_dtype("cpu") is not torch.bfloat16:
+        return None
+    if gate.dtype is not torch.bfloat16 or up.dtype is not torch.bfloat16:
+        return None
+    if gate.shape != up.shape or not up.is_cpu or _build_kind() == "generic":
+        return None
+    if not available():
+        return None
+    return torch.ops.lmlab.silu_mul_bf16(gate, up)
+
+
+def silu_mul_expected() -> bool:
+    """Whether bf16 CPU training will take :func:`silu_mul`, without compiling anything (for
+    the memory estimate: one F tensor fewer kept per gated FFN): the flag on, the kernels not
+    turned off (``LMLAB_NO_CPP_KERNELS``), to be built for AVX-512 (or already loaded)."""
+    from lmlab.envflags import opted_out
+
+    if not TRAIN_SILU_KERNEL or opted_out(cpp_build.ENV_OFF):
+        return False
+    if _kernel.tried():
+        return available() and _build_kind() != "generic"
+    return _build_kind() != "generic"

@@ -690,6 +690,89 @@ void gelu_bf16_backward(const uint16_t* g, const uint16_t* u, const float* b, ui
   }
 }
 
+// ---- silu(gate) * up: a SwiGLU FFN's hidden activation ------------------------------------------
+//
+// gate, up (n,) bfloat16, h (n,) bfloat16 (any shape, contiguous): h = silu(gate) up, computed in
+// float32 and rounded once, silu(z) = z s(z) with s the logistic sigmoid (Elfwing et al. 2018;
+// Shazeer 2020's SwiGLU). s(z) = 1 / (1 + e) for z >= 0 and e / (1 + e) below, e = e^(-|z|) <= 1
+// (exp16's range: no overflow for any z). Backward from g (n,) bfloat16: dup = g silu(gate),
+// dgate = g up s (1 + gate (1 - s)), each rounded once. Torch's path rounds silu(gate) to bf16,
+// then the product (two passes, and silu(gate) kept for the backward), and its backward takes
+// three passes (g up, g silu(gate), silu's backward). Non-finite gates give what torch's formula
+// gives (silu'(+-inf) is NaN there too). Elementwise: the same bits for any thread count.
+
+inline float sigmoid_f(float z) {
+  const float e = exp_f(-std::fabs(z));
+  const float r = 1.0f / (1.0f + e);
+  return z >= 0.0f ? r : e * r;
+}
+
+#ifdef LMLAB_TRAIN_AVX512
+inline __m512 sigmoid16(__m512 z) {
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), abs16(z)));
+  const __m512 r = _mm512_div_ps(bcast(1.0f), _mm512_add_ps(bcast(1.0f), e));
+  const __mmask16 neg = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_LT_OQ);
+  return _mm512_mask_mul_ps(r, neg, e, r);
+}
+
+template <bool Full>
+inline void silu_mul16(const uint16_t* gate, const uint16_t* up, uint16_t* h, __mmask16 mk) {
+  const __m512 z = gelu_load16<Full>(gate, mk);
+  const __m512 prod = _mm512_mul_ps(_mm512_mul_ps(z, sigmoid16(z)), gelu_load16<Full>(up, mk));
+  gelu_store16<Full>(prod, h, mk);
+}
+
+template <bool Full>
+inline void silu_mul_backward16(const uint16_t* g, const uint16_t* gate, const uint16_t* up,
+                                uint16_t* dgate, uint16_t* dup, __mmask16 mk) {
+  const __m512 gv = gelu_load16<Full>(g, mk), z = gelu_load16<Full>(gate, mk);
+  const __m512 s = sigmoid16(z), one = bcast(1.0f);
+  gelu_store16<Full>(_mm512_mul_ps(gv, _mm512_mul_ps(z, s)), dup, mk);
+  const __m512 slope = _mm512_mul_ps(s, _mm512_fmadd_ps(z, _mm512_sub_ps(one, s), one));
+  gelu_store16<Full>(_mm512_mul_ps(_mm512_mul_ps(gv, gelu_load16<Full>(up, mk)), slope), dgate, mk);
+}
+#endif
+
+void silu_mul_bf16_forward(const uint16_t* gate, const uint16_t* up, uint16_t* h, int64_t n) {
+  at::parallel_for(0, (n + kAddBlock - 1) / kAddBlock, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t i1 = (blk + 1) * kAddBlock < n ? (blk + 1) * kAddBlock : n;
+      int64_t i = blk * kAddBlock;
+#ifdef LMLAB_TRAIN_AVX512
+      for (; i + 16 <= i1; i += 16) silu_mul16<true>(gate + i, up + i, h + i, 0);
+      if (i < i1) silu_mul16<false>(gate + i, up + i, h + i, tail_mask(i1 - i));
+      i = i1;
+#endif
+      for (; i < i1; ++i) {
+        const float z = bf16_to_f32(gate[i]);
+        h[i] = f32_to_bf16(z * sigmoid_f(z) * bf16_to_f32(up[i]));
+      }
+    }
+  });
+}
+
+void silu_mul_bf16_backward(const uint16_t* g, const uint16_t* gate, const uint16_t* up,
+                            uint16_t* dgate, uint16_t* dup, int64_t n) {
+  at::parallel_for(0, (n + kAddBlock - 1) / kAddBlock, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t i1 = (blk + 1) * kAddBlock < n ? (blk + 1) * kAddBlock : n;
+      int64_t i = blk * kAddBlock;
+#ifdef LMLAB_TRAIN_AVX512
+      for (; i + 16 <= i1; i += 16)
+        silu_mul_backward16<true>(g + i, gate + i, up + i, dgate + i, dup + i, 0);
+      if (i < i1)
+        silu_mul_backward16<false>(g + i, gate + i, up + i, dgate + i, dup + i, tail_mask(i1 - i));
+      i = i1;
+#endif
+      for (; i < i1; ++i) {
+        const float gv = bf16_to_f32(g[i]), z = bf16_to_f32(gate[i]), s = sigmoid_f(z);
+        dup[i] = f32_to_bf16(gv * (z * s));
+        dgate[i] = f32_to_bf16(gv * bf16_to_f32(up[i]) * (s * std::fma(z, 1.0f - s, 1.0f)));
+      }
+    }
+  });
+}
+
 // ---- gradient clipping: the global L2 norm and the scaling, one call each ---------------------
 //
 // The gradients are cut into blocks of kGradBlock elements (a tensor's last block shorter);
@@ -836,6 +919,22 @@ extern "C" int lmlab_add_bias_backward(const float* g, void* dy, float* partial,
 extern "C" int64_t lmlab_sum_blocks(int64_t m) {
   const int64_t per = sum_block_rows(m);
   return (m + per - 1) / per;
+}
+
+// gate, up, h bfloat16 (n,) contiguous: h = silu(gate) up. Returns 0.
+extern "C" int lmlab_silu_mul_bf16_forward(const void* gate, const void* up, void* h, int64_t n) {
+  silu_mul_bf16_forward(static_cast<const uint16_t*>(gate), static_cast<const uint16_t*>(up),
+                        static_cast<uint16_t*>(h), n);
+  return 0;
+}
+
+// g, gate, up, dgate, dup bfloat16 (n,) contiguous: the gradients of h = silu(gate) up. Returns 0.
+extern "C" int lmlab_silu_mul_bf16_backward(const void* g, const void* gate, const void* up,
+                                            void* dgate, void* dup, int64_t n) {
+  silu_mul_bf16_backward(static_cast<const uint16_t*>(g), static_cast<const uint16_t*>(gate),
+                         static_cast<const uint16_t*>(up), static_cast<uint16_t*>(dgate),
+                         static_cast<uint16_t*>(dup), n);
+  return 0;
 }
 
 extern "C" int64_t lmlab_gelu_bf16_blocks(int64_t m) {

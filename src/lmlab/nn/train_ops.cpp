@@ -18,6 +18,8 @@
 //                                                      plus the float32 bias, one pass each
 //                                                      way (the bias gradient summed in the
 //                                                      backward's pass)
+//   silu_mul_bf16(gate, up) -> silu(gate) * up         a SwiGLU FFN's hidden activation in
+//                                                      one pass each way
 //   causal_attention_bf16(q, k, v, scale) -> y         causal softmax(q k^T scale) v in bf16,
 //                                                      one (batch, head) at a time in cache,
 //                                                      the masked blocks skipped, k and v may
@@ -55,6 +57,9 @@ extern "C" int lmlab_add_bias_backward(const float* g, void* dy, float* partial,
                                        int64_t m, int64_t n);
 extern "C" int64_t lmlab_sum_blocks(int64_t m);
 extern "C" int64_t lmlab_gelu_bf16_blocks(int64_t m);
+extern "C" int lmlab_silu_mul_bf16_forward(const void* gate, const void* up, void* h, int64_t n);
+extern "C" int lmlab_silu_mul_bf16_backward(const void* g, const void* gate, const void* up,
+                                            void* dgate, void* dup, int64_t n);
 extern "C" int lmlab_gelu_bf16_forward(int form, const void* u, const float* b, void* a, int64_t m,
                                        int64_t n);
 extern "C" int lmlab_gelu_bf16_backward(int form, const void* g, const void* u, const float* b,
@@ -464,6 +469,53 @@ at::Tensor gelu_bf16(const at::Tensor& u, const std::optional<at::Tensor>& bias,
   return GeluBf16::apply(u, bias, tanh);
 }
 
+// ---- silu_mul_bf16 ---------------------------------------------------------------------------
+
+// The ATen formula silu_mul_bf16 computes (float32 silu(gate) up, rounded to bfloat16): what a
+// backward that records its graph differentiates.
+at::Tensor silu_mul_bf16_aten(const at::Tensor& gate, const at::Tensor& up) {
+  return (at::silu(gate.to(at::kFloat)) * up.to(at::kFloat)).to(at::kBFloat16);
+}
+
+struct SiluMulBf16 : public torch::autograd::Function<SiluMulBf16> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
+    // the kernels read raw storage: a negated view (torch._neg_view) is resolved to its values
+    const at::Tensor gc = gate.resolve_neg().contiguous(), uc = up.resolve_neg().contiguous();
+    at::Tensor h = at::empty(gate.sizes(), gc.options());
+    lmlab_silu_mul_bf16_forward(gc.data_ptr(), uc.data_ptr(), h.data_ptr(), gate.numel());
+    ctx->save_for_backward({gate, up});  // as given: create_graph differentiates them
+    return h;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &gate = saved[0], &up = saved[1];
+    const at::Tensor& g = grads[0];
+    if (!g.defined() || g._is_zerotensor()) return {at::zeros_like(gate), at::zeros_like(up)};
+    const bool graph = at::GradMode::is_enabled() &&
+                       (g.requires_grad() || gate.requires_grad() || up.requires_grad());
+    if (graph) {  // create_graph: the ATen formula, differentiated (gradients with a graph)
+      return graph_grads(silu_mul_bf16_aten(gate, up), g, {&gate, &up}, 2);
+    }
+    const at::Tensor gb = g.to(at::kBFloat16).resolve_neg().contiguous();
+    const at::Tensor gc = gate.resolve_neg().contiguous(), uc = up.resolve_neg().contiguous();
+    at::Tensor dgate = at::empty(gate.sizes(), gc.options());
+    at::Tensor dup = at::empty(up.sizes(), uc.options());
+    lmlab_silu_mul_bf16_backward(gb.data_ptr(), gc.data_ptr(), uc.data_ptr(), dgate.data_ptr(),
+                                 dup.data_ptr(), gate.numel());
+    return {dgate, dup};
+  }
+};
+
+at::Tensor silu_mul_bf16(const at::Tensor& gate, const at::Tensor& up) {
+  check_cpu(gate, "silu_mul_bf16", "gate");
+  check_cpu(up, "silu_mul_bf16", "up");
+  TORCH_CHECK(gate.scalar_type() == at::kBFloat16 && up.scalar_type() == at::kBFloat16 &&
+                  gate.sizes() == up.sizes(),
+              "lmlab.silu_mul_bf16: gate and up must be bfloat16 of one shape");
+  return SiluMulBf16::apply(gate, up);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lmlab, m) {
@@ -472,6 +524,7 @@ TORCH_LIBRARY_FRAGMENT(lmlab, m) {
   m.def("add_f32_bf16(Tensor x, Tensor y, Tensor? bias=None) -> Tensor");
   m.def("causal_attention_bf16(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
   m.def("gelu_bf16(Tensor u, Tensor? bias, bool tanh=False) -> Tensor");
+  m.def("silu_mul_bf16(Tensor gate, Tensor up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lmlab, CompositeImplicitAutograd, m) {
@@ -480,4 +533,5 @@ TORCH_LIBRARY_IMPL(lmlab, CompositeImplicitAutograd, m) {
   m.impl("add_f32_bf16", add_f32_bf16);
   m.impl("causal_attention_bf16", causal_attention_bf16);
   m.impl("gelu_bf16", gelu_bf16);
+  m.impl("silu_mul_bf16", silu_mul_bf16);
 }

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from lmlab.config import RunConfig
+from lmlab.config import RunConfig, TrainConfig
 from lmlab.errors import LmlabError
 
 
@@ -88,6 +88,19 @@ def _first(model: torch.nn.Module, family: Any) -> torch.nn.Module | None:
     return next((m for m in model.modules() if isinstance(m, types)), None)
 
 
+def _cpu_kernels(t: TrainConfig, a: int) -> bool:
+    """Whether lmlab's bf16 CPU training operators will run for ``t`` (bf16, not compiled, on
+    the CPU): what an FFN's declaration may count fewer tensors for (``cpu_kernels``)."""
+    from lmlab.training.hardware import resolve_device
+
+    if a != 2 or t.compile:
+        return False
+    try:
+        return resolve_device(t.device).type == "cpu"
+    except LmlabError:
+        return True
+
+
 def estimate_training_memory(cfg: RunConfig) -> MemoryEstimate:
     """Peak bytes of training ``cfg`` (model.vocab_size must be set); nothing is allocated.
 
@@ -99,7 +112,7 @@ def estimate_training_memory(cfg: RunConfig) -> MemoryEstimate:
     from lmlab.models.counting import meta_model, num_params
     from lmlab.nn.attention import ATTENTION, Attention
     from lmlab.nn.block import BLOCK
-    from lmlab.nn.ffn import FFN
+    from lmlab.nn.ffn import FFN, saved_ffn_bytes
 
     m, t = cfg.model, cfg.train
     model = meta_model(m)
@@ -110,8 +123,8 @@ def estimate_training_memory(cfg: RunConfig) -> MemoryEstimate:
     seq = t.seq_len or m.max_seq_len
     hd, h, kv = m.head_dim, m.attention.n_heads, m.n_kv_heads
     ffn, attn = _first(model, FFN), _first(model, ATTENTION)
-    saved_ffn = getattr(ffn, "saved_activation_bytes", None)
-    hidden = saved_ffn(a) if callable(saved_ffn) else 2 * m.d_ff * a
+    declared = None if ffn is None else saved_ffn_bytes(ffn, a, _cpu_kernels(t, a))
+    hidden = declared if declared is not None else 2 * m.d_ff * a
     saved_scores = getattr(type(attn), "saved_score_elements", None)
     s = saved_scores(m, seq) if saved_scores is not None else 0
     d = m.d_model
