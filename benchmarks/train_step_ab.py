@@ -4,7 +4,7 @@
     python benchmarks/train_step_ab.py [--shapes nanogpt,minigpt] [--precisions fp32,bf16]
         [--rounds 20] [--threads 1] [--config CONFIG] [--reference] [--rope-kernel]
         [--softmax-kernel] [--attention-kernel] [--norm-kernel] [--gelu-kernel]
-        [--bias-add-kernel] [--add-kernel] [--clip-kernel]
+        [--silu-kernel] [--bias-add-kernel] [--add-kernel] [--clip-kernel]
         [--allocator]
         [--only lmlab,nanogpt,...]
 
@@ -41,6 +41,9 @@ For each shape and precision it builds, in this one process:
 - **biasedproj** (``--bias-add-kernel``): lmlab's default with only the residual add's bias off
   (``lmlab.nn.train_kernel.TRAIN_RESIDUAL_BIAS``): the FFN's down projection keeps its bias in
   its ``addmm``, then the plain residual add: ``lmlab residual bias add on/off``.
+- **torchsilu** (``--silu-kernel``): lmlab's default with only the gated FFNs' one-pass
+  silu(gate) * up (``lmlab.nn.train_kernel.silu_mul``) off: torch's silu and multiply, ``lmlab
+  silu * up kernel on/off`` (the default MLP has no gate: use ``--config`` with a swiglu model).
 - **torchadd** (``--add-kernel``) and **torchclip** (``--clip-kernel``): lmlab's default with only
   the one-pass residual add (``lmlab.nn.train_kernel.residual_add``) or only the one-call
   gradient clipping (``lmlab.nn.train_kernel.clip_grads_``) off: ``lmlab residual add kernel
@@ -229,6 +232,11 @@ def main(argv: list[str] | None = None) -> None:
         "(torchgelu)",
     )
     ap.add_argument(
+        "--silu-kernel",
+        action="store_true",
+        help="also lmlab with only its one-pass silu(gate) * up of gated FFNs off (torchsilu)",
+    )
+    ap.add_argument(
         "--bias-add-kernel",
         action="store_true",
         help="also lmlab with only its residual projections' bias added by the residual add "
@@ -362,6 +370,7 @@ OFF_CONTENDERS = (
     ("torchnorm", "norm_kernel", "norm_kernel", "norm kernel"),
     ("torchgelu", "gelu_kernel", "gelu_kernel", "gelu kernel"),
     ("biasedproj", "bias_add_kernel", "bias_add_kernel", "residual bias add"),
+    ("torchsilu", "silu_kernel", "silu_kernel", "silu * up kernel"),
     ("torchadd", "add_kernel", "add_kernel", "residual add kernel"),
     ("torchclip", "clip_kernel", "clip_kernel", "clip kernel"),
     ("untuned", "allocator", "malloc_tuning", "malloc tuning"),
@@ -628,18 +637,20 @@ def trainer_step(
     malloc_tuning: bool = True,
     gelu_kernel: bool = True,
     bias_add_kernel: bool = True,
+    silu_kernel: bool = True,
 ) -> Callable[[], None]:
     """One ``Trainer.train_step`` per call, at the next step number; ``fast_paths`` False runs
     it with the training fast paths switched off (the q/k/v fusion, the bf16 batched-matmul
     attention, the bf16 RoPE function, the C++ RoPE, causal softmax, norm, residual add and
-    clipping kernels, the bias + GELU operator, the residual add's bias): the reference path
-    they replace; ``rope_kernel`` False only the C++ RoPE kernel (RoPE as torch
+    clipping kernels, the bias + GELU and silu * up operators, the residual add's bias): the
+    reference path they replace; ``rope_kernel`` False only the C++ RoPE kernel (RoPE as torch
     ops, as before it); ``softmax_kernel`` False only the causal softmax kernel (masked_fill +
     softmax); ``attention_kernel`` False only the fused bf16 attention (the batched matmuls
     instead); ``norm_kernel`` False only the norm-to-bf16 kernel (torch's norm, then a cast);
     ``add_kernel`` False only the one-pass residual add (torch's x + y); ``gelu_kernel`` False
     only the MLP's bias + GELU operator (addmm and torch's gelu); ``bias_add_kernel`` False
-    only the residual add's bias (the down projection's addmm keeps it); ``clip_kernel`` False
+    only the residual add's bias (the down projection's addmm keeps it); ``silu_kernel`` False
+    only the gated FFNs' silu(gate) * up operator (torch's silu and mul); ``clip_kernel`` False
     only the one-call gradient clipping (torch's clip_grad_norm_); ``malloc_tuning`` False only
     lmlab's malloc thresholds (the step runs under :func:`untuned_allocator`). The module flags
     are set for the step and restored after it."""
@@ -666,6 +677,8 @@ def trainer_step(
         overrides.append((train_kernel, "TRAIN_ADD_KERNEL", False))
     if not (fast_paths and gelu_kernel):
         overrides.append((train_kernel, "TRAIN_GELU_KERNEL", False))
+    if not (fast_paths and silu_kernel):
+        overrides.append((train_kernel, "TRAIN_SILU_KERNEL", False))
     if not (fast_paths and bias_add_kernel):
         overrides.append((train_kernel, "TRAIN_RESIDUAL_BIAS", False))
     if not (fast_paths and clip_kernel):
