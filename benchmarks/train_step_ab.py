@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
             tok_s = tokens / v
             mfu = flops * tok_s / peaks[p]
             print(
-                f"  {name:<10}{p:<5}{shape + ' shape':<14} {1e3 * v:8.1f} ms/step "
+                f"  {name:<11}{p:<5}{shape + ' shape':<14} {1e3 * v:8.1f} ms/step "
                 f"(best {1e3 * best[name, p]:.1f})  {tok_s:9,.0f} tokens/s  "
                 f"MFU {100 * mfu:5.1f}% of the {p} peak"
             )

@@ -370,7 +370,8 @@ def residual_add(
     projection's, which then runs bias-free: :func:`residual_bias_applies`) y + bias is added in
     float32 in the same pass, and the backward's one pass also sums the bias gradient's float32
     columns (fixed row blocks: the same bits for any thread count); torch's path (addmm, then
-    the add) rounds y + bias to bfloat16 and sums the bias gradient in bfloat16."""
+    the add) rounds y + bias to bfloat16 and sums the bfloat16 gradient into a bfloat16 bias
+    gradient (one rounding), then casts it."""
     if (
         TRAIN_ADD_KERNEL
         and x.dtype is torch.float32

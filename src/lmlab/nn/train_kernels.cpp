@@ -388,7 +388,7 @@ void add_f32_bf16(const float* x, const uint16_t* y, float* out, int64_t n) {
 // x's gradient is g itself; dy = g rounded to bfloat16 (what autograd's cast gives the branch);
 // db[j] = the float32 sum over i of g[i, j], four rows in registers within fixed blocks of rows
 // (sum_block_rows: the shape alone decides them), then in block order: the same bits for any
-// thread count (torch: a bfloat16 column sum of dy, then a cast).
+// thread count (torch: dy's column sums rounded to bfloat16, then a cast).
 
 inline int64_t sum_block_rows(int64_t m) {
   const int64_t per = (m + 255) / 256;  // at most 256 blocks of partial sums

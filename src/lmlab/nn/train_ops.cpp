@@ -365,7 +365,10 @@ struct AddF32Bf16 : public torch::autograd::Function<AddF32Bf16> {
     // add's gradient: g to both; the branch's cast to its dtype (autograd casts it so after
     // torch's AddBackward); with create_graph these are recorded as the ATen ops they are
     const at::Tensor& g = grads[0];
-    if (!ctx->saved_data["bias"].toBool()) return {g, g.to(at::kBFloat16), at::Tensor()};
+    // no bias, or a frozen one: add's gradients alone
+    if (!ctx->saved_data["bias"].toBool() || !ctx->needs_input_grad(2)) {
+      return {g, g.to(at::kBFloat16), at::Tensor()};
+    }
     if (!g.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
     const int64_t n = g.size(-1), m = g.numel() / n;
     if (g._is_zerotensor() || (at::GradMode::is_enabled() && g.requires_grad()) ||
