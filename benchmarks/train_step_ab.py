@@ -1,6 +1,6 @@
 """One training step, lmlab vs nanoGPT, on the same model and batch, interleaved in one process.
 
-    python benchmarks/train_step_ab.py --profile-arch minigpt,bf16 --rounds 4  # op by op
+    python benchmarks/train_step_ab.py --profile-arch nanogpt,bf16 --rounds 60  # op by op
     python benchmarks/train_step_ab.py [--shapes nanogpt,minigpt] [--precisions fp32,bf16]
         [--rounds 20] [--threads 1] [--config CONFIG] [--reference] [--rope-kernel]
         [--softmax-kernel] [--attention-kernel] [--norm-kernel] [--gelu-kernel]
@@ -514,27 +514,37 @@ def profile_steps(args: argparse.Namespace, shape: str, precision: str) -> None:
 def profile_arch(
     args: argparse.Namespace, shape: str, precision: str, a: str = "default", b: str = "plain"
 ) -> None:
-    """torch.profiler over ``--rounds`` Trainer steps (after 3 warm-up steps) of lmlab's
-    architecture variant ``a`` and then ``b`` (:data:`ARCH_VARIANTS`) at ``shape``: the total
-    self CPU time per step of each and, for the 28 ops whose self CPU time differs most, each
-    one's ms per step (calls per step) in a and in b and the difference: where a's extra time
-    goes. One after the other, not interleaved: read the op rows, not the totals, under load."""
+    """torch.profiler around each of ``--rounds`` Trainer steps of lmlab's architecture
+    variants ``a`` and ``b`` (:data:`ARCH_VARIANTS`) at ``shape``, interleaved (both built in
+    this process, 3 warm-up steps each, then a random order every round, as the timed A/Bs): the
+    total self CPU time per step of each and, for the 28 ops whose self CPU time differs most,
+    each one's ms per step (calls per step) in a and in b and the difference: where a's extra
+    time goes. A slow minute of the machine falls on both; the profiler's own cost is in both."""
     from torch.profiler import ProfilerActivity, profile
 
-    per_step: dict[str, dict[str, tuple[float, float]]] = {}
-    for name in (a, b):
-        over = shape_overrides(shape, precision) + ARCH_VARIANTS[name]
-        with lmlab_session(args.config, over) as lm:
-            step = trainer_step(lm.trainer)
+    names = [a, b]
+    per_step: dict[str, dict[str, tuple[float, float]]] = {n: {} for n in names}
+    with ExitStack() as stack:
+        steps = {}
+        for name in names:
+            over = shape_overrides(shape, precision) + ARCH_VARIANTS[name]
+            steps[name] = trainer_step(
+                stack.enter_context(lmlab_session(args.config, over)).trainer
+            )
             for _ in range(3):
-                step()
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                for _ in range(args.rounds):
-                    step()
-        per_step[name] = {
-            e.key: (e.self_cpu_time_total / args.rounds / 1e3, e.count / args.rounds)
-            for e in prof.key_averages()
-        }
+                steps[name]()
+        rng = random.Random(0)
+        for _ in range(args.rounds):
+            for name in round_order(names, rng):
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    steps[name]()
+                acc = per_step[name]
+                for e in prof.key_averages():
+                    t0, c0 = acc.get(e.key, (0.0, 0.0))
+                    acc[e.key] = (
+                        t0 + e.self_cpu_time_total / args.rounds / 1e3,
+                        c0 + e.count / args.rounds,
+                    )
     total = {n: sum(v[0] for v in per_step[n].values()) for n in (a, b)}
     print(
         f"{shape} shape, {precision}, {args.threads} thread(s): self CPU ms/step "
@@ -548,7 +558,8 @@ def profile_arch(
     print(f"{'op':<48} {a + ' ms (calls)':>18} {b + ' ms (calls)':>18}   {a} - {b}")
     for k in keys[:28]:
         (ta, ca), (tb, cb) = per_step[a].get(k, zero), per_step[b].get(k, zero)
-        print(f"{k[:48]:<48} {ta:9.2f} ({ca:5.0f}) {tb:10.2f} ({cb:5.0f})   {ta - tb:+8.2f}")
+        op = k.replace("torch::autograd::CppNode<(anonymous namespace)::", "backward of ")
+        print(f"{op[:48]:<48} {ta:9.2f} ({ca:5.0f}) {tb:10.2f} ({cb:5.0f})   {ta - tb:+8.2f}")
 
 
 MATMUL_SHAPES = {  # (batch, M, K, N) of the Mini-GPT bf16 step's matmuls (16 x 256 tokens)

@@ -206,7 +206,7 @@ TRAIN = Command(
     "fewer page faults); LMLAB_NO_MALLOC_TUNING=1 turns that off. Training on a CPU runs "
     "lmlab's C++ kernels (compiled on first use): RoPE, gradient clipping and, in bf16, the "
     "norms, the residual add (with the FFN's down-projection bias), the MLP's bias + GELU "
-    "(AVX-512 CPUs) and causal "
+    "and SwiGLU's silu(gate) * up (AVX-512 CPUs) and causal "
     "attention up to 256 tokens (its own fused kernel on "
     "CPUs with AVX512-BF16 and no AMX for head dims that are multiples of 16, GQA included; "
     "elsewhere batched matmuls, or torch's kernel for GQA); LMLAB_NO_CPP_KERNELS=1 runs "
