@@ -353,6 +353,14 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float) -> tuple[float, floa
     return norm.value, coef.value
 
 
+def cpu_bf16_training(x: torch.Tensor) -> bool:
+    """Whether ``x`` is on the CPU while gradients are recorded under CPU bf16 autocast, not
+    under torch.compile: where the training operators below may apply."""
+    if not (torch.is_grad_enabled() and x.is_cpu) or torch.compiler.is_compiling():
+        return False
+    return torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") is torch.bfloat16
+
+
 # The residual add of a bf16 branch to the float32 stream in one pass (torch.ops.lmlab.
 # add_f32_bf16); False: torch's x + y (A/B benchmarks).
 TRAIN_ADD_KERNEL = True
@@ -400,11 +408,7 @@ def residual_bias_applies(weight: torch.Tensor, bias: torch.Tensor) -> bool:
     bf16 autocast CPU training (gradients recorded, not under torch.compile), float32 CPU
     parameters, no global module hooks, :data:`TRAIN_RESIDUAL_BIAS` and
     :data:`TRAIN_ADD_KERNEL` on and the kernels built."""
-    if not (TRAIN_RESIDUAL_BIAS and TRAIN_ADD_KERNEL and torch.is_grad_enabled()):
-        return False
-    if torch.compiler.is_compiling() or not torch.is_autocast_enabled("cpu"):
-        return False
-    if torch.get_autocast_dtype("cpu") is not torch.bfloat16:
+    if not (TRAIN_RESIDUAL_BIAS and TRAIN_ADD_KERNEL and cpu_bf16_training(weight)):
         return False
     if weight.dtype is not torch.float32 or bias.dtype is not torch.float32 or bias.dim() != 1:
         return False
@@ -438,11 +442,7 @@ def gelu_up(x: torch.Tensor, up: torch.nn.Module, tanh: bool = False) -> torch.T
     erf formula (Abramowitz & Stegun 7.1.26, absolute error 1.5e-7); the tanh form's tanh from
     one exponential. A backward that records its graph (create_graph) runs the same formula as
     ATen ops."""
-    if not (TRAIN_GELU_KERNEL and torch.is_grad_enabled()) or torch.compiler.is_compiling():
-        return None
-    if not (x.is_cpu and torch.is_autocast_enabled("cpu")):
-        return None
-    if torch.get_autocast_dtype("cpu") is not torch.bfloat16:
+    if not (TRAIN_GELU_KERNEL and cpu_bf16_training(x)):
         return None
     weight, bias = up._parameters.get("weight"), up._parameters.get("bias")
     if weight is None or weight.dtype is not torch.float32 or not weight.is_cpu:
@@ -476,11 +476,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     rounded once) where torch's takes three and keeps silu(gate) as well. Values agree with
     torch's path to bf16 rounding, not bit for bit. A backward that records its graph
     (create_graph) runs the formula as ATen ops."""
-    if not (TRAIN_SILU_KERNEL and torch.is_grad_enabled()) or torch.compiler.is_compiling():
-        return None
-    if not (gate.is_cpu and torch.is_autocast_enabled("cpu")):
-        return None
-    if torch.get_autocast_dtype("cpu") is not torch.bfloat16:
+    if not (TRAIN_SILU_KERNEL and cpu_bf16_training(gate)):
         return None
     if gate.dtype is not torch.bfloat16 or up.dtype is not torch.bfloat16:
         return None

@@ -395,6 +395,29 @@ inline int64_t sum_block_rows(int64_t m) {
   return per < 64 ? 64 : per;
 }
 
+// A pass over an (m, n) matrix's rows that also sums columns: group(r0, rows, acc) runs rows r0
+// .. r0 + rows - 1 (four at a time, the groups fixed by the blocks of sum_block_rows; acc is the
+// block's n partial sums, zeroed first, or null when partial is), the blocks split over threads;
+// then (db not null) db = the blocks' sums added in block order: the same bits for any thread
+// count. Adding a group's rows before acc takes a quarter of the accumulator traffic.
+template <typename Group>
+void row_group_pass(int64_t m, int64_t n, float* partial, float* db, const Group& group) {
+  const int64_t per = sum_block_rows(m), blocks = (m + per - 1) / per;
+  at::parallel_for(0, blocks, 1, [&](int64_t k0, int64_t k1) {
+    for (int64_t blk = k0; blk < k1; ++blk) {
+      float* acc = partial ? partial + blk * n : nullptr;
+      if (acc) std::memset(acc, 0, n * sizeof(float));
+      const int64_t rows_end = (blk + 1) * per < m ? (blk + 1) * per : m;
+      for (int64_t r0 = blk * per; r0 < rows_end; r0 += 4)
+        group(r0, rows_end - r0 < 4 ? rows_end - r0 : 4, acc);
+    }
+  });
+  if (!db) return;
+  std::memset(db, 0, n * sizeof(float));
+  for (int64_t blk = 0; blk < blocks; ++blk)
+    for (int64_t j = 0; j < n; ++j) db[j] += partial[blk * n + j];
+}
+
 // out (m, n) = x + (y + b[j]); out may be x.
 void add_bias_f32_bf16(const float* x, const uint16_t* y, const float* b, float* out, int64_t m,
                        int64_t n) {
@@ -444,35 +467,23 @@ inline void add_bias_backward16(const float* g, uint16_t* dy, float* acc, int64_
 // partial: (blocks, n) float32 scratch (db is its column sums in block order).
 void add_bias_backward(const float* g, uint16_t* dy, float* partial, float* db, int64_t m,
                        int64_t n) {
-  const int64_t per = sum_block_rows(m), blocks = (m + per - 1) / per;
-  at::parallel_for(0, blocks, 1, [&](int64_t k0, int64_t k1) {
-    for (int64_t blk = k0; blk < k1; ++blk) {
-      float* acc = partial + blk * n;
-      std::memset(acc, 0, n * sizeof(float));
-      const int64_t rows_end = (blk + 1) * per < m ? (blk + 1) * per : m;
-      for (int64_t r0 = blk * per; r0 < rows_end; r0 += 4) {
-        const int64_t rows = rows_end - r0 < 4 ? rows_end - r0 : 4;
-        int64_t j = 0;
+  row_group_pass(m, n, partial, db, [&](int64_t r0, int64_t rows, float* acc) {
+    int64_t j = 0;
 #ifdef LMLAB_TRAIN_AVX512
-        for (; j + 16 <= n; j += 16) add_bias_backward16<true>(g, dy, acc, r0, rows, n, j, 0);
-        if (j < n) add_bias_backward16<false>(g, dy, acc, r0, rows, n, j, tail_mask(n - j));
-        j = n;
+    for (; j + 16 <= n; j += 16) add_bias_backward16<true>(g, dy, acc, r0, rows, n, j, 0);
+    if (j < n) add_bias_backward16<false>(g, dy, acc, r0, rows, n, j, tail_mask(n - j));
+    j = n;
 #endif
-        for (; j < n; ++j) {
-          float sum = 0.0f;
-          for (int64_t k = 0; k < rows; ++k) {
-            const int64_t at = (r0 + k) * n + j;
-            dy[at] = f32_to_bf16(g[at]);
-            sum += g[at];
-          }
-          acc[j] += sum;
-        }
+    for (; j < n; ++j) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < rows; ++k) {
+        const int64_t at = (r0 + k) * n + j;
+        dy[at] = f32_to_bf16(g[at]);
+        sum += g[at];
       }
+      acc[j] += sum;
     }
   });
-  std::memset(db, 0, n * sizeof(float));
-  for (int64_t blk = 0; blk < blocks; ++blk)
-    for (int64_t j = 0; j < n; ++j) db[j] += partial[blk * n + j];
 }
 
 // ---- GELU of a bias-free bfloat16 projection plus its bias ------------------------------------
@@ -654,40 +665,24 @@ void gelu_bf16_forward(const uint16_t* u, const float* b, uint16_t* a, int64_t m
 template <bool Tanh>
 void gelu_bf16_backward(const uint16_t* g, const uint16_t* u, const float* b, uint16_t* du,
                         float* partial, float* db, int64_t m, int64_t n) {
-  const int64_t per = sum_block_rows(m), blocks = (m + per - 1) / per;
-  at::parallel_for(0, blocks, 1, [&](int64_t k0, int64_t k1) {
-    for (int64_t blk = k0; blk < k1; ++blk) {
-      float* acc = db ? partial + blk * n : nullptr;
-      if (acc) std::memset(acc, 0, n * sizeof(float));
-      const int64_t rows_end = (blk + 1) * per < m ? (blk + 1) * per : m;
-      // rows four at a time (the groups fixed by the block): the group's gradients are added
-      // in row order, then to the block's sums (a quarter of the accumulator traffic)
-      for (int64_t r0 = blk * per; r0 < rows_end; r0 += 4) {
-        const int64_t rows = rows_end - r0 < 4 ? rows_end - r0 : 4;
-        int64_t j = 0;
+  row_group_pass(m, n, db ? partial : nullptr, db, [&](int64_t r0, int64_t rows, float* acc) {
+    int64_t j = 0;
 #ifdef LMLAB_TRAIN_AVX512
-        for (; j + 16 <= n; j += 16) gelu_backward16<Tanh, true>(g, u, b, du, acc, r0, rows, n, j, 0);
-        if (j < n) gelu_backward16<Tanh, false>(g, u, b, du, acc, r0, rows, n, j, tail_mask(n - j));
-        j = n;
+    for (; j + 16 <= n; j += 16) gelu_backward16<Tanh, true>(g, u, b, du, acc, r0, rows, n, j, 0);
+    if (j < n) gelu_backward16<Tanh, false>(g, u, b, du, acc, r0, rows, n, j, tail_mask(n - j));
+    j = n;
 #endif
-        for (; j < n; ++j) {
-          float sum = 0.0f;
-          for (int64_t k = 0; k < rows; ++k) {
-            const int64_t at = (r0 + k) * n + j;
-            const float z = bf16_to_f32(u[at]) + (b ? b[j] : 0.0f);
-            du[at] = f32_to_bf16(bf16_to_f32(g[at]) * gelu_slope<Tanh>(z));
-            sum += bf16_to_f32(du[at]);
-          }
-          if (acc) acc[j] += sum;
-        }
+    for (; j < n; ++j) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < rows; ++k) {
+        const int64_t at = (r0 + k) * n + j;
+        const float z = bf16_to_f32(u[at]) + (b ? b[j] : 0.0f);
+        du[at] = f32_to_bf16(bf16_to_f32(g[at]) * gelu_slope<Tanh>(z));
+        sum += bf16_to_f32(du[at]);
       }
+      if (acc) acc[j] += sum;
     }
   });
-  if (db) {
-    std::memset(db, 0, n * sizeof(float));
-    for (int64_t blk = 0; blk < blocks; ++blk)
-      for (int64_t j = 0; j < n; ++j) db[j] += partial[blk * n + j];
-  }
 }
 
 // ---- silu(gate) * up: a SwiGLU FFN's hidden activation ------------------------------------------
