@@ -225,3 +225,43 @@ def test_the_operator_keeps_one_tensor_fewer_and_the_estimate_counts_it(monkeypa
     one_tensor = 2 * len(model.layers) * 3 * 32 * f  # bf16 (B, T, F) per layer
     assert saved[False] - saved[True] == one_tensor
     assert estimate[False] - estimate[True] == one_tensor
+
+
+@needs_kernel
+def test_the_estimate_counts_it_per_expert_and_only_where_it_runs(monkeypatch):
+    from lmlab.nn.ffn import FFN, GatedMLP
+    from lmlab.training.memory import estimate_training_memory
+
+    def estimate(ffn: dict, **train) -> int:
+        cfg = tiny_config(
+            model={"d_model": 64, "n_layers": 2, "max_seq_len": 32, "ffn": ffn},
+            train={"batch_size": 3, "precision": "bf16", "device": "cpu", **train},
+        )
+        cfg.model.vocab_size = 65
+        return estimate_training_memory(cfg).activations
+
+    def drop(ffn: dict, **train) -> int:
+        monkeypatch.setattr(train_kernel, "TRAIN_SILU_KERNEL", False)
+        off = estimate(ffn, **train)
+        monkeypatch.setattr(train_kernel, "TRAIN_SILU_KERNEL", True)
+        return off - estimate(ffn, **train)
+
+    swiglu = {"kind": "swiglu"}
+    one = drop(swiglu)
+    assert one > 0
+    assert drop(swiglu, compile=True) == 0  # compiled: torch's ops keep silu(gate)
+    assert drop(swiglu, precision="fp32") == 0
+    moe = {"kind": "moe", "n_experts": 4, "top_k": 2, "expert": "swiglu"}
+    f_moe = tiny_config(model={"d_model": 64, "ffn": moe}).model.d_ff
+    f_dense = tiny_config(model={"d_model": 64, "ffn": swiglu}).model.d_ff
+    assert drop(moe) * f_dense == 2 * one * f_moe  # each of the top_k experts it visits
+
+    @FFN.register("test_own_silu", "a SwiGLU that computes its product with torch's ops")
+    class OwnSilu(GatedMLP):
+        def _hidden(self, x):
+            return self.hook_hidden(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    try:
+        assert drop({"kind": "test_own_silu"}) == 0  # its own _hidden: four tensors
+    finally:
+        FFN.unregister("test_own_silu")

@@ -244,10 +244,13 @@ class GatedMLP(nn.Module):
         product, 4 F elements of ``act_bytes`` each (:mod:`lmlab.training.memory`); 3 F when
         the activation's backward reads only its output (ReGLU), or where silu(gate) * up is
         one operator that keeps gate and up only: ``cpu_kernels`` (bf16 CPU training without
-        torch.compile, the estimate's caller decides) and
-        :func:`lmlab.nn.train_kernel.silu_mul_expected`."""
+        torch.compile, the estimate's caller decides), :func:`lmlab.nn.train_kernel.
+        silu_mul_expected`, and this class's own forward (a subclass that overrides ``forward``
+        or ``_hidden`` counts 4 F)."""
         saved = 3 + int(getattr(self.act, "saves_input", True))
-        if cpu_kernels and act_bytes == 2 and self.act is F.silu:
+        kind = type(self)  # a subclass with its own forward or _hidden may not take the operator
+        ours = kind.forward is GatedMLP.forward and kind._hidden is GatedMLP._hidden
+        if cpu_kernels and act_bytes == 2 and self.act is F.silu and ours:
             from lmlab.nn.train_kernel import silu_mul_expected
 
             saved -= int(silu_mul_expected())

@@ -20,7 +20,8 @@ reads ((3 H + 2 K) hd), the outputs of the head norms where there are any (n: H 
 q, K hd each for its k and V-norm's v; HybridNorm has all three), the FFN's hidden activations
 (c F per expert used: c = 2 for mlp, the up projection and its activation, c = 1 with relu,
 whose backward reads only its output; c = 4 for swiglu/geglu, gate, up, act(gate) and the
-product, 3 with relu), the attention scores and probabilities where they are materialised
+product, 3 with relu, and 3 for swiglu in bf16 CPU training, whose one-pass silu(gate) * up
+keeps gate and up only), the attention scores and probabilities where they are materialised
 (s = 2 H T for ``attention.backend: math``; 0 for sdpa, whose fused kernels keep one log-sum-exp
 per row, except H T, the bf16 probabilities, where bf16 training on a CPU takes its batched-matmul
 path, T <= 256: ``_bmm_causal_elements``; linear attention's parallel form keeps its

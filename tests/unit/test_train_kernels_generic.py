@@ -1,0 +1,112 @@
+"""The training kernels' scalar code (the build without instruction-set flags, which CPUs
+without AVX-512 run; on AVX-512 builds the masked vector tails leave it unused): the one-pass
+operators against their float64 formulas, and bit for bit against the vector build where this
+CPU has one. The generic library registers the same torch operators, so it is loaded in a child
+process."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from lmlab.envflags import opted_out
+from lmlab.nn import cpp_build, train_kernel
+
+COMPILER = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+CHILD = textwrap.dedent(
+    """
+    import sys, torch
+    import lmlab.nn.train_kernel as tk
+    if sys.argv[2] == "generic":
+        tk._build_kind = lambda: "generic"
+    assert tk.available(), tk.status()
+    torch.manual_seed(0)
+    o = torch.ops.lmlab
+    gate = (torch.randn(5, 333) * 4).bfloat16().requires_grad_()
+    up = torch.randn(5, 333).bfloat16().requires_grad_()
+    g = torch.randn(5, 333).bfloat16()
+    h = o.silu_mul_bf16(gate, up)
+    h.backward(g)
+    x = torch.randn(7, 37, requires_grad=True)
+    y = torch.randn(7, 37).bfloat16().requires_grad_()
+    b = torch.randn(37, requires_grad=True)
+    s = o.add_f32_bf16(x, y, b)
+    gs = torch.randn(7, 37)
+    s.backward(gs)
+    u = (torch.randn(70, 37) * 3).bfloat16().requires_grad_()
+    ub = torch.randn(37, requires_grad=True)
+    a = o.gelu_bf16(u, ub, False)
+    a.backward(torch.randn(70, 37).bfloat16())
+    torch.save({
+        "in": (gate.detach(), up.detach(), g, x.detach(), y.detach(), b.detach(), u.detach(),
+               ub.detach()),
+        "silu": (h.detach(), gate.grad, up.grad),
+        "add": (s.detach(), y.grad, b.grad, gs),
+        "gelu": (a.detach(), u.grad, ub.grad),
+    }, sys.argv[1])
+    """
+)
+
+
+def _child(tmp_path, kind: str) -> dict:
+    out = tmp_path / f"{kind}.pt"
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(out), kind], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return torch.load(out)
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, rel: float) -> bool:
+    ref = ref.double()
+    return bool(((got.double() - ref).abs() <= rel * ref.abs() + 1e-12 * ref.abs().max()).all())
+
+
+@pytest.mark.skipif(COMPILER is None, reason="no C++ compiler on PATH")
+@pytest.mark.skipif(opted_out(cpp_build.ENV_OFF), reason=f"{cpp_build.ENV_OFF} is set")
+def test_the_scalar_build_computes_the_operators_formulas(tmp_path):
+    res = _child(tmp_path, "generic")
+    gate, up, g, x, y, b, u, ub = res["in"]
+    # silu(gate) * up and its gradients: the float64 formula, rounded once
+    z, w, gd = gate.double(), up.double(), g.double()
+    sig = torch.sigmoid(z)
+    h, dgate, dup = res["silu"]
+    assert _close(h, z * sig * w, 2.0**-8 + 1e-5)
+    assert _close(dup, gd * z * sig, 2.0**-8 + 1e-5)
+    slack = 1e-5 * gd.abs() * w.abs() * (1 + z.abs())
+    assert ((dgate.double() - gd * w * sig * (1 + z * (1 - sig))).abs() <= (
+        2.0**-8 * (gd * w * sig * (1 + z * (1 - sig))).abs() + slack)).all()  # fmt: skip
+    # x + (y + b): the float32 formula exactly; the branch's gradient g rounded, the bias's
+    # g's column sums (float64 to float32 rounding)
+    s, dy, db, gs = res["add"]
+    assert torch.equal(s, x + (y.float() + b))
+    assert torch.equal(dy, gs.bfloat16())
+    assert torch.allclose(db.double(), gs.double().sum(0), rtol=1e-6, atol=1e-6)
+    # gelu(u + ub): the float64 formula to one rounding (std::erf in the scalar build), within
+    # 1e-6 (1 + |z|) where gelu is tiny; its bias gradient the column sums of du as stored
+    a, du, dub = res["gelu"]
+    zz = u.double() + ub.double()
+    ref = zz * 0.5 * (1 + torch.erf(zz / 2**0.5))
+    assert ((a.double() - ref).abs() <= 2.0**-8 * ref.abs() + 1e-6 * (1 + zz.abs())).all()
+    assert torch.allclose(dub.double(), du.double().sum(0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(COMPILER is None, reason="no C++ compiler on PATH")
+@pytest.mark.skipif(opted_out(cpp_build.ENV_OFF), reason=f"{cpp_build.ENV_OFF} is set")
+@pytest.mark.skipif(
+    train_kernel._build_kind() == "generic", reason="this CPU has no AVX-512 build to compare"
+)
+def test_the_scalar_and_vector_builds_agree_bit_for_bit(tmp_path):
+    scalar, vector = _child(tmp_path, "generic"), _child(tmp_path, "native")
+    for op in ("silu", "add"):  # the same formulas in the same order (no subnormal results here)
+        for a, b in zip(scalar[op], vector[op], strict=True):
+            assert torch.equal(a, b), op
+    for a, b in zip(scalar["gelu"], vector["gelu"], strict=True):  # std::erf vs A&S 7.1.26
+        diff = (a.double() - b.double()).abs()
+        assert (diff <= 2.0**-7 * b.double().abs() + 1e-5 * b.double().abs().max()).all()
