@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--bias-add-kernel",
         action="store_true",
-        help="also lmlab with only its residual projections' bias added by the residual add "
+        help="also lmlab with only its FFN down projection's bias added by the residual add "
         "off: the biased addmm, then the add (biasedproj)",
     )
     ap.add_argument(

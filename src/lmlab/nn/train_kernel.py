@@ -67,7 +67,8 @@ import torch
 from lmlab.nn import cpp_build
 
 SOURCE = Path(__file__).with_name("train_kernels.cpp")
-# the operators torch.ops.lmlab.norm_bf16 and causal_attention_bmm, their autograd in C++
+# the operators torch.ops.lmlab.* (norm_bf16, causal_attention_bmm, add_f32_bf16, gelu_bf16,
+# silu_mul_bf16), their autograd in C++
 OPS_SOURCE = Path(__file__).with_name("train_ops.cpp")
 # the fused bf16 causal attention (torch.ops.lmlab.causal_attention_bf16; AVX512-BF16 builds)
 ATTENTION_SOURCE = Path(__file__).with_name("attention_kernels.cpp")

@@ -1,7 +1,7 @@
 // lmlab's training kernels as torch operators with their autograd in C++ (torch.ops.lmlab.*).
 //
 // The kernels of train_kernels.cpp (compiled into the same library) are also reachable through
-// ctypes; these operators wrap three of them with their forward and backward written as
+// ctypes; these operators wrap six of them with their forward and backward written as
 // torch::autograd::Function, so that a training step enters them through the dispatcher
 // instead of a Python autograd.Function (whose apply and backward cost some 20-50 us of Python
 // each, comparable to the kernels themselves at small shapes; lmlab.nn.train_kernel):
@@ -30,8 +30,9 @@
 // the fifth session; lmlab.nn.attention_core._CausalAttentionBmm, still the fallback where the
 // library is not built, with torch's softmax; torch's x + y), the same kernels and ATen calls
 // in the same order, so the same bits. A backward that records its own graph (create_graph)
-// runs differentiable ATen ops instead of the kernels (norm_bf16; add_f32_bf16's backward is
-// ATen ops anyway); causal_attention_bmm refuses it (its saved tensors carry no graph back to
+// runs differentiable ATen ops instead of the kernels (norm_bf16, add_f32_bf16 with a bias,
+// gelu_bf16, silu_mul_bf16; add_f32_bf16's backward without one is ATen ops anyway);
+// causal_attention_bmm refuses it (its saved tensors carry no graph back to
 // q, k and v). Each refuses, before any pointer is read, what its kernel cannot read.
 
 #include <ATen/ATen.h>

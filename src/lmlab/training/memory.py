@@ -98,8 +98,8 @@ def _cpu_kernels(t: TrainConfig, a: int) -> bool:
         return False
     try:
         return resolve_device(t.device).type == "cpu"
-    except LmlabError:
-        return True
+    except LmlabError:  # a device this machine lacks (a CUDA run planned here): not the CPU's
+        return False
 
 
 def estimate_training_memory(cfg: RunConfig) -> MemoryEstimate:
