@@ -636,64 +636,56 @@ def attention_ab(rounds: int) -> None:
         )
 
 
+# trainer_step's keywords that switch one training fast path off: (module, flag) set False
+# for the step (module names under lmlab)
+PATH_FLAGS = {
+    "rope_kernel": ("nn.position", "TRAIN_ROPE_KERNEL"),
+    "softmax_kernel": ("nn.attention_core", "TRAIN_SOFTMAX_KERNEL"),
+    "attention_kernel": ("nn.attention_core", "TRAIN_FUSED_ATTENTION"),
+    "norm_kernel": ("nn.norm", "TRAIN_NORM_KERNEL"),
+    "add_kernel": ("nn.train_kernel", "TRAIN_ADD_KERNEL"),
+    "gelu_kernel": ("nn.train_kernel", "TRAIN_GELU_KERNEL"),
+    "silu_kernel": ("nn.train_kernel", "TRAIN_SILU_KERNEL"),
+    "bias_add_kernel": ("nn.train_kernel", "TRAIN_RESIDUAL_BIAS"),
+    "clip_kernel": ("training.guard", "CLIP_KERNEL"),
+}
+
+
 def trainer_step(
-    trainer,
-    fast_paths: bool = True,
-    rope_kernel: bool = True,
-    softmax_kernel: bool = True,
-    attention_kernel: bool = True,
-    norm_kernel: bool = True,
-    add_kernel: bool = True,
-    clip_kernel: bool = True,
-    malloc_tuning: bool = True,
-    gelu_kernel: bool = True,
-    bias_add_kernel: bool = True,
-    silu_kernel: bool = True,
+    trainer, fast_paths: bool = True, malloc_tuning: bool = True, **paths: bool
 ) -> Callable[[], None]:
     """One ``Trainer.train_step`` per call, at the next step number; ``fast_paths`` False runs
     it with the training fast paths switched off (the q/k/v fusion, the bf16 batched-matmul
     attention, the bf16 RoPE function, the C++ RoPE, causal softmax, norm, residual add and
     clipping kernels, the bias + GELU and silu * up operators, the residual add's bias): the
-    reference path they replace; ``rope_kernel`` False only the C++ RoPE kernel (RoPE as torch
-    ops, as before it); ``softmax_kernel`` False only the causal softmax kernel (masked_fill +
-    softmax); ``attention_kernel`` False only the fused bf16 attention (the batched matmuls
-    instead); ``norm_kernel`` False only the norm-to-bf16 kernel (torch's norm, then a cast);
-    ``add_kernel`` False only the one-pass residual add (torch's x + y); ``gelu_kernel`` False
-    only the MLP's bias + GELU operator (addmm and torch's gelu); ``bias_add_kernel`` False
-    only the residual add's bias (the down projection's addmm keeps it); ``silu_kernel`` False
-    only the gated FFNs' silu(gate) * up operator (torch's silu and mul); ``clip_kernel`` False
-    only the one-call gradient clipping (torch's clip_grad_norm_); ``malloc_tuning`` False only
+    reference path they replace. ``paths`` (keywords of :data:`PATH_FLAGS`) False switch one
+    off: ``rope_kernel`` the C++ RoPE kernel (RoPE as torch
+    ops, as before it); ``softmax_kernel`` the causal softmax kernel (masked_fill +
+    softmax); ``attention_kernel`` the fused bf16 attention (the batched matmuls
+    instead); ``norm_kernel`` the norm-to-bf16 kernel (torch's norm, then a cast);
+    ``add_kernel`` the one-pass residual add (torch's x + y); ``gelu_kernel``
+    the MLP's bias + GELU operator (addmm and torch's gelu); ``bias_add_kernel``
+    the residual add's bias (the down projection's addmm keeps it); ``silu_kernel``
+    the gated FFNs' silu(gate) * up operator (torch's silu and mul); ``clip_kernel``
+    the one-call gradient clipping (torch's clip_grad_norm_). ``malloc_tuning`` False only
     lmlab's malloc thresholds (the step runs under :func:`untuned_allocator`). The module flags
     are set for the step and restored after it."""
+    import importlib
+
     import lmlab.nn.attention as attention
     import lmlab.nn.attention_core as core
-    import lmlab.nn.norm as norm
     import lmlab.nn.position as position
-    import lmlab.nn.train_kernel as train_kernel
-    import lmlab.training.guard as guard
 
+    unknown = set(paths) - set(PATH_FLAGS)
+    if unknown:
+        raise TypeError(f"trainer_step: unknown fast paths {sorted(unknown)}")
     overrides: list[tuple[object, str, object]] = []  # (module, flag, value during the step)
     if not fast_paths:
         overrides += [(attention, "TRAIN_FUSED_QKV", False), (core, "BMM_CAUSAL_MAX_T", 0)]
         overrides += [(position, "TRAIN_ROTATE_HALF", False)]
-    if not (fast_paths and rope_kernel):
-        overrides.append((position, "TRAIN_ROPE_KERNEL", False))
-    if not (fast_paths and softmax_kernel):
-        overrides.append((core, "TRAIN_SOFTMAX_KERNEL", False))
-    if not (fast_paths and attention_kernel):
-        overrides.append((core, "TRAIN_FUSED_ATTENTION", False))
-    if not (fast_paths and norm_kernel):
-        overrides.append((norm, "TRAIN_NORM_KERNEL", False))
-    if not (fast_paths and add_kernel):
-        overrides.append((train_kernel, "TRAIN_ADD_KERNEL", False))
-    if not (fast_paths and gelu_kernel):
-        overrides.append((train_kernel, "TRAIN_GELU_KERNEL", False))
-    if not (fast_paths and silu_kernel):
-        overrides.append((train_kernel, "TRAIN_SILU_KERNEL", False))
-    if not (fast_paths and bias_add_kernel):
-        overrides.append((train_kernel, "TRAIN_RESIDUAL_BIAS", False))
-    if not (fast_paths and clip_kernel):
-        overrides.append((guard, "CLIP_KERNEL", False))
+    for keyword, (module, flag) in PATH_FLAGS.items():
+        if not (fast_paths and paths.get(keyword, True)):
+            overrides.append((importlib.import_module(f"lmlab.{module}"), flag, False))
     count = [0]
 
     def step() -> None:
