@@ -13,7 +13,7 @@ from torch import nn
 
 from lmlab.nn.attention import ATTENTION
 from lmlab.nn.cross_attention import CrossAttention
-from lmlab.nn.ffn import MLP, GatedActivationMLP, GeGLU, SwiGLU, build_ffn
+from lmlab.nn.ffn import MLP, GatedActivationMLP, GeGLU, SwiGLU, build_ffn, residual_parts
 from lmlab.nn.fused import global_hooks, torch_hooks
 from lmlab.nn.hooks import HookPoint
 from lmlab.nn.kv_cache import CrossAttentionCache, LayerCache
@@ -147,7 +147,7 @@ class PreNormBlock(Block):
         ffn = self.ffn
         stream_ok = self.residual and x.dtype is torch.float32
         if stream_ok and type(ffn) in _RESIDUAL_PARTS and self.drop_idle():
-            parts = ffn.residual_parts(h)  # type: ignore[operator]
+            parts = residual_parts(ffn, h)  # type: ignore[arg-type]
             if parts is not None:
                 from lmlab.nn.train_kernel import residual_add
 

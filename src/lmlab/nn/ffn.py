@@ -160,11 +160,6 @@ class MLP(nn.Module):
             hidden = self.act(linear(self.up_proj, x))
         return self.hook_hidden(hidden)  # (B, T, F)
 
-    def residual_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``self(x)`` as (down_proj without its bias, that bias) for a residual add that adds
-        the bias itself (:func:`residual_parts`), or None (the caller calls the module)."""
-        return residual_parts(self, x)
-
     def _gelu_up(self, x: torch.Tensor) -> torch.Tensor | None:
         """gelu(up_proj(x)) (exact, or gelu_tanh) through lmlab's one-pass bias + GELU operator
         in bf16 autocast CPU training (:func:`lmlab.nn.train_kernel.gelu_up`) when up_proj is a
@@ -233,11 +228,6 @@ class GatedMLP(nn.Module):
         from lmlab.nn.train_kernel import silu_mul
 
         return silu_mul(gate, up)
-
-    def residual_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``self(x)`` as (down_proj without its bias, that bias) for a residual add that adds
-        the bias itself (:func:`residual_parts`), or None (the caller calls the module)."""
-        return residual_parts(self, x)
 
     def saved_activation_bytes(self, act_bytes: int, cpu_kernels: bool = False) -> int:
         """Bytes per token autograd keeps for backward: gate(x), up(x), act(gate(x)) and the

@@ -400,7 +400,7 @@ def residual_add(
     return x + y if bias is None else x + (y + bias)
 
 
-# A residual projection's bias added by the residual add (residual_add's bias; MLP.residual_parts)
+# A residual projection's bias added by the residual add (residual_add's bias; ffn.residual_parts)
 # instead of by the projection's addmm; False: the biased projection, then the add (A/B benchmarks).
 TRAIN_RESIDUAL_BIAS = True
 
