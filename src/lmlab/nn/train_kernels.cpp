@@ -454,13 +454,11 @@ inline void add_bias_backward16(const float* g, uint16_t* dy, float* acc, int64_
   __m512 sum = _mm512_setzero_ps();
   for (int64_t k = 0; k < rows; ++k) {
     const int64_t at = (r0 + k) * n + j;
-    const __m512 v = Full ? _mm512_loadu_ps(g + at) : load16_masked(g + at, mk, _mm512_setzero_ps());
-    if (Full) store16(v, dy + at);
-    else store16_masked(v, dy + at, mk);
+    const __m512 v = part_load16<Full>(g + at, mk);
+    part_store16<Full>(v, dy + at, mk);
     sum = _mm512_add_ps(sum, v);
   }
-  if (Full) _mm512_storeu_ps(acc + j, _mm512_add_ps(_mm512_loadu_ps(acc + j), sum));
-  else _mm512_mask_storeu_ps(acc + j, mk, _mm512_add_ps(_mm512_maskz_loadu_ps(mk, acc + j), sum));
+  part_store16<Full>(_mm512_add_ps(part_load16<Full>(acc + j, mk), sum), acc + j, mk);
 }
 #endif
 
@@ -599,31 +597,18 @@ inline __m512 gelu_slope16(__m512 z) {
 
 #ifdef LMLAB_TRAIN_AVX512
 // Sixteen columns from j (Full) or the lanes of mk (the row's last n % 16, masked: rounded as the
-// rest), read and written with store16's rounding.
-template <bool Full>
-inline __m512 gelu_load16(const uint16_t* p, __mmask16 mk) {
-  return Full ? load16(p) : load16_masked(p, mk, _mm512_setzero_ps());
-}
-template <bool Full>
-inline __m512 gelu_load16(const float* p, __mmask16 mk) {
-  return Full ? _mm512_loadu_ps(p) : load16_masked(p, mk, _mm512_setzero_ps());
-}
-template <bool Full, typename T>
-inline void gelu_store16(__m512 v, T* p, __mmask16 mk) {
-  if (Full) store16(v, p);
-  else store16_masked(v, p, mk);
-}
+// rest): part_load16 / part_store16 (train_simd.h).
 
 // u + b of sixteen columns (u alone without a bias: no +0 added, so a -0 stays -0)
 template <bool Full>
 inline __m512 gelu_z16(const uint16_t* u, const float* b, __mmask16 mk) {
-  const __m512 z = gelu_load16<Full>(u, mk);
-  return b ? _mm512_add_ps(z, gelu_load16<Full>(b, mk)) : z;
+  const __m512 z = part_load16<Full>(u, mk);
+  return b ? _mm512_add_ps(z, part_load16<Full>(b, mk)) : z;
 }
 
 template <bool Tanh, bool Full>
 inline void gelu_forward16(const uint16_t* u, const float* b, uint16_t* a, __mmask16 mk) {
-  gelu_store16<Full>(gelu_value16<Tanh>(gelu_z16<Full>(u, b, mk)), a, mk);
+  part_store16<Full>(gelu_value16<Tanh>(gelu_z16<Full>(u, b, mk)), a, mk);
 }
 
 // Rows r0 .. r0 + rows - 1 of the sixteen columns from j: du = g gelu'(u + b), and (acc not
@@ -636,11 +621,11 @@ inline void gelu_backward16(const uint16_t* g, const uint16_t* u, const float* b
   for (int64_t k = 0; k < rows; ++k) {
     const int64_t at = (r0 + k) * n + j;
     const __m512 z = gelu_z16<Full>(u + at, b ? b + j : b, mk);
-    gelu_store16<Full>(_mm512_mul_ps(gelu_load16<Full>(g + at, mk), gelu_slope16<Tanh>(z)),
+    part_store16<Full>(_mm512_mul_ps(part_load16<Full>(g + at, mk), gelu_slope16<Tanh>(z)),
                        du + at, mk);
-    if (acc) sum = _mm512_add_ps(sum, gelu_load16<Full>(du + at, mk));  // the value as stored
+    if (acc) sum = _mm512_add_ps(sum, part_load16<Full>(du + at, mk));  // the value as stored
   }
-  if (acc) gelu_store16<Full>(_mm512_add_ps(gelu_load16<Full>(acc + j, mk), sum), acc + j, mk);
+  if (acc) part_store16<Full>(_mm512_add_ps(part_load16<Full>(acc + j, mk), sum), acc + j, mk);
 }
 #endif
 
@@ -712,19 +697,19 @@ inline __m512 sigmoid16(__m512 z) {
 
 template <bool Full>
 inline void silu_mul16(const uint16_t* gate, const uint16_t* up, uint16_t* h, __mmask16 mk) {
-  const __m512 z = gelu_load16<Full>(gate, mk);
-  const __m512 prod = _mm512_mul_ps(_mm512_mul_ps(z, sigmoid16(z)), gelu_load16<Full>(up, mk));
-  gelu_store16<Full>(prod, h, mk);
+  const __m512 z = part_load16<Full>(gate, mk);
+  const __m512 prod = _mm512_mul_ps(_mm512_mul_ps(z, sigmoid16(z)), part_load16<Full>(up, mk));
+  part_store16<Full>(prod, h, mk);
 }
 
 template <bool Full>
 inline void silu_mul_backward16(const uint16_t* g, const uint16_t* gate, const uint16_t* up,
                                 uint16_t* dgate, uint16_t* dup, __mmask16 mk) {
-  const __m512 gv = gelu_load16<Full>(g, mk), z = gelu_load16<Full>(gate, mk);
+  const __m512 gv = part_load16<Full>(g, mk), z = part_load16<Full>(gate, mk);
   const __m512 s = sigmoid16(z), one = bcast(1.0f);
-  gelu_store16<Full>(_mm512_mul_ps(gv, _mm512_mul_ps(z, s)), dup, mk);
+  part_store16<Full>(_mm512_mul_ps(gv, _mm512_mul_ps(z, s)), dup, mk);
   const __m512 slope = _mm512_mul_ps(s, _mm512_fmadd_ps(z, _mm512_sub_ps(one, s), one));
-  gelu_store16<Full>(_mm512_mul_ps(_mm512_mul_ps(gv, gelu_load16<Full>(up, mk)), slope), dgate, mk);
+  part_store16<Full>(_mm512_mul_ps(_mm512_mul_ps(gv, part_load16<Full>(up, mk)), slope), dgate, mk);
 }
 #endif
 

@@ -119,6 +119,18 @@ inline __m512 load16_masked(const uint16_t* p, __mmask16 m, __m512 fill) {
   __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16));
   return _mm512_mask_blend_ps(m, fill, v);
 }
+
+// Sixteen lanes (Full) or the lanes of mk (a row's masked tail, the others read as 0 and left
+// unwritten), widened from / rounded to T: one body serves a row's full vectors and its tail.
+template <bool Full, typename T>
+inline __m512 part_load16(const T* p, __mmask16 mk) {
+  return Full ? load16(p) : load16_masked(p, mk, _mm512_setzero_ps());
+}
+template <bool Full, typename T>
+inline void part_store16(__m512 v, T* p, __mmask16 mk) {
+  if (Full) store16(v, p);
+  else store16_masked(v, p, mk);
+}
 #endif
 
 }  // namespace
