@@ -5,6 +5,7 @@
         [--rounds 20] [--threads 1] [--config CONFIG] [--reference] [--rope-kernel]
         [--softmax-kernel] [--attention-kernel] [--norm-kernel] [--gelu-kernel]
         [--silu-kernel] [--bias-add-kernel] [--add-kernel] [--clip-kernel]
+        [--adamw-kernel]
         [--allocator]
         [--only lmlab,nanogpt,...]
 
@@ -48,6 +49,9 @@ For each shape and precision it builds, in this one process:
   the one-pass residual add (``lmlab.nn.train_kernel.residual_add``) or only the one-call
   gradient clipping (``lmlab.nn.train_kernel.clip_grads_``) off: ``lmlab residual add kernel
   on/off``, ``lmlab clip kernel on/off``.
+- **torchadamw** (``--adamw-kernel``): lmlab's default with only the one-call AdamW step
+  (:class:`lmlab.training.optim.AdamW`, ``ADAMW_KERNEL``) off: torch's fused AdamW, tensor by
+  tensor (the same bits), ``lmlab adamw kernel on/off``.
 - **untuned** (``--allocator``): lmlab's default with glibc's own malloc policy instead of
   lmlab's thresholds (:mod:`lmlab.training.allocator`; :func:`untuned_allocator`): ``lmlab malloc
   tuning on/off``. nanoGPT's step always runs under glibc's own policy, as in its own process.
@@ -253,6 +257,11 @@ def main(argv: list[str] | None = None) -> None:
         help="also lmlab with only its one-call gradient clipping off (torchclip)",
     )
     ap.add_argument(
+        "--adamw-kernel",
+        action="store_true",
+        help="also lmlab with only its one-call AdamW step off: torch's fused AdamW (torchadamw)",
+    )
+    ap.add_argument(
         "--only",
         metavar="NAMES",
         help="time only these contenders, e.g. lmlab (alone: no other step trims its heap)",
@@ -373,6 +382,7 @@ OFF_CONTENDERS = (
     ("torchsilu", "silu_kernel", "silu_kernel", "silu * up kernel"),
     ("torchadd", "add_kernel", "add_kernel", "residual add kernel"),
     ("torchclip", "clip_kernel", "clip_kernel", "clip kernel"),
+    ("torchadamw", "adamw_kernel", "adamw_kernel", "adamw kernel"),
     ("untuned", "allocator", "malloc_tuning", "malloc tuning"),
 )
 
@@ -648,6 +658,7 @@ PATH_FLAGS = {
     "silu_kernel": ("nn.train_kernel", "TRAIN_SILU_KERNEL"),
     "bias_add_kernel": ("nn.train_kernel", "TRAIN_RESIDUAL_BIAS"),
     "clip_kernel": ("training.guard", "CLIP_KERNEL"),
+    "adamw_kernel": ("training.optim", "ADAMW_KERNEL"),
 }
 
 
@@ -657,19 +668,19 @@ def trainer_step(
     """One ``Trainer.train_step`` per call, at the next step number; ``fast_paths`` False runs
     it with the training fast paths switched off (the q/k/v fusion, the bf16 batched-matmul
     attention, the bf16 RoPE function, the C++ RoPE, causal softmax, norm, residual add and
-    clipping kernels, the bias + GELU and silu * up operators, the residual add's bias): the
-    reference path they replace. ``paths`` (keywords of :data:`PATH_FLAGS`) False switch one
-    off: ``rope_kernel`` the C++ RoPE kernel (RoPE as torch
-    ops, as before it); ``softmax_kernel`` the causal softmax kernel (masked_fill +
-    softmax); ``attention_kernel`` the fused bf16 attention (the batched matmuls
-    instead); ``norm_kernel`` the norm-to-bf16 kernel (torch's norm, then a cast);
-    ``add_kernel`` the one-pass residual add (torch's x + y); ``gelu_kernel``
-    the MLP's bias + GELU operator (addmm and torch's gelu); ``bias_add_kernel``
-    the residual add's bias (the down projection's addmm keeps it); ``silu_kernel``
-    the gated FFNs' silu(gate) * up operator (torch's silu and mul); ``clip_kernel``
-    the one-call gradient clipping (torch's clip_grad_norm_). ``malloc_tuning`` False only
-    lmlab's malloc thresholds (the step runs under :func:`untuned_allocator`). The module flags
-    are set for the step and restored after it."""
+    clipping kernels, the one-call AdamW step, the bias + GELU and silu * up operators, the
+    residual add's bias): the reference path they replace. ``paths`` (keywords of
+    :data:`PATH_FLAGS`) False switch one off: ``rope_kernel`` the C++ RoPE kernel (RoPE as
+    torch ops, as before it); ``softmax_kernel`` the causal softmax kernel (masked_fill +
+    softmax); ``attention_kernel`` the fused bf16 attention (the batched matmuls instead);
+    ``norm_kernel`` the norm-to-bf16 kernel (torch's norm, then a cast); ``add_kernel`` the
+    one-pass residual add (torch's x + y); ``gelu_kernel`` the MLP's bias + GELU operator
+    (addmm and torch's gelu); ``bias_add_kernel`` the residual add's bias (the down
+    projection's addmm keeps it); ``silu_kernel`` the gated FFNs' silu(gate) * up operator
+    (torch's silu and mul); ``clip_kernel`` the one-call gradient clipping (torch's
+    clip_grad_norm_); ``adamw_kernel`` the one-call AdamW step (torch's fused AdamW, the same
+    bits). ``malloc_tuning`` False only lmlab's malloc thresholds (the step runs under
+    :func:`untuned_allocator`). The module flags are set for the step and restored after it."""
     import importlib
 
     import lmlab.nn.attention as attention

@@ -43,7 +43,19 @@ CHILD = textwrap.dedent(
     ub = torch.randn(37, requires_grad=True)
     a = o.gelu_bf16(u, ub, False)
     a.backward(torch.randn(70, 37).bfloat16())
+    sizes = [5, 16, 37, 2590]
+    ps = [torch.randn(n) for n in sizes]
+    gs_ = [torch.randn(n) * 1e-2 for n in sizes]
+    ms = [torch.randn(n) * 1e-2 for n in sizes]
+    vs = [torch.rand(n) * 1e-4 for n in sizes]
+    adam_in = [[t.clone() for t in ts] for ts in (ps, gs_, ms, vs)]
+    steps = [torch.tensor(6.0) for _ in sizes]
+    k = len(sizes)
+    assert o.adamw_step_(ps, gs_, ms, vs, steps, [3e-3] * k, [0.9] * k, [0.95] * k,
+                         [0.1, 0.0, 0.1, 0.1], [1e-8] * k)
     torch.save({
+        "adamw_in": adam_in,
+        "adamw": (ps, ms, vs, steps),
         "in": (gate.detach(), up.detach(), g, x.detach(), y.detach(), b.detach(), u.detach(),
                ub.detach()),
         "silu": (h.detach(), gate.grad, up.grad),
@@ -95,6 +107,22 @@ def test_the_scalar_build_computes_the_operators_formulas(tmp_path):
     ref = zz * 0.5 * (1 + torch.erf(zz / 2**0.5))
     assert ((a.double() - ref).abs() <= 2.0**-8 * ref.abs() + 1e-6 * (1 + zz.abs())).all()
     assert torch.allclose(dub.double(), du.double().sum(0), rtol=1e-5, atol=1e-5)
+    # AdamW (step 7): the float64 formula, within a few float32 roundings of its terms
+    (p0s, g0s, m0s, v0s), (ps, ms, vs, steps) = res["adamw_in"], res["adamw"]
+    lr, b1, b2, eps, t = 3e-3, 0.9, 0.95, 1e-8, 7
+    for i, wd in enumerate([0.1, 0.0, 0.1, 0.1]):
+        assert steps[i].item() == t
+        p0, g0, m0, v0 = (z[i].double() for z in (p0s, g0s, m0s, v0s))
+        m_ref, m_scale = b1 * m0 + (1 - b1) * g0, b1 * m0.abs() + (1 - b1) * g0.abs()
+        v_ref = b2 * v0 + (1 - b2) * g0 * g0
+        update = lr / (1 - b1**t) * m_ref / (v_ref.sqrt() / (1 - b2**t) ** 0.5 + eps)
+        p_ref, p_scale = p0 * (1 - lr * wd) - update, p0.abs() + update.abs()
+        for got, ref, scale in (
+            (ms[i], m_ref, m_scale),
+            (vs[i], v_ref, v_ref),
+            (ps[i], p_ref, p_scale),
+        ):
+            assert ((got.double() - ref).abs() <= 4 * 2.0**-24 * scale).all()
 
 
 @pytest.mark.skipif(COMPILER is None, reason="no C++ compiler on PATH")
@@ -107,6 +135,8 @@ def test_the_scalar_and_vector_builds_agree_bit_for_bit(tmp_path):
     for op in ("silu", "add"):  # the same formulas in the same order (no subnormal results here)
         for a, b in zip(scalar[op], vector[op], strict=True):
             assert torch.equal(a, b), op
+    for a, b in zip(scalar["adamw"], vector["adamw"], strict=True):  # lists of tensors
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), "adamw"
     for a, b in zip(scalar["gelu"], vector["gelu"], strict=True):  # std::erf vs A&S 7.1.26
         diff = (a.double() - b.double()).abs()
         assert (diff <= 2.0**-7 * b.double().abs() + 1e-5 * b.double().abs().max()).all()

@@ -26,6 +26,11 @@ for plain float32 CPU gradients): the global L2 norm in one threaded float64 pas
 the coefficient is below 1, one scaling pass; one call in place of torch's per-tensor norms,
 their stack and norm, and a multiply by 1 when nothing is clipped.
 
+**AdamW's step** (``torch.ops.lmlab.adamw_step_``, used by :class:`lmlab.training.optim.AdamW`,
+the trainer's AdamW): every parameter's update in one call and one threaded pass, the same
+bits as torch's ``AdamW(fused=True)`` on an AVX-512 CPU, which opens a parallel region per
+parameter and counts the steps tensor by tensor.
+
 **Norms straight to bf16** (:func:`norm_bf16`, :func:`norm_bf16_op`), the **residual add**
 of a bf16 branch to the float32 stream (:func:`residual_add`, with a residual projection's
 float32 bias where :func:`residual_bias_applies`), an MLP's **bias + GELU** (:func:`gelu_up`)
@@ -34,9 +39,8 @@ and a gated FFN's **silu(gate) * up** (:func:`silu_mul`), see their docstrings.
 In ``train_kernels.cpp``, compiled on first use by :func:`lmlab.nn.cpp_build.build` (some
 seconds once, then a cached load) together with ``train_ops.cpp``, which registers torch
 operators with their autograd in C++ (``torch.ops.lmlab.norm_bf16``, ``causal_attention_bmm``,
-``add_f32_bf16``, ``causal_attention_bf16``, ``gelu_bf16``, ``silu_mul_bf16``): the training
-path enters the
-kernels through them, without a Python ``autograd.Function`` (20-50 us a call each way). The
+``add_f32_bf16``, ``causal_attention_bf16``, ``gelu_bf16``, ``silu_mul_bf16``,
+``adamw_step_``): the training path enters the kernels through them, without a Python ``autograd.Function`` (20-50 us a call each way). The
 functions here that take tensors directly (the causal softmax, clipping) call the kernels
 through ctypes with the tensors' data pointers, as :mod:`lmlab.nn.rope_kernel` does. When the
 library cannot be used (``LMLAB_NO_CPP_KERNELS=1``, no C++ compiler, a failed build)

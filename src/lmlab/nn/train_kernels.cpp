@@ -21,6 +21,7 @@
 
 #include "train_simd.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -941,5 +942,157 @@ extern "C" int lmlab_gelu_bf16_backward(int form, const void* g, const void* u, 
   if (form == 0) gelu_bf16_backward<false>(gp, up, b, dp, partial, db, m, n);
   else if (form == 1) gelu_bf16_backward<true>(gp, up, b, dp, partial, db, m, n);
   else return 1;
+  return 0;
+}
+
+// ---- AdamW: every parameter's update in one threaded call -------------------------------------
+//
+// Loshchilov & Hutter 2019 (decoupled weight decay), in the order torch's fused CPU kernel
+// computes it, each operation rounded to float32 once (lmlab.training.optim.AdamW):
+//   t            = step + 1 (the float32 step count, written back)
+//   p            = p * (1 - lr wd)                          (only when wd != 0)
+//   m            = m + (1 - beta1) (g - m)                  (torch's lerp, one fused multiply-add;
+//                  g - (g - m) beta1 when 1 - beta1 >= 0.5)
+//   v            = fma((1 - beta2) g, g, v beta2)
+//   denominator  = sqrt(v) / sqrt(1 - beta2^t) + eps
+//   p            = p + (-lr / (1 - beta1^t)) m / denominator
+// with the bias corrections and step size computed in float64 per tensor, then rounded to
+// float32 as torch rounds them. Elementwise, so the thread count changes no bit; the elements
+// of all tensors are split evenly over the threads (one parallel region for the whole step,
+// where torch's fused kernel opens one per tensor and its step counts are one foreach add).
+// opaque() keeps the compiler from fusing a product into the next addition: each product and
+// sum above is its own rounding, in the vector and the scalar code alike. The same bits as
+// torch 2.13's AdamW(fused=True) on an AVX-512 CPU (its kernel runs sixteen lanes; in each
+// tensor's last numel % 8 elements, its scalar remainder, v = fma(v, beta2, ((1 - beta2) g) g),
+// which this kernel computes there too: adamw_range); where torch runs eight lanes (AVX2)
+// the remainders may differ, by one rounding of v at most.
+
+namespace {
+
+template <typename V>
+inline V opaque(V x) {
+  __asm__("" : "+x"(x));
+  return x;
+}
+
+struct AdamwCoef {
+  float decay;      // 1 - lr wd
+  bool decay_on;    // wd != 0
+  float lerp_w;     // 1 - beta1, or (1 - beta1) - 1 when the lerp starts from g
+  bool lerp_from_m; // |1 - beta1| < 0.5
+  float beta2, one_minus_beta2, bc2_sqrt, eps, neg_step;
+};
+
+struct AdamwTensor {
+  float *p, *m, *v;
+  const float* g;
+  int64_t n;
+  AdamwCoef c;
+};
+
+// v's update in the main body, and in torch's scalar remainder (a tensor's last numel % 8
+// elements, adamw_range: its compiler fused v beta2 into the addition there instead of the
+// product)
+template <bool kRemainder>
+inline float adamw_v(float v, float g, const AdamwCoef& c) {
+  if (kRemainder) return std::fma(v, c.beta2, opaque(opaque(c.one_minus_beta2 * g) * g));
+  return std::fma(opaque(c.one_minus_beta2 * g), g, opaque(v * c.beta2));
+}
+
+template <bool kRemainder>
+inline void adamw_scalar(float* p, const float* g, float* m, float* v, int64_t n,
+                         const AdamwCoef& c) {
+  for (int64_t j = 0; j < n; ++j) {
+    float pj = p[j], gj = g[j], mj = m[j];
+    if (c.decay_on) pj = opaque(pj * c.decay);
+    mj = std::fma(c.lerp_w, gj - mj, c.lerp_from_m ? mj : gj);
+    const float vj = adamw_v<kRemainder>(v[j], gj, c);
+    const float den = opaque(std::sqrt(vj) / c.bc2_sqrt) + c.eps;
+    p[j] = pj + opaque(c.neg_step * mj) / den;
+    m[j] = mj;
+    v[j] = vj;
+  }
+}
+
+#ifdef LMLAB_TRAIN_AVX512
+template <bool kRemainder>
+inline void adamw16(float* p, const float* g, float* m, float* v, __mmask16 k, const AdamwCoef& c) {
+  __m512 pv = _mm512_maskz_loadu_ps(k, p), gv = _mm512_maskz_loadu_ps(k, g);
+  __m512 mv = _mm512_maskz_loadu_ps(k, m), vv = _mm512_maskz_loadu_ps(k, v);
+  if (c.decay_on) pv = opaque(_mm512_mul_ps(pv, bcast(c.decay)));
+  mv = _mm512_fmadd_ps(bcast(c.lerp_w), _mm512_sub_ps(gv, mv), c.lerp_from_m ? mv : gv);
+  const __m512 gs = opaque(_mm512_mul_ps(bcast(c.one_minus_beta2), gv));
+  if (kRemainder) vv = _mm512_fmadd_ps(vv, bcast(c.beta2), opaque(_mm512_mul_ps(gs, gv)));
+  else vv = _mm512_fmadd_ps(gs, gv, opaque(_mm512_mul_ps(vv, bcast(c.beta2))));
+  const __m512 den = _mm512_add_ps(opaque(_mm512_div_ps(_mm512_sqrt_ps(vv), bcast(c.bc2_sqrt))),
+                                   bcast(c.eps));
+  const __m512 upd = _mm512_div_ps(opaque(_mm512_mul_ps(bcast(c.neg_step), mv)), den);
+  _mm512_mask_storeu_ps(p, k, _mm512_add_ps(pv, upd));
+  _mm512_mask_storeu_ps(m, k, mv);
+  _mm512_mask_storeu_ps(v, k, vv);
+}
+#endif
+
+template <bool kRemainder>
+inline void adamw_span(const AdamwTensor& t, int64_t a, int64_t b) {
+#ifdef LMLAB_TRAIN_AVX512
+  int64_t j = a;
+  for (; j + 16 <= b; j += 16) adamw16<kRemainder>(t.p + j, t.g + j, t.m + j, t.v + j, 0xFFFF, t.c);
+  if (j < b) adamw16<kRemainder>(t.p + j, t.g + j, t.m + j, t.v + j, tail_mask(b - j), t.c);
+#else
+  adamw_scalar<kRemainder>(t.p + a, t.g + a, t.m + a, t.v + a, b - a, t.c);
+#endif
+}
+
+// elements [a, b) of one tensor: the main body, then the remainder's own form. torch's
+// remainder loop (numel % 16 elements) was vectorized by its compiler eight lanes wide, in
+// the body's form, so the remainder's form starts after the first eight of them when there
+// are eight or more.
+inline void adamw_range(const AdamwTensor& t, int64_t a, int64_t b) {
+  const int64_t rem = t.n - t.n % 16 + (t.n % 16 >= 8 ? 8 : 0);
+  if (a < rem) adamw_span<false>(t, a, b < rem ? b : rem);
+  if (b > rem) adamw_span<true>(t, a > rem ? a : rem, b);
+}
+
+}  // namespace
+
+// One AdamW step over count float32 tensors: params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]
+// (numels[i] elements each, contiguous, none overlapping another) and steps[i] (one float32,
+// incremented), with tensor i's lr, beta1, beta2, weight decay and eps. Returns 0.
+extern "C" int lmlab_adamw_step(int64_t count, float* const* params, const float* const* grads,
+                                float* const* exp_avgs, float* const* exp_avg_sqs,
+                                float* const* steps, const int64_t* numels, const double* lr,
+                                const double* beta1, const double* beta2,
+                                const double* weight_decay, const double* eps) {
+  std::vector<AdamwTensor> ts(static_cast<size_t>(count));
+  std::vector<int64_t> start(static_cast<size_t>(count) + 1, 0);
+  for (int64_t i = 0; i < count; ++i) {
+    *steps[i] = *steps[i] + 1.0f;
+    const double t = static_cast<double>(*steps[i]);
+    const double bc1 = 1.0 - std::pow(beta1[i], t), bc2 = 1.0 - std::pow(beta2[i], t);
+    AdamwCoef c;
+    c.decay_on = static_cast<float>(weight_decay[i]) != 0.0f;
+    c.decay = static_cast<float>(1.0 - lr[i] * weight_decay[i]);
+    const float w = static_cast<float>(1.0 - beta1[i]);
+    c.lerp_from_m = std::fabs(w) < 0.5f;
+    c.lerp_w = c.lerp_from_m ? w : w - 1.0f;
+    c.beta2 = static_cast<float>(beta2[i]);
+    c.one_minus_beta2 = static_cast<float>(1.0 - beta2[i]);
+    c.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+    c.eps = static_cast<float>(eps[i]);
+    c.neg_step = static_cast<float>(-(lr[i] / bc1));
+    ts[i] = {params[i], exp_avgs[i], exp_avg_sqs[i], grads[i], numels[i], c};
+    start[i + 1] = start[i] + numels[i];
+  }
+  const int64_t total = start[count];
+  at::parallel_for(0, total, 16384, [&](int64_t a, int64_t b) {
+    // the first tensor holding element a of the concatenation, then each tensor's share
+    int64_t i = static_cast<int64_t>(std::upper_bound(start.begin(), start.end(), a) - start.begin()) - 1;
+    for (; i < count && start[i] < b; ++i) {
+      const int64_t lo = a > start[i] ? a - start[i] : 0;
+      const int64_t hi = (b < start[i + 1] ? b : start[i + 1]) - start[i];
+      if (lo < hi) adamw_range(ts[i], lo, hi);
+    }
+  });
   return 0;
 }

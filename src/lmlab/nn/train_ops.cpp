@@ -20,6 +20,12 @@
 //                                                      backward's pass)
 //   silu_mul_bf16(gate, up) -> silu(gate) * up         a SwiGLU FFN's hidden activation in
 //                                                      one pass each way
+//   adamw_step_(params, grads, exp_avgs, exp_avg_sqs,  one AdamW step of every listed
+//               steps, lr, beta1, beta2,               parameter in one threaded call (no
+//               weight_decay, eps) -> taken            autograd: an optimizer's update),
+//                                                      false with nothing written where the
+//                                                      kernel cannot take the tensors
+//                                                      (lmlab.training.optim.AdamW)
 //   causal_attention_bf16(q, k, v, scale) -> y         causal softmax(q k^T scale) v in bf16,
 //                                                      one (batch, head) at a time in cache,
 //                                                      the masked blocks skipped, k and v may
@@ -39,6 +45,10 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/library.h>
+
+#include <algorithm>
+#include <utility>
+#include <vector>
 
 #include "attention_kernels.h"
 
@@ -65,6 +75,11 @@ extern "C" int lmlab_gelu_bf16_forward(int form, const void* u, const float* b, 
                                        int64_t n);
 extern "C" int lmlab_gelu_bf16_backward(int form, const void* g, const void* u, const float* b,
                                         void* du, float* partial, float* db, int64_t m, int64_t n);
+extern "C" int lmlab_adamw_step(int64_t count, float* const* params, const float* const* grads,
+                                float* const* exp_avgs, float* const* exp_avg_sqs,
+                                float* const* steps, const int64_t* numels, const double* lr,
+                                const double* beta1, const double* beta2,
+                                const double* weight_decay, const double* eps);
 
 namespace {
 
@@ -520,6 +535,66 @@ at::Tensor silu_mul_bf16(const at::Tensor& gate, const at::Tensor& up) {
   return SiluMulBf16::apply(gate, up);
 }
 
+// Whether t is a dense float32 CPU tensor whose contiguous elements the kernel may read or write
+// through its data pointer (no negated view, storage allocated).
+bool plain_f32(const at::Tensor& t) {
+  return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided &&
+         t.scalar_type() == at::kFloat && t.is_contiguous() && !t.is_neg() && has_data(t);
+}
+
+// One AdamW step over the listed tensors (lmlab_adamw_step, train_kernels.cpp), or false
+// with nothing written when the kernel cannot take them: not all plain contiguous float32 CPU
+// tensors, a step count that is not one float32, a gradient or state of another size than its
+// parameter, any two of them sharing memory, or a tensor that records gradients while grad
+// mode is on (an optimizer steps under no_grad).
+bool adamw_step_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                 at::TensorList exp_avg_sqs, at::TensorList steps, at::ArrayRef<double> lr,
+                 at::ArrayRef<double> beta1, at::ArrayRef<double> beta2,
+                 at::ArrayRef<double> weight_decay, at::ArrayRef<double> eps) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
+                  steps.size() == n && lr.size() == n && beta1.size() == n && beta2.size() == n &&
+                  weight_decay.size() == n && eps.size() == n,
+              "lmlab.adamw_step_: every list must hold one entry per parameter");
+  const bool grad_mode = at::GradMode::is_enabled();
+  std::vector<std::pair<uintptr_t, uintptr_t>> spans;  // [start, end) bytes of every tensor
+  spans.reserve(5 * n);
+  auto add_span = [&](const at::Tensor& t) {
+    if (t.numel() == 0) return;
+    const auto a = reinterpret_cast<uintptr_t>(t.data_ptr());
+    spans.emplace_back(a, a + static_cast<uintptr_t>(t.numel()) * sizeof(float));
+  };
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor* ts[5] = {&params[i], &grads[i], &exp_avgs[i], &exp_avg_sqs[i], &steps[i]};
+    for (const at::Tensor* t : ts) {
+      if (!plain_f32(*t) || (grad_mode && t->requires_grad())) return false;
+      add_span(*t);
+    }
+    const int64_t numel = params[i].numel();
+    if (grads[i].sizes() != params[i].sizes() || exp_avgs[i].numel() != numel ||
+        exp_avg_sqs[i].numel() != numel || steps[i].numel() != 1)
+      return false;
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i)
+    if (spans[i].first < spans[i - 1].second) return false;
+  std::vector<float*> p(n), m(n), v(n), s(n);
+  std::vector<const float*> g(n);
+  std::vector<int64_t> numels(n);
+  for (size_t i = 0; i < n; ++i) {
+    p[i] = params[i].data_ptr<float>();
+    g[i] = grads[i].data_ptr<float>();
+    m[i] = exp_avgs[i].data_ptr<float>();
+    v[i] = exp_avg_sqs[i].data_ptr<float>();
+    s[i] = steps[i].data_ptr<float>();
+    numels[i] = params[i].numel();
+  }
+  lmlab_adamw_step(static_cast<int64_t>(n), p.data(), g.data(), m.data(), v.data(), s.data(),
+                   numels.data(), lr.data(), beta1.data(), beta2.data(), weight_decay.data(),
+                   eps.data());
+  return true;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lmlab, m) {
@@ -529,6 +604,10 @@ TORCH_LIBRARY_FRAGMENT(lmlab, m) {
   m.def("causal_attention_bf16(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
   m.def("gelu_bf16(Tensor u, Tensor? bias, bool tanh=False) -> Tensor");
   m.def("silu_mul_bf16(Tensor gate, Tensor up) -> Tensor");
+  m.def(
+      "adamw_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+      "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] steps, float[] lr, float[] beta1, float[] beta2, "
+      "float[] weight_decay, float[] eps) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(lmlab, CompositeImplicitAutograd, m) {
@@ -538,4 +617,5 @@ TORCH_LIBRARY_IMPL(lmlab, CompositeImplicitAutograd, m) {
   m.impl("causal_attention_bf16", causal_attention_bf16);
   m.impl("gelu_bf16", gelu_bf16);
   m.impl("silu_mul_bf16", silu_mul_bf16);
+  m.impl("adamw_step_", adamw_step_);
 }

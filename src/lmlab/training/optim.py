@@ -239,10 +239,108 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.param_groups = [*self.muon.param_groups, *self.adamw.param_groups]
 
 
+ADAMW_KERNEL = True
+"""Whether :class:`AdamW` may step through lmlab's one-call C++ kernel (an A/B switch for
+benchmarks and tests; off: torch's fused kernel, tensor by tensor)."""
+
+_PLAIN_PARAMS = (torch.Tensor, nn.Parameter)
+
+
+class AdamW(torch.optim.AdamW):
+    """torch's ``AdamW(fused=True)`` (Loshchilov & Hutter 2019), whose CPU step is one C++ call
+    for all its parameters (``torch.ops.lmlab.adamw_step_``, ``train_kernels.cpp``): the step
+    counts, the bias corrections and every element's update in one threaded pass, split evenly
+    over the threads. torch's fused CPU step opens one parallel region per parameter and counts
+    the steps with a foreach add that runs tensor by tensor on the CPU (some 6 us each): with
+    the 51 small tensors of nanoGPT's CPU shape that was about half of its 1.3 ms.
+
+    The same bits as torch's fused kernel on an AVX-512 CPU (its arithmetic, operation by
+    operation; where torch runs eight lanes, an AVX2 CPU, a tensor's last few elements may
+    differ by one rounding of the second moment), the same state (``step`` a float32 scalar,
+    ``exp_avg``, ``exp_avg_sq``), so checkpoints move between the two. Taken when the kernels
+    are compiled (:func:`lmlab.nn.train_kernel.available`), :data:`ADAMW_KERNEL` is on, no
+    closure is given and no ``grad_scale`` / ``found_inf`` is set, every group has plain
+    numbers for lr, betas, eps and weight decay with amsgrad, maximize, capturable and
+    differentiable off, and every parameter with a gradient is a plain dense contiguous float32
+    CPU tensor (not a DTensor shard) whose state exists (torch's step creates it, so the first
+    step is torch's), its gradient and state alike, none sharing memory. Otherwise (CUDA,
+    FSDP2, bf16 parameters ...) the step is torch's own. Optimizer hooks run as for any
+    torch optimizer."""
+
+    def step(self, closure: Any = None) -> Any:
+        lists = None if closure is not None or not ADAMW_KERNEL else self._kernel_lists()
+        if lists is not None:
+            with torch.no_grad():
+                if torch.ops.lmlab.adamw_step_(*lists):
+                    return None
+        return _torch_adamw_step(self, closure)
+
+    def _kernel_lists(self) -> tuple[list[Any], ...] | None:
+        """The arguments of ``torch.ops.lmlab.adamw_step_`` for every parameter with a
+        gradient, or None where the step must be torch's (the class docstring's conditions the
+        C++ operator does not check itself)."""
+        if getattr(self, "grad_scale", None) is not None:
+            return None
+        if getattr(self, "found_inf", None) is not None:
+            return None
+        from lmlab.nn import train_kernel
+
+        if not train_kernel.available():
+            return None
+        params: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        avgs: list[torch.Tensor] = []
+        sqs: list[torch.Tensor] = []
+        steps: list[torch.Tensor] = []
+        lrs: list[float] = []
+        b1s: list[float] = []
+        b2s: list[float] = []
+        wds: list[float] = []
+        epss: list[float] = []
+        number = (float, int)
+        for group in self.param_groups:
+            lr, (b1, b2), wd, eps = group["lr"], group["betas"], group["weight_decay"], group["eps"]
+            if not all(type(x) in number for x in (lr, b1, b2, wd, eps)):
+                return None
+            if group["amsgrad"] or group["maximize"] or group["capturable"]:
+                return None
+            if group["differentiable"] or not group["decoupled_weight_decay"]:
+                return None
+            count = len(params)
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                state = self.state.get(p)
+                if type(p) not in _PLAIN_PARAMS or type(g) is not torch.Tensor or not state:
+                    return None
+                params.append(p)
+                grads.append(g)
+                avgs.append(state["exp_avg"])
+                sqs.append(state["exp_avg_sq"])
+                steps.append(state["step"])
+            n = len(params) - count
+            lrs += [float(lr)] * n
+            b1s += [float(b1)] * n
+            b2s += [float(b2)] * n
+            wds += [float(wd)] * n
+            epss += [float(eps)] * n
+        return params, grads, avgs, sqs, steps, lrs, b1s, b2s, wds, epss
+
+
+def _torch_adamw_step(opt: torch.optim.AdamW, closure: Any) -> Any:
+    """torch's AdamW step on ``opt``, without the optimizer-hook wrapper torch puts around a
+    class's ``step`` (the wrapper around :meth:`AdamW.step` already runs the hooks once)."""
+    fn = torch.optim.AdamW.step
+    while getattr(fn, "hooked", False):
+        fn = fn.__wrapped__  # type: ignore[attr-defined]
+    return fn(opt, closure)
+
+
 def _adamw(groups: list[dict[str, Any]], cfg: TrainConfig) -> torch.optim.AdamW:
     kwargs: dict[str, Any] = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": 1e-8}
     try:
-        return torch.optim.AdamW(groups, fused=True, **kwargs)
+        return AdamW(groups, fused=True, **kwargs)
     except (RuntimeError, TypeError):
         return torch.optim.AdamW(groups, **kwargs)
 
