@@ -40,9 +40,10 @@ In ``train_kernels.cpp``, compiled on first use by :func:`lmlab.nn.cpp_build.bui
 seconds once, then a cached load) together with ``train_ops.cpp``, which registers torch
 operators with their autograd in C++ (``torch.ops.lmlab.norm_bf16``, ``causal_attention_bmm``,
 ``add_f32_bf16``, ``causal_attention_bf16``, ``gelu_bf16``, ``silu_mul_bf16``,
-``adamw_step_``): the training path enters the kernels through them, without a Python ``autograd.Function`` (20-50 us a call each way). The
-functions here that take tensors directly (the causal softmax, clipping) call the kernels
-through ctypes with the tensors' data pointers, as :mod:`lmlab.nn.rope_kernel` does. When the
+``adamw_step_``): the training path enters the kernels through them, without a Python
+``autograd.Function`` (20-50 us a call each way). The functions here that take tensors
+directly (the causal softmax, clipping) call the kernels through ctypes with the tensors' data
+pointers, as :mod:`lmlab.nn.rope_kernel` does. When the
 library cannot be used (``LMLAB_NO_CPP_KERNELS=1``, no C++ compiler, a failed build)
 :func:`available` is False, the reason is in :func:`status`, and training runs torch's ops.
 
