@@ -92,7 +92,8 @@ def _fallback_count(monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("beta1", [0.9, 0.3])  # the lerp from m, and from g (1 - beta1 >= 0.5)
+# the lerp from m (1 - beta1 < 0.5), from g (1 - beta1 >= 0.5: 0.5 exactly included), beta1 = 0
+@pytest.mark.parametrize("beta1", [0.9, 0.3, 0.5, 0.0])
 def test_the_kernel_steps_as_torch_fused_adamw(beta1, monkeypatch):
     calls = _fallback_count(monkeypatch)
     ours, opt = _run(optim.AdamW, beta1=beta1)
@@ -184,12 +185,14 @@ def test_optimizer_hooks_run_once_a_step():
     assert seen == ["pre", "post"] * 3
 
 
-@pytest.mark.parametrize(
-    "case",
-    ["bf16", "overlap", "noncontiguous", "amsgrad", "maximize", "tensor_lr", "closure", "off"],
-)
+CANNOT = ["bf16", "overlap", "noncontiguous", "amsgrad", "maximize", "tensor_lr", "closure", "off"]
+CANNOT += ["foreach", "unfused", "default", "grad_scaler"]
+
+
+@pytest.mark.parametrize("case", CANNOT)
 def test_what_the_kernel_cannot_take_is_stepped_by_torch(case, monkeypatch):
-    """Each case steps through torch's own AdamW, with torch's results."""
+    """Each case steps through torch's own AdamW, with torch's results (for foreach, unfused
+    and default groups: torch's arithmetic for that implementation, not the fused kernel's)."""
     torch.manual_seed(0)
     base, other = torch.randn(8, 6), torch.randn(5)
 
@@ -203,18 +206,29 @@ def test_what_the_kernel_cannot_take_is_stepped_by_torch(case, monkeypatch):
             return [nn.Parameter(base.clone().t())]
         return [nn.Parameter(base.clone()), nn.Parameter(other.clone())]
 
-    kw = (
-        {"amsgrad": True} if case == "amsgrad" else {"maximize": True} if case == "maximize" else {}
+    kw: dict = {"fused": True}
+    if case in ("amsgrad", "maximize"):
+        kw[case] = True
+    kw.update(
+        {"foreach": {"foreach": True, "fused": None}, "unfused": {"fused": False}}.get(case, {})
     )
+    if case == "default":
+        kw.pop("fused")
     lr = torch.tensor(1e-2) if case == "tensor_lr" else 1e-2
 
     def run(cls):
         params = make()
-        opt = cls(params, lr=lr, fused=True, **kw)
+        opt = cls(params, lr=lr, **kw)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if case == "grad_scaler" else None
         for step in range(3):
             for p in params:
-                p.grad = torch.full_like(p, 0.1 * (step + 1))
-            opt.step((lambda: torch.tensor(0.0)) if case == "closure" else None)
+                p.grad = torch.full_like(p, 0.1 * (step + 1)) * (1024.0 if scaler else 1.0)
+            if scaler is not None:
+                scaler.scale(torch.ones(()))  # a loss scaled: the scaler's state begins
+                scaler.step(opt)  # the fused step unscales by grad_scale, skips on found_inf
+                scaler.update()
+            else:
+                opt.step((lambda: torch.tensor(0.0)) if case == "closure" else None)
         return params
 
     calls = _fallback_count(monkeypatch)
@@ -229,6 +243,21 @@ def test_what_the_kernel_cannot_take_is_stepped_by_torch(case, monkeypatch):
         assert torch.equal(a.detach(), b.detach())
 
 
+def test_a_step_the_kernel_cannot_take_never_builds_the_kernels(monkeypatch):
+    """bf16 parameters (and CUDA ones, FSDP2 shards): torch's step, without compiling lmlab's
+    library on the way (it needs a compiler, and other ranks would wait for the build)."""
+    asked = []
+    monkeypatch.setattr(train_kernel, "available", lambda: asked.append(1) or True)
+    params = [nn.Parameter(torch.randn(4, 4).bfloat16())]
+    opt = optim.AdamW(params, lr=1e-2, fused=True)
+    for _ in range(3):
+        params[0].grad = torch.ones_like(params[0])
+        opt.step()
+    empty = optim.AdamW([nn.Parameter(torch.randn(3))], lr=1e-2, fused=True)
+    empty.step()  # no gradients at all
+    assert asked == []
+
+
 def test_the_operator_refuses_without_writing():
     p, g, m, v, s = torch.ones(5), torch.ones(4), torch.zeros(5), torch.zeros(5), torch.zeros(())
     hyper = ([1e-3], [0.9], [0.99], [0.0], [1e-8])
@@ -237,6 +266,10 @@ def test_the_operator_refuses_without_writing():
     assert not torch.ops.lmlab.adamw_step_(
         [p], [torch.ones(5)], [m], [v], [s.double()], *hyper
     )  # a float64 step count
+    shrunk = torch.ones(1 << 12)
+    shrunk.untyped_storage().resize_(16)  # its sizes now reach past its storage
+    big = [torch.zeros(1 << 12) for _ in range(3)]
+    assert not torch.ops.lmlab.adamw_step_([shrunk], [big[0]], [big[1]], [big[2]], [s], *hyper)
     assert torch.equal(p, torch.ones(5)) and s.item() == 0 and not m.any()
     with pytest.raises(RuntimeError, match="one entry per parameter"):
         torch.ops.lmlab.adamw_step_([p], [g], [m], [v], [s], [1e-3, 1e-3], *hyper[1:])

@@ -964,8 +964,8 @@ extern "C" int lmlab_gelu_bf16_backward(int form, const void* g, const void* u, 
 // sum above is its own rounding, in the vector and the scalar code alike. The same bits as
 // torch 2.13's AdamW(fused=True) on an AVX-512 CPU (its kernel runs sixteen lanes; in each
 // tensor's last numel % 8 elements, its scalar remainder, v = fma(v, beta2, ((1 - beta2) g) g),
-// which this kernel computes there too: adamw_range); where torch runs eight lanes (AVX2)
-// the remainders may differ, by one rounding of v at most.
+// which this kernel computes there too: adamw_range); torch's AVX2 build measured the same
+// bits, its scalar build (no vector unit) rounds differently anywhere in a tensor.
 
 namespace {
 

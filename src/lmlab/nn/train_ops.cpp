@@ -88,9 +88,19 @@ using torch::autograd::variable_list;
 
 int softmax_dtype(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? 1 : 0; }
 
-// Whether the elements of t (a CPU tensor) are allocated: none to read, or real storage.
+// Whether the elements of t (a CPU tensor) are allocated: none to read, or real storage that
+// holds every element its sizes and strides reach (a storage shrunk after the tensor was made,
+// as resize_ on untyped_storage() does, would be read and written past its end).
 bool has_data(const at::Tensor& t) {
-  return t.numel() == 0 || (t.has_storage() && t.storage().data() != nullptr);
+  if (t.numel() == 0) return true;
+  if (!t.has_storage() || t.storage().data() == nullptr) return false;
+  int64_t last = t.storage_offset();  // the farthest element's index
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.stride(d) < 0) return false;
+    last += (t.size(d) - 1) * t.stride(d);
+  }
+  const auto need = static_cast<uint64_t>(last + 1) * static_cast<uint64_t>(t.element_size());
+  return t.storage_offset() >= 0 && need <= static_cast<uint64_t>(t.storage().nbytes());
 }
 
 // The operators are reachable by anyone as torch.ops.lmlab.*: every kernel reads and writes

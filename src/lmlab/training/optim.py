@@ -254,18 +254,21 @@ class AdamW(torch.optim.AdamW):
     the steps with a foreach add that runs tensor by tensor on the CPU (some 6 us each): with
     the 51 small tensors of nanoGPT's CPU shape that was about half of its 1.3 ms.
 
-    The same bits as torch's fused kernel on an AVX-512 CPU (its arithmetic, operation by
-    operation; where torch runs eight lanes, an AVX2 CPU, a tensor's last few elements may
-    differ by one rounding of the second moment), the same state (``step`` a float32 scalar,
-    ``exp_avg``, ``exp_avg_sq``), so checkpoints move between the two. Taken when the kernels
-    are compiled (:func:`lmlab.nn.train_kernel.available`), :data:`ADAMW_KERNEL` is on, no
-    closure is given and no ``grad_scale`` / ``found_inf`` is set, every group has plain
-    numbers for lr, betas, eps and weight decay with amsgrad, maximize, capturable and
-    differentiable off, and every parameter with a gradient is a plain dense contiguous float32
-    CPU tensor (not a DTensor shard) whose state exists (torch's step creates it, so the first
-    step is torch's), its gradient and state alike, none sharing memory. Otherwise (CUDA,
-    FSDP2, bf16 parameters ...) the step is torch's own. Optimizer hooks run as for any
-    torch optimizer."""
+    Its arithmetic is torch's fused kernel's, operation by operation: where torch runs that
+    kernel sixteen lanes wide (its AVX512 CPU capability; its AVX2 build measured the same),
+    the same bits; where torch runs its scalar build, float32 roundings differ anywhere in a
+    tensor. The same state (``step`` a float32 scalar, ``exp_avg``, ``exp_avg_sq``), so
+    checkpoints move between the two. Taken when :data:`ADAMW_KERNEL` is on, no closure is
+    given and no GradScaler's ``grad_scale`` / ``found_inf`` is set, every group was built
+    ``fused=True`` (the trainer's are; ``foreach`` or plain groups keep torch's own arithmetic)
+    with plain numbers for lr, betas, eps and weight decay and amsgrad, maximize, capturable
+    and differentiable off, every parameter with a gradient is a plain dense contiguous
+    float32 CPU tensor (not a DTensor shard) whose state exists (torch's step creates it, so
+    the first step is torch's, and so is a step in which a parameter gets its first gradient),
+    its gradient and state alike, none sharing memory, and the kernels are compiled
+    (:func:`lmlab.nn.train_kernel.available`, asked last: a step the kernel could not take
+    never builds them). Otherwise (CUDA, FSDP2, bf16 parameters ...) the step is torch's own.
+    Optimizer hooks run as for any torch optimizer."""
 
     def step(self, closure: Any = None) -> Any:
         lists = None if closure is not None or not ADAMW_KERNEL else self._kernel_lists()
@@ -278,14 +281,11 @@ class AdamW(torch.optim.AdamW):
     def _kernel_lists(self) -> tuple[list[Any], ...] | None:
         """The arguments of ``torch.ops.lmlab.adamw_step_`` for every parameter with a
         gradient, or None where the step must be torch's (the class docstring's conditions the
-        C++ operator does not check itself)."""
+        C++ operator does not check itself). The kernels are compiled (on first use) only once
+        everything else says the kernel could take this step."""
         if getattr(self, "grad_scale", None) is not None:
             return None
         if getattr(self, "found_inf", None) is not None:
-            return None
-        from lmlab.nn import train_kernel
-
-        if not train_kernel.available():
             return None
         params: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
@@ -298,13 +298,17 @@ class AdamW(torch.optim.AdamW):
         wds: list[float] = []
         epss: list[float] = []
         number = (float, int)
+        f32 = torch.float32
         for group in self.param_groups:
             lr, (b1, b2), wd, eps = group["lr"], group["betas"], group["weight_decay"], group["eps"]
             if not all(type(x) in number for x in (lr, b1, b2, wd, eps)):
                 return None
-            if group["amsgrad"] or group["maximize"] or group["capturable"]:
+            # the fused kernel's arithmetic only where the group asked for torch's fused one
+            if not group["fused"] or group["amsgrad"] or group["maximize"]:
                 return None
-            if group["differentiable"] or not group["decoupled_weight_decay"]:
+            if group["capturable"] or group["differentiable"]:
+                return None
+            if not group["decoupled_weight_decay"]:
                 return None
             count = len(params)
             for p in group["params"]:
@@ -313,6 +317,8 @@ class AdamW(torch.optim.AdamW):
                     continue
                 state = self.state.get(p)
                 if type(p) not in _PLAIN_PARAMS or type(g) is not torch.Tensor or not state:
+                    return None
+                if p.dtype is not f32 or not p.is_cpu:  # bf16, CUDA: torch's step, no build
                     return None
                 params.append(p)
                 grads.append(g)
@@ -325,6 +331,12 @@ class AdamW(torch.optim.AdamW):
             b2s += [float(b2)] * n
             wds += [float(wd)] * n
             epss += [float(eps)] * n
+        if not params:
+            return None
+        from lmlab.nn import train_kernel
+
+        if not train_kernel.available():
+            return None
         return params, grads, avgs, sqs, steps, lrs, b1s, b2s, wds, epss
 
 
