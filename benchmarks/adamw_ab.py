@@ -29,9 +29,16 @@ SHAPES = {"nanogpt": (4, 128, 4, 64), "minigpt": (6, 256, 4, 256)}  # layers, d,
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="nanogpt")
-    ap.add_argument("--rounds", type=int, default=300)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="nanogpt",
+        help="the default model's shape (default nanogpt: 4 layers, d 128; minigpt: 6, d 256)",
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=300, help="interleaved steps of each (default 300)"
+    )
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from lmlab.nn import train_kernel
