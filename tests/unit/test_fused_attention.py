@@ -326,3 +326,30 @@ def test_fused_attention_splits_the_heads_of_one_kv_head_over_threads(threads):
     ref = [out64.detach(), *torch.autograd.grad(out64, (q64, k64, v64), g.double())]
     for name, e in zip(("out", "dq", "dk", "dv"), _err(got, ref), strict=True):
         assert e <= 1.6e-2, (name, e)
+
+
+@needs_fused
+@pytest.mark.parametrize(("h", "kv", "hdv"), [(4, 4, 32), (4, 2, 48), (3, 1, 16)])
+def test_fused_attention_writes_its_output_token_major(h, kv, hdv):
+    """The (B, H, T, hdv) output is a view of a (B, T, H, hdv) tensor, so the heads'
+    concatenation before the output projection (transpose(1, 2), then reshape) copies nothing;
+    its values are those of the contiguous formula's layout, and a gradient arriving in either
+    layout gives the same gradients."""
+    torch.manual_seed(h + kv + hdv)
+    b, t, hd = 2, 19, 32
+    q = torch.randn(b, h, t, hd).bfloat16()
+    k = torch.randn(b, kv, t, hd).bfloat16()
+    v = torch.randn(b, kv, t, hdv).bfloat16()
+    out = torch.ops.lmlab.causal_attention_bf16(q, k, v, 0.2)
+    assert out.shape == (b, h, t, hdv) and not out.is_contiguous()
+    merged = out.transpose(1, 2).reshape(b, t, h * hdv)
+    assert merged.data_ptr() == out.data_ptr()  # a view: no copy was made
+    assert merged.is_contiguous()
+    rep = h // kv
+    ref = _exact(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), 0.2, out)[0]
+    assert float((out.double() - ref).abs().max()) <= 1.6e-2 * float(ref.abs().max())
+    g = torch.randn(b, t, h, hdv).bfloat16()
+    token_major = _fused(q, k, v, 0.2, g.transpose(1, 2))  # as the projection's backward gives
+    head_major = _fused(q, k, v, 0.2, g.transpose(1, 2).contiguous())
+    for x, y in zip(token_major, head_major, strict=True):
+        assert torch.equal(x, y)

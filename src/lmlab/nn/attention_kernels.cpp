@@ -273,10 +273,10 @@ struct Shape {
 };
 
 // One (b, h) forward with its kv head packed (kt: k transposed, vp: v in row pairs): out (t
-// rows of hdv, contiguous), pairs (tr x tc words): P in row pairs.
+// rows of hdv, row i at out + i ldo), pairs (tr x tc words): P in row pairs.
 void forward_head(const Rows& q, const uint32_t* kt, const uint32_t* vp, uint16_t* out,
-                  uint32_t* pairs, const Shape& sh, float scale, std::vector<float>& sf,
-                  std::vector<uint16_t>& pl) {
+                  int64_t ldo, uint32_t* pairs, const Shape& sh, float scale,
+                  std::vector<float>& sf, std::vector<uint16_t>& pl) {
   const int64_t t = sh.t, hd = sh.hd, hdv = sh.hdv, tc = sh.tc, hp = hd / 2;
   const __m512 one = bcast(1.0f);
   const bool stream = reinterpret_cast<uintptr_t>(pairs) % 64 == 0;  // at::empty's alignment
@@ -291,7 +291,7 @@ void forward_head(const Rows& q, const uint32_t* kt, const uint32_t* vp, uint16_
     // out rows = P v over the pairs of keys j < i_end
     const uint32_t* p32 = reinterpret_cast<const uint32_t*>(pl.data());
     row_block(m, p32, tc / 2, 1, vp, hdv, (i_end + 1) / 2, hdv / kVec,
-              StoreBf16{out + i0 * hdv, hdv, one});
+              StoreBf16{out + i0 * ldo, ldo, one});
     for (int64_t r = 0; r < m; r += 2) {
       const uint16_t *r0 = pl.data() + r * tc, *r1 = r0 + tc;
       uint32_t* dst = pairs + (i0 / 2 + r / 2) * tc;
@@ -391,7 +391,9 @@ extern "C" int lmlab_causal_attention_bf16_available() {
 
 // q (B, H, T, hd), k (B, K, T, hd) and v (B, K, T, hdv) bf16, K dividing H (query head h
 // reads kv head h / (H / K)), with element strides {B, H or K, T} (rows contiguous, every
-// stride even, 4-byte aligned data; hd and hdv multiples of 16); out (B, H, T, hdv) contiguous;
+// stride even, 4-byte aligned data; hd and hdv multiples of 16); out (B, T, H, hdv) contiguous
+// (token-major: its (B, H, T, hdv) view is what the heads' concatenation before the output
+// projection reads without a copy);
 // probs (B H, ceil(T / 2), T rounded up to 16) 32-bit words: P in row pairs, for the backward.
 // One task per (b, h), its kv head packed for it. Returns 0, or -1 where not built.
 extern "C" int lmlab_causal_attention_bf16_forward(const void* q, const int64_t* qs, const void* k,
@@ -415,7 +417,7 @@ extern "C" int lmlab_causal_attention_bf16_forward(const void* q, const int64_t*
         packed = group;
       }
       forward_head(head(q, qs, bi, hi), kt.data(), vp.data(),
-                   static_cast<uint16_t*>(out) + n * t * hdv,
+                   static_cast<uint16_t*>(out) + (bi * t * h + hi) * hdv, h * hdv,
                    static_cast<uint32_t*>(probs) + n * sh.tr * sh.tc, sh, scale, sf, pl);
     }
   });

@@ -29,8 +29,9 @@
 //   causal_attention_bf16(q, k, v, scale) -> y         causal softmax(q k^T scale) v in bf16,
 //                                                      one (batch, head) at a time in cache,
 //                                                      the masked blocks skipped, k and v may
-//                                                      have fewer heads (GQA)
-//                                                      (attention_kernels.cpp)
+//                                                      have fewer heads (GQA); y is a
+//                                                      (B, H, T, hdv) view of a (B, T, H,
+//                                                      hdv) tensor (attention_kernels.cpp)
 //
 // Each computes what its Python twin computed (lmlab.nn.train_kernel.NormBf16Function until
 // the fifth session; lmlab.nn.attention_core._CausalAttentionBmm, still the fallback where the
@@ -311,7 +312,9 @@ struct CausalAttentionBf16 : public torch::autograd::Function<CausalAttentionBf1
     const at::Tensor q = pair_readable(q_in), k = pair_readable(k_in), v = pair_readable(v_in);
     const int64_t b = q.size(0), h = q.size(1), t = q.size(2), hd = q.size(3), hdv = v.size(3);
     const int64_t kv = k.size(1), tr = (t + 1) / 2, tc = (t + 15) / 16 * 16;
-    at::Tensor out = at::empty({b, h, t, hdv}, q.options());
+    // written token-major (B, T, H, hdv) and returned as its (B, H, T, hdv) view: the heads'
+    // concatenation (B, T, H hdv) before the output projection is then a view, not a copy
+    at::Tensor out = at::empty({b, t, h, hdv}, q.options());
     at::Tensor probs = at::empty({b * h, tr, tc}, q.options().dtype(at::kInt));  // P, row pairs
     const int64_t qs[3] = {q.stride(0), q.stride(1), q.stride(2)};
     const int64_t ks[3] = {k.stride(0), k.stride(1), k.stride(2)};
@@ -321,7 +324,7 @@ struct CausalAttentionBf16 : public torch::autograd::Function<CausalAttentionBf1
                                         static_cast<float>(scale));
     ctx->save_for_backward({q, k, v, probs});
     ctx->saved_data["scale"] = scale;
-    return out;
+    return out.permute({0, 2, 1, 3});
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
