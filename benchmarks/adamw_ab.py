@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import random
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_step_ab import interleaved_medians  # noqa: E402
 
 from lmlab.config import load_config
 from lmlab.models.build import build_model
@@ -67,16 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     for _, opt in opts.values():
         for _ in range(5):  # the first step creates the state (torch's step for all three)
             opt.step()
-    times: dict[str, list[float]] = {name: [] for name in opts}
-    rng = random.Random(0)
-    for _ in range(args.rounds):
-        order = list(opts)
-        rng.shuffle(order)
-        for name in order:
-            start = time.perf_counter()
-            opts[name][1].step()
-            times[name].append(time.perf_counter() - start)
-    med = {name: statistics.median(v) for name, v in times.items()}
+    med = interleaved_medians({name: opt.step for name, (_, opt) in opts.items()}, args.rounds)
     count = len(list(model.parameters()))
     print(
         f"AdamW step, {args.shape} shape ({count} parameters, {n:,} elements), "

@@ -9,12 +9,14 @@ The default shape is ``configs/llama.yaml``'s: 16 x 256 tokens, d_ff 704."""
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_step_ab import interleaved_medians  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -45,17 +47,11 @@ def main(argv: list[str] | None = None) -> None:
     for fn in fns.values():
         for _ in range(10):
             fn()
-    times: dict[str, list[float]] = {n: [] for n in fns}
-    rng = random.Random(0)
-    for _ in range(args.rounds):
-        order = list(fns)
-        rng.shuffle(order)
-        for name in order:
-            gate.grad = up.grad = None
-            start = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - start)
-    med = {n: statistics.median(v) for n, v in times.items()}
+
+    def clear() -> None:
+        gate.grad = up.grad = None
+
+    med = interleaved_medians(fns, args.rounds, clear)
     print(
         f"silu(gate) * up, forward + backward, bf16 {shape}, {args.threads} thread(s): "
         f"lmlab {1e3 * med['lmlab']:.3f} ms, torch {1e3 * med['torch']:.3f} ms, "

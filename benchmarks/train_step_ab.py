@@ -410,6 +410,25 @@ def round_order(names: list, rng: random.Random) -> list:
     return order
 
 
+def interleaved_medians(
+    fns: dict[str, Callable[[], None]], rounds: int, before: Callable[[], None] | None = None
+) -> dict[str, float]:
+    """Median seconds of each function over ``rounds`` rounds, every round all of them in a
+    fresh seeded random order (:func:`round_order`); ``before`` runs untimed before each call
+    (e.g. clearing gradients). For the one-operation benchmarks (silu_mul_ab.py, adamw_ab.py);
+    the step benchmark above keeps its own loop (it also counts page faults)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    rng = random.Random(0)
+    for _ in range(rounds):
+        for name in round_order(list(fns), rng):
+            if before is not None:
+                before()
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
 def run_shape(args: argparse.Namespace, shape: str, precisions: list[str], ids: torch.Tensor):
     """Build every contender at ``shape`` in every precision, time them interleaved; returns
     (shape, {(name, precision): [seconds per step]}, tokens per step, FLOPs per token)."""

@@ -419,6 +419,17 @@ void row_group_pass(int64_t m, int64_t n, float* partial, float* db, const Group
     for (int64_t j = 0; j < n; ++j) db[j] += partial[blk * n + j];
 }
 
+// A group's column j in scalar code (builds without AVX-512): value(at) computes and stores
+// element at = row * n + j and returns what it stored; their sum over the group's rows, in row
+// order, is added to acc[j] (acc null: nothing summed).
+template <typename Value>
+inline void group_column(int64_t r0, int64_t rows, int64_t n, int64_t j, float* acc,
+                         const Value& value) {
+  float sum = 0.0f;
+  for (int64_t k = 0; k < rows; ++k) sum += value((r0 + k) * n + j);
+  if (acc) acc[j] += sum;
+}
+
 // out (m, n) = x + (y + b[j]); out may be x.
 void add_bias_f32_bf16(const float* x, const uint16_t* y, const float* b, float* out, int64_t m,
                        int64_t n) {
@@ -474,13 +485,10 @@ void add_bias_backward(const float* g, uint16_t* dy, float* partial, float* db, 
     j = n;
 #endif
     for (; j < n; ++j) {
-      float sum = 0.0f;
-      for (int64_t k = 0; k < rows; ++k) {
-        const int64_t at = (r0 + k) * n + j;
+      group_column(r0, rows, n, j, acc, [&](int64_t at) {
         dy[at] = f32_to_bf16(g[at]);
-        sum += g[at];
-      }
-      acc[j] += sum;
+        return g[at];  // the bias gradient sums g itself, in float32
+      });
     }
   });
 }
@@ -659,14 +667,11 @@ void gelu_bf16_backward(const uint16_t* g, const uint16_t* u, const float* b, ui
     j = n;
 #endif
     for (; j < n; ++j) {
-      float sum = 0.0f;
-      for (int64_t k = 0; k < rows; ++k) {
-        const int64_t at = (r0 + k) * n + j;
+      group_column(r0, rows, n, j, acc, [&](int64_t at) {
         const float z = bf16_to_f32(u[at]) + (b ? b[j] : 0.0f);
         du[at] = f32_to_bf16(bf16_to_f32(g[at]) * gelu_slope<Tanh>(z));
-        sum += bf16_to_f32(du[at]);
-      }
-      if (acc) acc[j] += sum;
+        return bf16_to_f32(du[at]);  // the value as stored
+      });
     }
   });
 }
