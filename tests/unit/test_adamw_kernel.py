@@ -275,6 +275,28 @@ def test_the_operator_refuses_without_writing():
         torch.ops.lmlab.adamw_step_([p], [g], [m], [v], [s], [1e-3, 1e-3], *hyper[1:])
 
 
+def test_the_operator_counts_what_it_writes_in_versions():
+    """As torch's in-place step: a graph that saved a parameter refuses its backward after the
+    step instead of using the new values; an inference tensor is refused (no version)."""
+    p = torch.ones(5, requires_grad=True)
+    with torch.no_grad():
+        g, m, v, s = torch.ones(5), torch.zeros(5), torch.zeros(5), torch.zeros(())
+    x = torch.ones(5, requires_grad=True)
+    y = (x * p).sum()  # saves p for x's gradient
+    versions = [t._version for t in (p, m, v, s)]
+    hyper = ([1e-3], [0.9], [0.99], [0.0], [1e-8])
+    with torch.no_grad():
+        assert torch.ops.lmlab.adamw_step_([p], [g], [m], [v], [s], *hyper)
+    assert all(t._version > old for t, old in zip((p, m, v, s), versions, strict=True))
+    assert g._version == 0  # read only
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+    with torch.inference_mode():
+        q = torch.ones(5)
+    assert not torch.ops.lmlab.adamw_step_([q], [g], [m], [v], [s], *hyper)
+    assert torch.equal(q, torch.ones(5))
+
+
 def test_the_trainer_builds_it_and_training_keeps_its_bits():
     """build_optimizer's AdamW is this class (Muon's AdamW part too); a few training steps of a
     tiny model with the kernel on and off end with the same parameters."""

@@ -442,13 +442,46 @@ def test_clip_grads_norm_past_float32_range_is_inf_and_scales_nothing(max_norm):
     assert all(torch.equal(g, b) for g, b in zip(grads, before, strict=True))
 
 
-def test_grads_applicable_refuses_what_the_kernel_would_misread():
-    a = torch.zeros(10, 10)
-    assert train_kernel.grads_applicable([a, torch.zeros(3)])
-    assert not train_kernel.grads_applicable([a, a[2:5]])  # shared memory: counted twice
-    assert not train_kernel.grads_applicable([a.t()])  # not contiguous
-    assert not train_kernel.grads_applicable([a.bfloat16()])
-    assert not train_kernel.grads_applicable([torch.zeros(3, requires_grad=True)])
+@needs_kernel
+def test_clip_grads_refuses_what_the_kernel_would_misread_and_writes_nothing():
+    a = torch.full((10, 10), 3.0)
+    assert train_kernel.clip_grads_([a, torch.full((3,), 3.0)], 1.0) is not None
+    refused = [
+        [a, a[2:5]],  # shared memory: counted (and scaled) twice
+        [a, a],
+        [torch.full((10, 10), 3.0).t()],  # not contiguous
+        [torch.full((3,), 3.0).bfloat16()],
+        [torch.full((3,), 3.0, dtype=torch.float64)],
+        [torch.full((3,), 3.0, requires_grad=True)],
+        [torch.full((3,), 3.0)._neg_view()],
+    ]
+    with torch.inference_mode():
+        refused.append([torch.full((3,), 3.0)])  # an inference tensor: no version to count
+    for grads in refused:
+        before = [g.detach().clone() for g in grads]
+        assert train_kernel.clip_grads_(grads, 1.0) is None
+        assert all(torch.equal(g.detach(), b) for g, b in zip(grads, before, strict=True))
+    shrunk = torch.full((64,), 3.0)
+    shrunk.untyped_storage().resize_(16)  # sizes reach past the storage's end
+    assert train_kernel.clip_grads_([shrunk], 1.0) is None
+
+
+@needs_kernel
+def test_clip_grads_counts_a_scaled_tensor_in_its_version():
+    grads = [torch.full((5,), 3.0), torch.full((4,), 3.0)]
+    versions = [g._version for g in grads]
+    norm, coef = train_kernel.clip_grads_(grads, 1.0)
+    assert coef < 1.0 and all(g._version > v for g, v in zip(grads, versions, strict=True))
+    versions = [g._version for g in grads]
+    train_kernel.clip_grads_(grads, 1e9)  # nothing scaled: nothing written
+    assert [g._version for g in grads] == versions
+    # a graph that saved a gradient tensor sees the write, as after torch's mul_
+    x = torch.ones(4, requires_grad=True)
+    saved = torch.full((4,), 3.0)
+    y = (x * saved).sum()
+    train_kernel.clip_grads_([saved], 1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
 
 
 @needs_kernel

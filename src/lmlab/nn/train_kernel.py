@@ -21,10 +21,11 @@ summed in float32, multiplying only the blocks on or below the diagonal (about h
 the six full batched matmuls of the forward and backward multiply) and keeping P for the
 backward in row pairs.
 
-**Gradient clipping** (:func:`clip_grads_`, used by :func:`lmlab.training.guard.clip_gradients`
-for plain float32 CPU gradients): the global L2 norm in one threaded float64 pass and, only when
-the coefficient is below 1, one scaling pass; one call in place of torch's per-tensor norms,
-their stack and norm, and a multiply by 1 when nothing is clipped.
+**Gradient clipping** (:func:`clip_grads_`, ``torch.ops.lmlab.clip_grads_``, used by
+:func:`lmlab.training.guard.clip_gradients` for plain float32 CPU gradients): the global L2 norm
+in one threaded float64 pass and, only when the coefficient is below 1, one scaling pass; one
+call, which checks the tensors itself, in place of torch's per-tensor norms, their stack and
+norm, and a multiply by 1 when nothing is clipped.
 
 **AdamW's step** (``torch.ops.lmlab.adamw_step_``, used by :class:`lmlab.training.optim.AdamW`,
 the trainer's AdamW): every parameter's update in one call and one threaded pass, the same
@@ -115,8 +116,6 @@ def _build() -> ctypes.CDLL:
     lib.lmlab_norm_bf16_forward.restype = ci
     lib.lmlab_norm_bf16_backward.argtypes = [ci, fp, fp, fp, fp, fp, fp, fp, fp, i64, i64]
     lib.lmlab_norm_bf16_backward.restype = ci
-    lib.lmlab_grad_clip.argtypes = [i64, fp, fp, ctypes.c_double, fp, fp]
-    lib.lmlab_grad_clip.restype = ci
     lib.lmlab_causal_attention_bf16_available.restype = ci
     lib.lmlab_gelu_bf16_blocks.argtypes = [i64]
     lib.lmlab_gelu_bf16_blocks.restype = i64
@@ -315,50 +314,23 @@ def norm_bf16(
     return norm_bf16_op(x, weight.contiguous(), bias, eps, rms)
 
 
-def grads_applicable(grads: list[torch.Tensor]) -> bool:
-    """Whether :func:`clip_grads_` takes these tensors: plain (not subclassed: no DTensor
-    shard) contiguous float32 CPU tensors that record no gradients, no two sharing memory (a
-    tensor met twice would be counted, and scaled, twice)."""
-    f32, plain = torch.float32, torch.Tensor
-    spans = []
-    for g in grads:
-        if not (
-            type(g) is plain
-            and g.dtype is f32
-            and g.is_cpu
-            and g.layout is torch.strided
-            and g.is_contiguous()
-            and not g.requires_grad
-        ):
-            return False
-        if g.numel():
-            start = g.data_ptr()
-            spans.append((start, start + 4 * g.numel()))
-    spans.sort()
-    return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
-
-
-def clip_grads_(grads: list[torch.Tensor], max_norm: float) -> tuple[float, float]:
-    """Gradient clipping by the global L2 norm (Pascanu et al. 2013) of ``grads`` (contiguous
-    float32 CPU tensors, :func:`grads_applicable`) in place, in one C++ call: the norm from the
-    sum of squares accumulated in float64 in one threaded pass over fixed blocks (the same value
-    for any thread count; torch's ``get_total_norm``, per-tensor float32 norms then their norm,
-    agrees to float32 rounding); then, when the norm is finite and ``max_norm`` > 0, the
-    coefficient min(max_norm / (norm + 1e-6), 1) in float32 as torch's
-    ``clip_grads_with_norm_`` computes it, and only when it is below 1 a second pass
-    multiplying every element by it (torch's float32 products). Returns (norm, the coefficient
-    applied: 1.0 for none); a NaN or inf norm scales nothing."""
-    n = len(grads)
-    ptrs = (ctypes.c_void_p * n)(*[g.data_ptr() for g in grads])
-    numels = (ctypes.c_int64 * n)(*[g.numel() for g in grads])
-    norm, coef = ctypes.c_double(0.0), ctypes.c_float(1.0)
-    _lib().lmlab_grad_clip(
-        n, ptrs, numels, float(max_norm), ctypes.byref(norm), ctypes.byref(coef)
-    )  # fmt: skip
-    if coef.value != 1.0:
-        for g in grads:
-            _written(g)
-    return norm.value, coef.value
+def clip_grads_(grads: list[torch.Tensor], max_norm: float) -> tuple[float, float] | None:
+    """Gradient clipping by the global L2 norm (Pascanu et al. 2013) of ``grads`` in place, in
+    one C++ call (``torch.ops.lmlab.clip_grads_``, train_ops.cpp): the norm from the sum of
+    squares accumulated in float64 in one threaded pass over fixed blocks (the same value for any
+    thread count; torch's ``get_total_norm``, per-tensor float32 norms then their norm, agrees to
+    float32 rounding); then, when the norm is finite and ``max_norm`` > 0, the coefficient
+    min(max_norm / (norm + 1e-6), 1) in float32 as torch's ``clip_grads_with_norm_`` computes
+    it, and only when it is below 1 a second pass multiplying every element by it (torch's
+    float32 products; each tensor's version counted). Returns (norm, the coefficient applied:
+    1.0 for none); a NaN or inf norm scales nothing. None, with nothing read or written, where
+    the kernel cannot take the tensors: not all contiguous float32 CPU tensors with their own
+    memory (two sharing memory would be counted, and scaled, twice), an inference tensor, or
+    one that records gradients while grad mode is on. Raises RuntimeError when the kernels are
+    unavailable."""
+    _lib()
+    taken, norm, coef = torch.ops.lmlab.clip_grads_(grads, float(max_norm))
+    return (norm, coef) if taken else None
 
 
 def cpu_bf16_training(x: torch.Tensor) -> bool:

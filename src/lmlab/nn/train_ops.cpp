@@ -26,6 +26,10 @@
 //                                                      false with nothing written where the
 //                                                      kernel cannot take the tensors
 //                                                      (lmlab.training.optim.AdamW)
+//   clip_grads_(grads, max_norm)                      gradient clipping by the global L2
+//     -> (taken, norm, coef)                           norm in one call (no autograd), or
+//                                                      (false, 0, 1) with nothing written
+//                                                      (lmlab.training.guard)
 //   causal_attention_bf16(q, k, v, scale) -> y         causal softmax(q k^T scale) v in bf16,
 //                                                      one (batch, head) at a time in cache,
 //                                                      the masked blocks skipped, k and v may
@@ -48,6 +52,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -76,6 +81,8 @@ extern "C" int lmlab_gelu_bf16_forward(int form, const void* u, const float* b, 
                                        int64_t n);
 extern "C" int lmlab_gelu_bf16_backward(int form, const void* g, const void* u, const float* b,
                                         void* du, float* partial, float* db, int64_t m, int64_t n);
+extern "C" int lmlab_grad_clip(int64_t count, float* const* ptrs, const int64_t* numels,
+                               double max_norm, double* norm, float* coef_out);
 extern "C" int lmlab_adamw_step(int64_t count, float* const* params, const float* const* grads,
                                 float* const* exp_avgs, float* const* exp_avg_sqs,
                                 float* const* steps, const int64_t* numels, const double* lr,
@@ -555,6 +562,35 @@ bool plain_f32(const at::Tensor& t) {
          t.scalar_type() == at::kFloat && t.is_contiguous() && !t.is_neg() && has_data(t);
 }
 
+// The byte spans [start, end) of the tensors a kernel call reads and writes: disjoint() is
+// false when any two share memory (a tensor listed twice, or two views of one storage, would
+// be read after it was written, or counted twice).
+class Spans {
+ public:
+  explicit Spans(size_t n) { spans_.reserve(n); }
+  void add(const at::Tensor& t) {
+    if (t.numel() == 0) return;
+    const auto a = reinterpret_cast<uintptr_t>(t.data_ptr());
+    spans_.emplace_back(a, a + static_cast<uintptr_t>(t.numel()) * t.element_size());
+  }
+  bool disjoint() {
+    std::sort(spans_.begin(), spans_.end());
+    for (size_t i = 1; i < spans_.size(); ++i)
+      if (spans_[i].first < spans_[i - 1].second) return false;
+    return true;
+  }
+
+ private:
+  std::vector<std::pair<uintptr_t, uintptr_t>> spans_;
+};
+
+// Whether an optimizer-side kernel (no autograd) may read and write t in place: plain_f32, not
+// an inference tensor (its writes could not be counted in a version), and not recording
+// gradients while grad mode is on (an optimizer's work runs under no_grad).
+bool writable_f32(const at::Tensor& t, bool grad_mode) {
+  return plain_f32(t) && !t.is_inference() && !(grad_mode && t.requires_grad());
+}
+
 // One AdamW step over the listed tensors (lmlab_adamw_step, train_kernels.cpp), or false
 // with nothing written when the kernel cannot take them: not all plain contiguous float32 CPU
 // tensors, a step count that is not one float32, a gradient or state of another size than its
@@ -570,27 +606,19 @@ bool adamw_step_(at::TensorList params, at::TensorList grads, at::TensorList exp
                   weight_decay.size() == n && eps.size() == n,
               "lmlab.adamw_step_: every list must hold one entry per parameter");
   const bool grad_mode = at::GradMode::is_enabled();
-  std::vector<std::pair<uintptr_t, uintptr_t>> spans;  // [start, end) bytes of every tensor
-  spans.reserve(5 * n);
-  auto add_span = [&](const at::Tensor& t) {
-    if (t.numel() == 0) return;
-    const auto a = reinterpret_cast<uintptr_t>(t.data_ptr());
-    spans.emplace_back(a, a + static_cast<uintptr_t>(t.numel()) * sizeof(float));
-  };
+  Spans spans(5 * n);
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor* ts[5] = {&params[i], &grads[i], &exp_avgs[i], &exp_avg_sqs[i], &steps[i]};
     for (const at::Tensor* t : ts) {
-      if (!plain_f32(*t) || (grad_mode && t->requires_grad())) return false;
-      add_span(*t);
+      if (!writable_f32(*t, grad_mode)) return false;
+      spans.add(*t);
     }
     const int64_t numel = params[i].numel();
     if (grads[i].sizes() != params[i].sizes() || exp_avgs[i].numel() != numel ||
         exp_avg_sqs[i].numel() != numel || steps[i].numel() != 1)
       return false;
   }
-  std::sort(spans.begin(), spans.end());
-  for (size_t i = 1; i < spans.size(); ++i)
-    if (spans[i].first < spans[i - 1].second) return false;
+  if (!spans.disjoint()) return false;
   std::vector<float*> p(n), m(n), v(n), s(n);
   std::vector<const float*> g(n);
   std::vector<int64_t> numels(n);
@@ -605,7 +633,42 @@ bool adamw_step_(at::TensorList params, at::TensorList grads, at::TensorList exp
   lmlab_adamw_step(static_cast<int64_t>(n), p.data(), g.data(), m.data(), v.data(), s.data(),
                    numels.data(), lr.data(), beta1.data(), beta2.data(), weight_decay.data(),
                    eps.data());
+  // every tensor written counted in its version, as torch's in-place step counts it (a graph
+  // that saved a parameter then refuses a backward through its old value)
+  for (size_t i = 0; i < n; ++i)
+    for (const at::Tensor* t : {&params[i], &exp_avgs[i], &exp_avg_sqs[i], &steps[i]})
+      torch::autograd::impl::bump_version(*t);
   return true;
+}
+
+
+// Gradient clipping by the global L2 norm of the listed gradients in place (lmlab_grad_clip,
+// train_kernels.cpp): (true, the norm, the coefficient applied: 1 for none), each tensor it
+// scaled counted as written in its version, as torch's mul_ counts it. (false, 0, 1) with
+// nothing read or written where the kernel cannot take them: a tensor that is not writable_f32,
+// or two sharing memory (counted, and scaled, twice). One call from Python instead of a Python
+// pass over the tensors (lmlab.training.guard.clip_gradients).
+std::tuple<bool, double, double> clip_grads_(at::TensorList grads, double max_norm) {
+  const size_t n = grads.size();
+  const bool grad_mode = at::GradMode::is_enabled();
+  Spans spans(n);
+  for (const at::Tensor& t : grads) {
+    if (!writable_f32(t, grad_mode)) return {false, 0.0, 1.0};
+    spans.add(t);
+  }
+  if (!spans.disjoint()) return {false, 0.0, 1.0};
+  std::vector<float*> p(n);
+  std::vector<int64_t> numels(n);
+  for (size_t i = 0; i < n; ++i) {
+    p[i] = grads[i].data_ptr<float>();
+    numels[i] = grads[i].numel();
+  }
+  double norm = 0.0;
+  float coef = 1.0f;
+  lmlab_grad_clip(static_cast<int64_t>(n), p.data(), numels.data(), max_norm, &norm, &coef);
+  if (coef != 1.0f)
+    for (const at::Tensor& t : grads) torch::autograd::impl::bump_version(t);
+  return {true, norm, static_cast<double>(coef)};
 }
 
 }  // namespace
@@ -621,6 +684,7 @@ TORCH_LIBRARY_FRAGMENT(lmlab, m) {
       "adamw_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
       "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] steps, float[] lr, float[] beta1, float[] beta2, "
       "float[] weight_decay, float[] eps) -> bool");
+  m.def("clip_grads_(Tensor(a!)[] grads, float max_norm) -> (bool, float, float)");
 }
 
 TORCH_LIBRARY_IMPL(lmlab, CompositeImplicitAutograd, m) {
@@ -631,4 +695,5 @@ TORCH_LIBRARY_IMPL(lmlab, CompositeImplicitAutograd, m) {
   m.impl("gelu_bf16", gelu_bf16);
   m.impl("silu_mul_bf16", silu_mul_bf16);
   m.impl("adamw_step_", adamw_step_);
+  m.impl("clip_grads_", clip_grads_);
 }

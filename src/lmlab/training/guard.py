@@ -32,22 +32,21 @@ def clip_gradients(
     the model's parameters when the caller keeps the list (``model.parameters()`` otherwise).
 
     Plain contiguous float32 CPU gradients with lmlab's C++ kernels compiled: one C++ call
-    (:func:`lmlab.nn.train_kernel.clip_grads_`): the norm from a float64 sum of squares (torch's
-    per-tensor float32 norms agree to float32 rounding), the coefficient ``min(max_norm / (norm
-    + 1e-6), 1)`` computed in float32 as torch computes it, and a scaling pass only when it is
-    below 1 (torch multiplies by 1 too). Otherwise (CUDA, DTensor shards, no kernels,
-    :data:`CLIP_KERNEL` off) exactly ``torch.nn.utils.clip_grad_norm_`` (same operations, same
-    bits).
+    (:func:`lmlab.nn.train_kernel.clip_grads_`, which checks the tensors itself): the norm from
+    a float64 sum of squares (torch's per-tensor float32 norms agree to float32 rounding), the
+    coefficient ``min(max_norm / (norm + 1e-6), 1)`` computed in float32 as torch computes it,
+    and a scaling pass only when it is below 1 (torch multiplies by 1 too). Otherwise (CUDA,
+    DTensor shards, bf16 gradients, no kernels, :data:`CLIP_KERNEL` off) exactly
+    ``torch.nn.utils.clip_grad_norm_`` (same operations, same bits).
     """
     source = model.parameters() if params is None else params
     with_grad = [p for p in source if p.grad is not None]
     grads = [p.grad for p in with_grad if p.grad is not None]
     if not grads:
         return 0.0, None
-    if _clip_kernel_applies(grads):
-        from lmlab.nn import train_kernel
-
-        norm, _ = train_kernel.clip_grads_(grads, max_norm)
+    clipped = _clip_kernel(grads, max_norm)
+    if clipped is not None:
+        norm = clipped[0]
         return (norm, None) if math.isfinite(norm) else (norm, first_nonfinite_grad(model))
     # plain CPU tensors: torch's foreach kernels (one call, the same per-tensor norms and the
     # same products, so the same bits) instead of its per-tensor default there; elsewhere
@@ -69,12 +68,19 @@ CLIP_KERNEL = True
 for benchmarks and tests; off: torch's foreach ops)."""
 
 
-def _clip_kernel_applies(grads: list[torch.Tensor]) -> bool:
-    if not CLIP_KERNEL:
-        return False
+def _clip_kernel(grads: list[torch.Tensor], max_norm: float) -> tuple[float, float] | None:
+    """lmlab's one-call clipping of ``grads`` (norm, coefficient), or None with nothing
+    written where it does not apply: :data:`CLIP_KERNEL` off, a tensor subclass among them
+    (DTensor shards: their own dispatch), CUDA or bf16 gradients, no kernels, or tensors the C++
+    operator refuses (:func:`lmlab.nn.train_kernel.clip_grads_`)."""
+    f32, plain = torch.float32, torch.Tensor
+    if not CLIP_KERNEL or not all(type(g) is plain and g.is_cpu and g.dtype is f32 for g in grads):
+        return None  # (the kernels are not built for a step they could not take)
     from lmlab.nn import train_kernel
 
-    return train_kernel.grads_applicable(grads) and train_kernel.available()
+    if not train_kernel.available():
+        return None
+    return train_kernel.clip_grads_(grads, max_norm)
 
 
 def first_nonfinite_grad(model: nn.Module) -> str | None:
