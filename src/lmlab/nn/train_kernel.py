@@ -416,9 +416,10 @@ def gelu_up(x: torch.Tensor, up: torch.nn.Module, tanh: bool = False) -> torch.T
     ``addmm``, which first writes the bias broadcast into its output), then
     ``torch.ops.lmlab.gelu_bf16`` computes gelu(u + bias) in float32 from the bf16 product u and
     the float32 bias in one pass, rounding once to bf16; its backward is one pass: GELU's
-    gradient (rounded to bf16) and the bias gradient (float32 column sums, the same bits for any
-    thread count). Against torch's path the bias is not rounded to bf16 first and z = u + bias
-    is not rounded before the GELU: values agree to bf16 rounding, not bit for bit. Torch's own
+    gradient (rounded to bf16) and the bias gradient (float32 column sums of that gradient
+    before its rounding, the same bits for any thread count). Against torch's path the bias is
+    not rounded to bf16 first and z = u + bias is not rounded before the GELU: values agree to
+    bf16 rounding, not bit for bit. Torch's own
     erf formula (Abramowitz & Stegun 7.1.26, absolute error 1.5e-7); the tanh form's tanh from
     one exponential. A backward that records its graph (create_graph) runs the same formula as
     ATen ops."""

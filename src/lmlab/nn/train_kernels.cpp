@@ -420,8 +420,9 @@ void row_group_pass(int64_t m, int64_t n, float* partial, float* db, const Group
 }
 
 // A group's column j in scalar code (builds without AVX-512): value(at) computes and stores
-// element at = row * n + j and returns what it stored; their sum over the group's rows, in row
-// order, is added to acc[j] (acc null: nothing summed).
+// element at = row * n + j and returns the float32 value to sum (the gradient before its
+// rounding to the stored dtype); their sum over the group's rows, in row order, is added to
+// acc[j] (acc null: nothing summed).
 template <typename Value>
 inline void group_column(int64_t r0, int64_t rows, int64_t n, int64_t j, float* acc,
                          const Value& value) {
@@ -500,9 +501,10 @@ void add_bias_backward(const float* g, uint16_t* dy, float* partial, float* db, 
 // Phi(z) with Phi(z) = (1 + erf(z / sqrt 2)) / 2 (Hendrycks & Gimpel 2016, the exact form, torch's
 // F.gelu default), a rounded once to bfloat16. Backward: du = g gelu'(z), gelu'(z) = Phi(z) + z
 // phi(z) with phi the standard normal density, rounded to bfloat16; db[j] = the float32 sum over
-// i of du[i, j] as stored, summed four rows at a time within fixed blocks of rows
-// (sum_block_rows: the shape alone decides them), then in block order: the same bits for any
-// thread count.
+// i of g gelu'(z) before that rounding (the float32 gradient of z = u + b, which the ATen
+// formula's autograd sums too; the residual add's bias gradient likewise sums its float32 g),
+// summed four rows at a time within fixed blocks of rows (sum_block_rows: the shape alone
+// decides them), then in block order: the same bits for any thread count.
 //
 // erf by Abramowitz & Stegun 7.1.26 (absolute error <= 1.5e-7; the formula of torch's own
 // vectorised erf), its e^(-z^2 / 2) by exp16, which phi shares: one exponential per element each
@@ -621,7 +623,7 @@ inline void gelu_forward16(const uint16_t* u, const float* b, uint16_t* a, __mma
 }
 
 // Rows r0 .. r0 + rows - 1 of the sixteen columns from j: du = g gelu'(u + b), and (acc not
-// null) their sum as stored, added in row order, then to acc.
+// null) the float32 values' sum before du's rounding, added in row order, then to acc.
 template <bool Tanh, bool Full>
 inline void gelu_backward16(const uint16_t* g, const uint16_t* u, const float* b, uint16_t* du,
                             float* acc, int64_t r0, int64_t rows, int64_t n, int64_t j,
@@ -630,9 +632,9 @@ inline void gelu_backward16(const uint16_t* g, const uint16_t* u, const float* b
   for (int64_t k = 0; k < rows; ++k) {
     const int64_t at = (r0 + k) * n + j;
     const __m512 z = gelu_z16<Full>(u + at, b ? b + j : b, mk);
-    part_store16<Full>(_mm512_mul_ps(part_load16<Full>(g + at, mk), gelu_slope16<Tanh>(z)),
-                       du + at, mk);
-    if (acc) sum = _mm512_add_ps(sum, part_load16<Full>(du + at, mk));  // the value as stored
+    const __m512 d = _mm512_mul_ps(part_load16<Full>(g + at, mk), gelu_slope16<Tanh>(z));
+    part_store16<Full>(d, du + at, mk);
+    if (acc) sum = _mm512_add_ps(sum, d);
   }
   if (acc) part_store16<Full>(_mm512_add_ps(part_load16<Full>(acc + j, mk), sum), acc + j, mk);
 }
@@ -669,8 +671,9 @@ void gelu_bf16_backward(const uint16_t* g, const uint16_t* u, const float* b, ui
     for (; j < n; ++j) {
       group_column(r0, rows, n, j, acc, [&](int64_t at) {
         const float z = bf16_to_f32(u[at]) + (b ? b[j] : 0.0f);
-        du[at] = f32_to_bf16(bf16_to_f32(g[at]) * gelu_slope<Tanh>(z));
-        return bf16_to_f32(du[at]);  // the value as stored
+        const float d = bf16_to_f32(g[at]) * gelu_slope<Tanh>(z);
+        du[at] = f32_to_bf16(d);
+        return d;  // summed before its rounding
       });
     }
   });
