@@ -292,9 +292,11 @@ def test_the_operator_counts_what_it_writes_in_versions():
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.backward()
     with torch.inference_mode():
-        q = torch.ones(5)
+        q, gi = torch.ones(5), torch.ones(5)
     assert not torch.ops.lmlab.adamw_step_([q], [g], [m], [v], [s], *hyper)
     assert torch.equal(q, torch.ones(5))
+    with torch.no_grad():  # an inference gradient is only read: taken
+        assert torch.ops.lmlab.adamw_step_([p], [gi], [m], [v], [s], *hyper)
 
 
 def test_the_trainer_builds_it_and_training_keeps_its_bits():

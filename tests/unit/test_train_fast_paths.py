@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import lmlab.nn.attention as attention_mod
 from lmlab.models import build_model
@@ -261,3 +262,48 @@ def test_residual_dropout_at_p0_skips_the_module_call_unless_it_is_hooked():
     block.drop.register_forward_hook(lambda mod, inp, out: seen.append(out.shape))
     out = block.dropped(x)
     assert seen == [x.shape] and torch.equal(out, x)
+
+
+def test_clip_gradients_under_torch_compile_clips_once_and_reports_the_norm():
+    """Compiled (a backend that runs the traced graph), clipping is torch's path: a traced
+    kernel call would keep its scaling while its answer was fixed at trace time."""
+    from lmlab.training.guard import clip_gradients
+
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.load_state_dict(a.state_dict())
+    for m in (a, b):
+        m(torch.ones(2, 4)).sum().backward()
+    torch._dynamo.reset()
+    norm, bad = torch.compile(lambda: clip_gradients(a, 0.5), backend="eager")()
+    ref = torch.nn.utils.clip_grad_norm_(list(b.parameters()), 0.5)
+    assert bad is None and abs(norm - float(ref)) <= 1e-6 * float(ref) and norm > 0.5
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-6, atol=0)
+
+
+def test_clip_gradients_never_builds_the_kernels_for_gradients_it_would_refuse(monkeypatch):
+    from lmlab.nn import train_kernel
+    from lmlab.training import guard
+
+    asked = []
+    monkeypatch.setattr(train_kernel, "loaded", lambda: False)
+    monkeypatch.setattr(train_kernel, "available", lambda: asked.append(1) or False)
+    refused = [
+        [torch.randn(4, 6).t()],  # not contiguous
+        [torch.randn(3, requires_grad=True)],  # records gradients in grad mode
+        [torch.randn(3).bfloat16()],
+        [torch.randn(3, dtype=torch.float64)],
+        [torch.randn(3)._neg_view()],
+        [nn.Parameter(torch.randn(3), requires_grad=False)],  # a subclass
+        [torch.empty(3, device="meta")],  # not on the CPU
+    ]
+    flat = torch.randn(8)
+    refused.append([flat, flat[2:5]])  # shared memory
+    with torch.inference_mode():
+        refused.append([torch.randn(3)])
+    for grads in refused:
+        assert guard._clip_kernel(grads, 1.0) is None
+    assert asked == []
+    assert guard._clip_kernel([torch.randn(3), torch.randn(2, 2)], 1.0) is None  # asks: none
+    assert asked == [1]

@@ -466,6 +466,41 @@ def test_clip_grads_refuses_what_the_kernel_would_misread_and_writes_nothing():
     assert train_kernel.clip_grads_([shrunk], 1.0) is None
 
 
+class _Dispatching(torch.Tensor):
+    """A __torch_dispatch__ subclass: its own dispatch must see any operator on it."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise AssertionError(f"{func} reached the subclass")
+
+
+@needs_kernel
+def test_clip_grads_takes_adjacent_views_and_refuses_dispatching_subclasses():
+    flat = torch.full((20,), 3.0)  # gradients as views of one buffer (DDP's bucket views)
+    norm, coef = train_kernel.clip_grads_([flat[:10], flat[10:17], flat[17:]], 1.0)
+    assert abs(norm - math.sqrt(20 * 9.0)) <= 1e-12 * norm and coef < 1.0
+    assert torch.equal(flat, torch.full((20,), 3.0) * torch.tensor(coef))
+    for data in (torch.full((3,), 3.0), torch.empty(0)):  # real storage, or none to read
+        sub = torch.Tensor._make_subclass(_Dispatching, data)
+        assert train_kernel.clip_grads_([sub], 1.0) is None
+        assert sub._version == 0
+
+
+@needs_kernel
+@pytest.mark.parametrize(("value", "count"), [(1e19, 4), (1.8e19, 1), (1e19, 1)])
+def test_clip_grads_norm_is_inf_where_torchs_float32_norm_is(value, count):
+    # torch's float32 norm overflows with its sum of squares (norms above about 1.8e19), long
+    # before the norm itself passes float32's range: the step is skipped either way
+    grads = [torch.full((count,), value)]
+    want = float(torch.nn.utils.get_total_norm([g.clone() for g in grads]))
+    norm, coef = train_kernel.clip_grads_(grads, 1.0)
+    assert math.isinf(norm) == math.isinf(want)
+    if math.isinf(want):
+        assert coef == 1.0 and torch.equal(grads[0], torch.full((count,), value))
+    else:
+        assert abs(norm - want) <= 1e-6 * want
+
+
 @needs_kernel
 def test_clip_grads_counts_a_scaled_tensor_in_its_version():
     grads = [torch.full((5,), 3.0), torch.full((4,), 3.0)]

@@ -173,6 +173,12 @@ def attention_bf16_expected() -> bool:
     return _build_kind() == "avx512bf16" and "amx_bf16" not in cpp_build.cpu_flags()
 
 
+def loaded() -> bool:
+    """Whether the kernels' build or load has been tried in this process (then
+    :func:`available` costs nothing more)."""
+    return _kernel.tried()
+
+
 def _lib() -> ctypes.CDLL:
     lib = _kernel.load()
     if lib is None:
@@ -319,14 +325,16 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float) -> tuple[float, floa
     one C++ call (``torch.ops.lmlab.clip_grads_``, train_ops.cpp): the norm from the sum of
     squares accumulated in float64 in one threaded pass over fixed blocks (the same value for any
     thread count; torch's ``get_total_norm``, per-tensor float32 norms then their norm, agrees to
-    float32 rounding); then, when the norm is finite and ``max_norm`` > 0, the coefficient
+    a few float32 roundings; a sum of squares past float32's range is an inf norm, as torch's
+    is); then, when the norm is finite and ``max_norm`` > 0, the coefficient
     min(max_norm / (norm + 1e-6), 1) in float32 as torch's ``clip_grads_with_norm_`` computes
     it, and only when it is below 1 a second pass multiplying every element by it (torch's
     float32 products; each tensor's version counted). Returns (norm, the coefficient applied:
     1.0 for none); a NaN or inf norm scales nothing. None, with nothing read or written, where
     the kernel cannot take the tensors: not all contiguous float32 CPU tensors with their own
-    memory (two sharing memory would be counted, and scaled, twice), an inference tensor, or
-    one that records gradients while grad mode is on. Raises RuntimeError when the kernels are
+    memory (two sharing memory would be counted, and scaled, twice), an inference tensor, a
+    tensor subclass with its own dispatch, or one that records gradients while grad mode is
+    on. Raises RuntimeError when the kernels are
     unavailable."""
     _lib()
     taken, norm, coef = torch.ops.lmlab.clip_grads_(grads, float(max_norm))

@@ -768,8 +768,9 @@ void silu_mul_bf16_backward(const uint16_t* g, const uint16_t* gate, const uint1
 // each block's sum of squares is accumulated in float64 (eight lanes at a time on AVX-512) and
 // the blocks' sums are added in order, so the total does not depend on the thread count.
 // torch's clip_grad_norm_ takes each tensor's float32 norm, then the norm of those: the two
-// agree to float32 rounding, not bit for bit. The scaling g *= coef is float32 (one rounding
-// per element), the product torch's mul_ by a float32 scalar makes.
+// agree to a few float32 roundings (torch's own float32 norm is that far from the exact one),
+// so the coefficient may differ by a few ulps; not bit for bit. The scaling g *= coef is float32
+// (one rounding per element), the product torch's mul_ by a float32 scalar makes.
 
 constexpr int64_t kGradBlock = 16384;
 
@@ -824,9 +825,10 @@ extern "C" int lmlab_grad_clip(int64_t count, float* const* ptrs, const int64_t*
   for (double v : sums) total += v;
   *norm = std::sqrt(total);
   *coef_out = 1.0f;
-  // a norm past float32's range is inf, as torch's float32 norm is (the coefficient below
-  // would be max_norm / inf = 0, zeroing every gradient of a step the caller must skip)
-  if (std::isinf(static_cast<float>(*norm))) *norm = std::numeric_limits<double>::infinity();
+  // a sum of squares past float32's range is an inf norm, as torch's float32 norm is (its sum
+  // of squares overflows: norms above about 1.8e19; the coefficient would otherwise zero every
+  // gradient, or clip, in a step torch's path skips)
+  if (std::isinf(static_cast<float>(total))) *norm = std::numeric_limits<double>::infinity();
   if (!std::isfinite(*norm) || !(max_norm > 0)) return 0;
   volatile float shifted = static_cast<float>(*norm) + static_cast<float>(1e-6);  // no fusing
   volatile float inv = 1.0f / shifted;

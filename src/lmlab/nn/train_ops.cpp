@@ -556,10 +556,12 @@ at::Tensor silu_mul_bf16(const at::Tensor& gate, const at::Tensor& up) {
 }
 
 // Whether t is a dense float32 CPU tensor whose contiguous elements the kernel may read or write
-// through its data pointer (no negated view, storage allocated).
+// through its data pointer (no negated view, storage allocated, not a tensor subclass with its
+// own dispatch: a __torch_dispatch__ wrapper, a FakeTensor, whose storage is not its values).
 bool plain_f32(const at::Tensor& t) {
   return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided &&
-         t.scalar_type() == at::kFloat && t.is_contiguous() && !t.is_neg() && has_data(t);
+         t.scalar_type() == at::kFloat && t.is_contiguous() && !t.is_neg() &&
+         !t.key_set().has(c10::DispatchKey::Python) && has_data(t);
 }
 
 // The byte spans [start, end) of the tensors a kernel call reads and writes: disjoint() is
@@ -584,11 +586,16 @@ class Spans {
   std::vector<std::pair<uintptr_t, uintptr_t>> spans_;
 };
 
-// Whether an optimizer-side kernel (no autograd) may read and write t in place: plain_f32, not
-// an inference tensor (its writes could not be counted in a version), and not recording
+// Whether an optimizer-side kernel (no autograd) may read t: plain_f32, and not recording
 // gradients while grad mode is on (an optimizer's work runs under no_grad).
+bool readable_f32(const at::Tensor& t, bool grad_mode) {
+  return plain_f32(t) && !(grad_mode && t.requires_grad());
+}
+
+// ... and write it in place: also not an inference tensor (its writes could not be counted in
+// a version).
 bool writable_f32(const at::Tensor& t, bool grad_mode) {
-  return plain_f32(t) && !t.is_inference() && !(grad_mode && t.requires_grad());
+  return readable_f32(t, grad_mode) && !t.is_inference();
 }
 
 // One AdamW step over the listed tensors (lmlab_adamw_step, train_kernels.cpp), or false
@@ -610,7 +617,9 @@ bool adamw_step_(at::TensorList params, at::TensorList grads, at::TensorList exp
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor* ts[5] = {&params[i], &grads[i], &exp_avgs[i], &exp_avg_sqs[i], &steps[i]};
     for (const at::Tensor* t : ts) {
-      if (!writable_f32(*t, grad_mode)) return false;
+      // the gradient is only read (an inference tensor may be); the others are written
+      if (!(t == &grads[i] ? readable_f32(*t, grad_mode) : writable_f32(*t, grad_mode)))
+        return false;
       spans.add(*t);
     }
     const int64_t numel = params[i].numel();

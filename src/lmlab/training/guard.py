@@ -33,7 +33,9 @@ def clip_gradients(
 
     Plain contiguous float32 CPU gradients with lmlab's C++ kernels compiled: one C++ call
     (:func:`lmlab.nn.train_kernel.clip_grads_`, which checks the tensors itself): the norm from
-    a float64 sum of squares (torch's per-tensor float32 norms agree to float32 rounding), the
+    a float64 sum of squares (torch's per-tensor float32 norms agree to a few float32 roundings:
+    the coefficient may differ by a few ulps; a sum of squares past float32's range is an inf
+    norm, as torch's is), the
     coefficient ``min(max_norm / (norm + 1e-6), 1)`` computed in float32 as torch computes it,
     and a scaling pass only when it is below 1 (torch multiplies by 1 too). Otherwise (CUDA,
     DTensor shards, bf16 gradients, no kernels, :data:`CLIP_KERNEL` off) exactly
@@ -70,17 +72,41 @@ for benchmarks and tests; off: torch's foreach ops)."""
 
 def _clip_kernel(grads: list[torch.Tensor], max_norm: float) -> tuple[float, float] | None:
     """lmlab's one-call clipping of ``grads`` (norm, coefficient), or None with nothing
-    written where it does not apply: :data:`CLIP_KERNEL` off, a tensor subclass among them
-    (DTensor shards: their own dispatch), CUDA or bf16 gradients, no kernels, or tensors the C++
-    operator refuses (:func:`lmlab.nn.train_kernel.clip_grads_`)."""
+    written where it does not apply: :data:`CLIP_KERNEL` off, under torch.compile (its tracer
+    would fix the operator's answer while the call still scales at run time), a tensor
+    subclass among them (DTensor shards: their own dispatch), CUDA or bf16 gradients, no
+    kernels, or tensors the C++ operator refuses (:func:`lmlab.nn.train_kernel.clip_grads_`).
+    The kernels are not built for a step they could not take: until they are, the operator's
+    own checks are made here first."""
+    if not CLIP_KERNEL or torch.compiler.is_compiling():
+        return None
     f32, plain = torch.float32, torch.Tensor
-    if not CLIP_KERNEL or not all(type(g) is plain and g.is_cpu and g.dtype is f32 for g in grads):
-        return None  # (the kernels are not built for a step they could not take)
+    if not all(type(g) is plain and g.is_cpu and g.dtype is f32 for g in grads):
+        return None
     from lmlab.nn import train_kernel
 
+    if not train_kernel.loaded() and not _clip_could_take(grads):
+        return None
     if not train_kernel.available():
         return None
     return train_kernel.clip_grads_(grads, max_norm)
+
+
+def _clip_could_take(grads: list[torch.Tensor]) -> bool:
+    """The C++ operator's checks of ``grads`` in Python (plain float32 CPU tensors known):
+    contiguous, real and own memory, not recording gradients in grad mode, not inference
+    tensors. Made only before the kernels are first built (then the operator checks)."""
+    recording = torch.is_grad_enabled()
+    spans = []
+    for g in grads:
+        if g.layout is not torch.strided or not g.is_contiguous() or g.is_inference():
+            return False
+        if g.is_neg() or (recording and g.requires_grad):
+            return False
+        if g.numel():
+            spans.append((g.data_ptr(), g.data_ptr() + 4 * g.numel()))
+    spans.sort()
+    return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
 
 
 def first_nonfinite_grad(model: nn.Module) -> str | None:

@@ -271,7 +271,9 @@ class AdamW(torch.optim.AdamW):
     Optimizer hooks run as for any torch optimizer."""
 
     def step(self, closure: Any = None) -> Any:
-        lists = None if closure is not None or not ADAMW_KERNEL else self._kernel_lists()
+        # under torch.compile the step is torch's (a tracer would fix the operator's answer)
+        kernel = ADAMW_KERNEL and closure is None and not torch.compiler.is_compiling()
+        lists = self._kernel_lists() if kernel else None
         if lists is not None:
             with torch.no_grad():
                 if torch.ops.lmlab.adamw_step_(*lists):
