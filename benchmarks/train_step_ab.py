@@ -1,6 +1,7 @@
 """One training step, lmlab vs nanoGPT, on the same model and batch, interleaved in one process.
 
     python benchmarks/train_step_ab.py --profile-arch nanogpt,bf16 --rounds 60  # op by op
+    python benchmarks/train_step_ab.py --phase-arch nanogpt,bf16 --rounds 300  # by phase
     python benchmarks/train_step_ab.py [--shapes nanogpt,minigpt] [--precisions fp32,bf16]
         [--rounds 20] [--threads 1] [--config CONFIG] [--reference] [--rope-kernel]
         [--softmax-kernel] [--attention-kernel] [--norm-kernel] [--gelu-kernel]
@@ -101,6 +102,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -286,6 +288,12 @@ def main(argv: list[str] | None = None) -> None:
         "ARCH_VARIANTS), op by op, ms per step (see profile_arch), e.g. minigpt,bf16",
     )
     ap.add_argument(
+        "--phase-arch",
+        metavar="SHAPE,PRECISION[,A,B]",
+        help="only time lmlab's architecture A against B (default: default,plain) phase by "
+        "phase: forward, backward, clipping, optimizer step, zero_grad (see phase_arch)",
+    )
+    ap.add_argument(
         "--matmuls",
         action="store_true",
         help="only the Mini-GPT step's bf16 matmul shapes alone, as a fraction of the peak",
@@ -308,6 +316,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.profile_arch:
         profile_arch(args, *args.profile_arch.split(","))
+        return
+    if args.phase_arch:
+        phase_arch(args, *args.phase_arch.split(","))
         return
     if args.attention:
         attention_ab(args.rounds)
@@ -589,6 +600,72 @@ def profile_arch(
         (ta, ca), (tb, cb) = per_step[a].get(k, zero), per_step[b].get(k, zero)
         op = k.replace("torch::autograd::CppNode<(anonymous namespace)::", "backward of ")
         print(f"{op[:48]:<48} {ta:9.2f} ({ca:5.0f}) {tb:10.2f} ({cb:5.0f})   {ta - tb:+8.2f}")
+
+
+def phase_arch(
+    args: argparse.Namespace, shape: str, precision: str, a: str = "default", b: str = "plain"
+) -> None:
+    """``--rounds`` Trainer steps of lmlab's architecture variants ``a`` and ``b``
+    (:data:`ARCH_VARIANTS`) at ``shape``, interleaved (3 warm-up steps each, then a random
+    order every round), each step's wall time split by phase: the backward
+    (``Tensor.backward``), clipping (``lmlab.training.loop.clip_gradients``), the optimizer's
+    ``step`` and ``zero_grad`` (each wrapped by a timer for the run), and the rest (batch,
+    forward, loss, schedule). Prints each phase's median ms per step for a and b and the
+    difference: where a's extra time goes, without a profiler's own cost inside the ops."""
+    import lmlab.training.loop as loop
+
+    spent: dict[str, float] = {}
+
+    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*fargs: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*fargs, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+
+        return run
+
+    names = [a, b]
+    phases = ["backward", "clip", "optimizer step", "zero_grad"]
+    times: dict[str, dict[str, list[float]]] = {n: {} for n in [a, b]}
+    saved = (loop.clip_gradients, torch.Tensor.backward)
+    with ExitStack() as stack:
+        steps = {}
+        for name in names:
+            over = shape_overrides(shape, precision) + ARCH_VARIANTS[name]
+            trainer = stack.enter_context(lmlab_session(args.config, over)).trainer
+            steps[name] = trainer_step(trainer)
+            opt = trainer.optimizer
+            opt.step = timed("optimizer step", opt.step)  # type: ignore[method-assign]
+            opt.zero_grad = timed("zero_grad", opt.zero_grad)  # type: ignore[method-assign]
+        try:
+            loop.clip_gradients = timed("clip", loop.clip_gradients)  # type: ignore[assignment]
+            torch.Tensor.backward = timed("backward", torch.Tensor.backward)  # type: ignore[method-assign]
+            for name in names:
+                for _ in range(3):
+                    steps[name]()
+            rng = random.Random(0)
+            for _ in range(args.rounds):
+                for name in round_order(names, rng):
+                    spent.clear()
+                    start = time.perf_counter()
+                    steps[name]()
+                    total = time.perf_counter() - start
+                    rest = total - sum(spent.get(p, 0.0) for p in phases)
+                    for p, t in [
+                        *((p, spent.get(p, 0.0)) for p in phases),
+                        ("forward and rest", rest),
+                        ("total", total),
+                    ]:
+                        times[name].setdefault(p, []).append(1e3 * t)
+        finally:
+            loop.clip_gradients, torch.Tensor.backward = saved  # type: ignore[method-assign]
+    print(f"{shape} shape, {precision}, {args.threads} thread(s), {args.rounds} rounds: median ms")
+    print(f"{'phase':<18} {a:>10} {b:>10}   {a} - {b}")
+    for p in times[a]:
+        ma, mb = statistics.median(times[a][p]), statistics.median(times[b][p])
+        print(f"{p:<18} {ma:10.3f} {mb:10.3f}   {ma - mb:+8.3f}")
 
 
 MATMUL_SHAPES = {  # (batch, M, K, N) of the Mini-GPT bf16 step's matmuls (16 x 256 tokens)
