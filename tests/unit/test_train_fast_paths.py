@@ -307,3 +307,46 @@ def test_clip_gradients_never_builds_the_kernels_for_gradients_it_would_refuse(m
     assert asked == []
     assert guard._clip_kernel([torch.randn(3), torch.randn(2, 2)], 1.0) is None  # asks: none
     assert asked == [1]
+
+
+def test_clipping_and_adamw_leave_their_work_to_torch_under_a_dispatch_mode():
+    """A torch dispatch mode (make_fx, FlopCounterMode ...) sees every op of torch's path; the
+    lmlab operators' writes would be invisible to it, so they step aside."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lmlab.training import optim
+    from lmlab.training.guard import clip_gradients
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.load_state_dict(a.state_dict())
+    for m in (a, b):
+        m(torch.ones(2, 4)).sum().backward()
+    seen = Seen()
+    with seen:
+        norm, _ = clip_gradients(a, 0.5)
+    ref = torch.nn.utils.clip_grad_norm_(list(b.parameters()), 0.5)
+    assert not any("lmlab" in op for op in seen.ops) and seen.ops
+    assert abs(norm - float(ref)) <= 1e-6 * float(ref)
+    opt_a = optim.AdamW(a.parameters(), lr=1e-2, fused=True)
+    opt_b = optim.AdamW(b.parameters(), lr=1e-2, fused=True)
+    for step in range(3):  # the kernel takes steps after the first where it applies
+        for m in (a, b):
+            for p in m.parameters():
+                p.grad = torch.full_like(p, 0.1 * (step + 1))
+        seen = Seen()
+        with seen:
+            opt_a.step()
+        opt_b.step()
+        assert not any("lmlab" in op for op in seen.ops) and seen.ops
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)

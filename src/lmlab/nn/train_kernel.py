@@ -173,6 +173,14 @@ def attention_bf16_expected() -> bool:
     return _build_kind() == "avx512bf16" and "amx_bf16" not in cpp_build.cpu_flags()
 
 
+def traced() -> bool:
+    """Whether ops are being traced or watched rather than only run: under torch.compile, or
+    with a torch dispatch mode active (make_fx, FakeTensorMode, FlopCounterMode ...). The
+    optimizer-side operators (clipping, AdamW's step) then leave the work to torch's ops, which
+    a tracer or mode sees; the operators' own writes would be invisible to it."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+
+
 def loaded() -> bool:
     """Whether the kernels' build or load has been tried in this process (then
     :func:`available` costs nothing more)."""
@@ -326,9 +334,11 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float) -> tuple[float, floa
     squares accumulated in float64 in one threaded pass over fixed blocks (the same value for any
     thread count; torch's ``get_total_norm``, per-tensor float32 norms then their norm, agrees to
     a few float32 roundings; a sum of squares past float32's range is an inf norm, as torch's
-    is); then, when the norm is finite and ``max_norm`` > 0, the coefficient
-    min(max_norm / (norm + 1e-6), 1) in float32 as torch's ``clip_grads_with_norm_`` computes
-    it, and only when it is below 1 a second pass multiplying every element by it (torch's
+    is, except for a lone one-element gradient, whose float32 norm torch takes as its absolute
+    value, and within a few 1e-8 of the limit, where the two round differently); then, when
+    the norm is finite and ``max_norm`` > 0, the coefficient min(max_norm / (norm + 1e-6), 1)
+    in float32 as torch's ``clip_grads_with_norm_`` computes it, and only when it is below 1 a
+    second pass multiplying every element by it (torch's
     float32 products; each tensor's version counted). Returns (norm, the coefficient applied:
     1.0 for none); a NaN or inf norm scales nothing. None, with nothing read or written, where
     the kernel cannot take the tensors: not all contiguous float32 CPU tensors with their own

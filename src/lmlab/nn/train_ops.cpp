@@ -559,7 +559,7 @@ at::Tensor silu_mul_bf16(const at::Tensor& gate, const at::Tensor& up) {
 // through its data pointer (no negated view, storage allocated, not a tensor subclass with its
 // own dispatch: a __torch_dispatch__ wrapper, a FakeTensor, whose storage is not its values).
 bool plain_f32(const at::Tensor& t) {
-  return t.defined() && t.device().is_cpu() && t.layout() == at::kStrided &&
+  return t.defined() && !t.is_nested() && t.device().is_cpu() && t.layout() == at::kStrided &&
          t.scalar_type() == at::kFloat && t.is_contiguous() && !t.is_neg() &&
          !t.key_set().has(c10::DispatchKey::Python) && has_data(t);
 }

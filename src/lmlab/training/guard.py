@@ -72,18 +72,20 @@ for benchmarks and tests; off: torch's foreach ops)."""
 
 def _clip_kernel(grads: list[torch.Tensor], max_norm: float) -> tuple[float, float] | None:
     """lmlab's one-call clipping of ``grads`` (norm, coefficient), or None with nothing
-    written where it does not apply: :data:`CLIP_KERNEL` off, under torch.compile (its tracer
-    would fix the operator's answer while the call still scales at run time), a tensor
+    written where it does not apply: :data:`CLIP_KERNEL` off, under torch.compile or a torch
+    dispatch mode (:func:`lmlab.nn.train_kernel.traced`: a tracer would fix the operator's answer
+    while the call still scales at run time, or see none of its work), a tensor
     subclass among them (DTensor shards: their own dispatch), CUDA or bf16 gradients, no
     kernels, or tensors the C++ operator refuses (:func:`lmlab.nn.train_kernel.clip_grads_`).
     The kernels are not built for a step they could not take: until they are, the operator's
     own checks are made here first."""
-    if not CLIP_KERNEL or torch.compiler.is_compiling():
+    from lmlab.nn import train_kernel
+
+    if not CLIP_KERNEL or train_kernel.traced():
         return None
     f32, plain = torch.float32, torch.Tensor
     if not all(type(g) is plain and g.is_cpu and g.dtype is f32 for g in grads):
         return None
-    from lmlab.nn import train_kernel
 
     if not train_kernel.loaded() and not _clip_could_take(grads):
         return None

@@ -266,13 +266,16 @@ class AdamW(torch.optim.AdamW):
     float32 CPU tensor (not a DTensor shard) whose state exists (torch's step creates it, so
     the first step is torch's, and so is a step in which a parameter gets its first gradient),
     its gradient and state alike, none sharing memory, and the kernels are compiled
-    (:func:`lmlab.nn.train_kernel.available`, asked last: a step the kernel could not take
-    never builds them). Otherwise (CUDA, FSDP2, bf16 parameters ...) the step is torch's own.
+    (:func:`lmlab.nn.train_kernel.available`, asked last: a step the kernel could not take for
+    its parameters' dtype or device, its options or its state never builds them; one the C++
+    operator refuses, e.g. for non-contiguous or overlapping tensors, may). Under
+    torch.compile or a torch dispatch mode the step is torch's. Otherwise (CUDA, FSDP2, bf16
+    parameters ...) the step is torch's own.
     Optimizer hooks run as for any torch optimizer."""
 
     def step(self, closure: Any = None) -> Any:
-        # under torch.compile the step is torch's (a tracer would fix the operator's answer)
-        kernel = ADAMW_KERNEL and closure is None and not torch.compiler.is_compiling()
+        # traced (torch.compile, a dispatch mode): torch's step, whose ops a tracer sees
+        kernel = ADAMW_KERNEL and closure is None and not _traced()
         lists = self._kernel_lists() if kernel else None
         if lists is not None:
             with torch.no_grad():
@@ -451,3 +454,10 @@ def wsd_lr_at(step: int, cfg: TrainConfig) -> float:
     x = (step - start + 1) / (last - start + 1)  # (0, 1]: 1 at the last step
     f = 1.0 - (math.sqrt(x) if cfg.decay_shape == "sqrt" else x)
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * f
+
+
+def _traced() -> bool:
+    """:func:`lmlab.nn.train_kernel.traced` (imported on first use)."""
+    from lmlab.nn.train_kernel import traced
+
+    return traced()
