@@ -628,7 +628,7 @@ def phase_arch(
 
     names = [a, b]
     phases = ["backward", "clip", "optimizer step", "zero_grad"]
-    times: dict[str, dict[str, list[float]]] = {n: {} for n in [a, b]}
+    times: dict[str, dict[str, list[float]]] = {n: {} for n in names}
     saved = (loop.clip_gradients, torch.Tensor.backward)
     with ExitStack() as stack:
         steps = {}

@@ -338,14 +338,13 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float) -> tuple[float, floa
     value, and within a few 1e-8 of the limit, where the two round differently); then, when
     the norm is finite and ``max_norm`` > 0, the coefficient min(max_norm / (norm + 1e-6), 1)
     in float32 as torch's ``clip_grads_with_norm_`` computes it, and only when it is below 1 a
-    second pass multiplying every element by it (torch's
-    float32 products; each tensor's version counted). Returns (norm, the coefficient applied:
-    1.0 for none); a NaN or inf norm scales nothing. None, with nothing read or written, where
-    the kernel cannot take the tensors: not all contiguous float32 CPU tensors with their own
-    memory (two sharing memory would be counted, and scaled, twice), an inference tensor, a
-    tensor subclass with its own dispatch, or one that records gradients while grad mode is
-    on. Raises RuntimeError when the kernels are
-    unavailable."""
+    second pass multiplying every element by it (torch's float32 products; each tensor's
+    version counted). Returns (norm, the coefficient applied: 1.0 for none); a NaN or inf norm
+    scales nothing. None, with nothing read or written, where the kernel cannot take the
+    tensors: not all contiguous float32 CPU tensors with their own memory (two sharing memory
+    would be counted, and scaled, twice), an inference tensor, a tensor subclass with its own
+    dispatch, or one that records gradients while grad mode is on. Raises RuntimeError when the
+    kernels are unavailable."""
     _lib()
     taken, norm, coef = torch.ops.lmlab.clip_grads_(grads, float(max_norm))
     return (norm, coef) if taken else None

@@ -650,7 +650,6 @@ bool adamw_step_(at::TensorList params, at::TensorList grads, at::TensorList exp
   return true;
 }
 
-
 // Gradient clipping by the global L2 norm of the listed gradients in place (lmlab_grad_clip,
 // train_kernels.cpp): (true, the norm, the coefficient applied: 1 for none), each tensor it
 // scaled counted as written in its version, as torch's mul_ counts it. (false, 0, 1) with

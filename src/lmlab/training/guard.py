@@ -35,11 +35,11 @@ def clip_gradients(
     (:func:`lmlab.nn.train_kernel.clip_grads_`, which checks the tensors itself): the norm from
     a float64 sum of squares (torch's per-tensor float32 norms agree to a few float32 roundings:
     the coefficient may differ by a few ulps; a sum of squares past float32's range is an inf
-    norm, as torch's is), the
-    coefficient ``min(max_norm / (norm + 1e-6), 1)`` computed in float32 as torch computes it,
-    and a scaling pass only when it is below 1 (torch multiplies by 1 too). Otherwise (CUDA,
-    DTensor shards, bf16 gradients, no kernels, :data:`CLIP_KERNEL` off) exactly
-    ``torch.nn.utils.clip_grad_norm_`` (same operations, same bits).
+    norm, as torch's is), the coefficient ``min(max_norm / (norm + 1e-6), 1)`` computed in
+    float32 as torch computes it, and a scaling pass only when it is below 1 (torch multiplies
+    by 1 too). Otherwise (CUDA, DTensor shards, bf16 gradients, no kernels, torch.compile or a
+    torch dispatch mode, :data:`CLIP_KERNEL` off) exactly ``torch.nn.utils.clip_grad_norm_``
+    (same operations, same bits).
     """
     source = model.parameters() if params is None else params
     with_grad = [p for p in source if p.grad is not None]
@@ -74,9 +74,9 @@ def _clip_kernel(grads: list[torch.Tensor], max_norm: float) -> tuple[float, flo
     """lmlab's one-call clipping of ``grads`` (norm, coefficient), or None with nothing
     written where it does not apply: :data:`CLIP_KERNEL` off, under torch.compile or a torch
     dispatch mode (:func:`lmlab.nn.train_kernel.traced`: a tracer would fix the operator's answer
-    while the call still scales at run time, or see none of its work), a tensor
-    subclass among them (DTensor shards: their own dispatch), CUDA or bf16 gradients, no
-    kernels, or tensors the C++ operator refuses (:func:`lmlab.nn.train_kernel.clip_grads_`).
+    while the call still scales at run time, or see none of its work), a tensor subclass among
+    them (DTensor shards: their own dispatch), CUDA or bf16 gradients, no kernels, or tensors
+    the C++ operator refuses (:func:`lmlab.nn.train_kernel.clip_grads_`).
     The kernels are not built for a step they could not take: until they are, the operator's
     own checks are made here first."""
     from lmlab.nn import train_kernel
@@ -86,7 +86,6 @@ def _clip_kernel(grads: list[torch.Tensor], max_norm: float) -> tuple[float, flo
     f32, plain = torch.float32, torch.Tensor
     if not all(type(g) is plain and g.is_cpu and g.dtype is f32 for g in grads):
         return None
-
     if not train_kernel.loaded() and not _clip_could_take(grads):
         return None
     if not train_kernel.available():

@@ -270,12 +270,13 @@ class AdamW(torch.optim.AdamW):
     its parameters' dtype or device, its options or its state never builds them; one the C++
     operator refuses, e.g. for non-contiguous or overlapping tensors, may). Under
     torch.compile or a torch dispatch mode the step is torch's. Otherwise (CUDA, FSDP2, bf16
-    parameters ...) the step is torch's own.
-    Optimizer hooks run as for any torch optimizer."""
+    parameters ...) the step is torch's own. Optimizer hooks run as for any torch optimizer."""
 
     def step(self, closure: Any = None) -> Any:
+        from lmlab.nn.train_kernel import traced
+
         # traced (torch.compile, a dispatch mode): torch's step, whose ops a tracer sees
-        kernel = ADAMW_KERNEL and closure is None and not _traced()
+        kernel = ADAMW_KERNEL and closure is None and not traced()
         lists = self._kernel_lists() if kernel else None
         if lists is not None:
             with torch.no_grad():
@@ -454,10 +455,3 @@ def wsd_lr_at(step: int, cfg: TrainConfig) -> float:
     x = (step - start + 1) / (last - start + 1)  # (0, 1]: 1 at the last step
     f = 1.0 - (math.sqrt(x) if cfg.decay_shape == "sqrt" else x)
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * f
-
-
-def _traced() -> bool:
-    """:func:`lmlab.nn.train_kernel.traced` (imported on first use)."""
-    from lmlab.nn.train_kernel import traced
-
-    return traced()
