@@ -4,7 +4,8 @@
     python benchmarks/train_step_ab.py --phase-arch nanogpt,bf16 --rounds 300  # by phase
     python benchmarks/train_step_ab.py [--shapes nanogpt,minigpt] [--precisions fp32,bf16]
         [--rounds 20] [--threads 1] [--config CONFIG] [--reference] [--rope-kernel]
-        [--softmax-kernel] [--attention-kernel] [--norm-kernel] [--gelu-kernel]
+        [--softmax-kernel] [--attention-kernel] [--rope-attention] [--norm-kernel]
+        [--gelu-kernel]
         [--silu-kernel] [--bias-add-kernel] [--add-kernel] [--clip-kernel]
         [--adamw-kernel]
         [--allocator]
@@ -34,6 +35,10 @@ For each shape and precision it builds, in this one process:
 - **bmmattn** (``--attention-kernel``): lmlab's default with only the fused bf16 causal
   attention (``torch.ops.lmlab.causal_attention_bf16``, AVX512-BF16 CPUs) off, the three
   batched matmuls with the softmax kernel instead: ``lmlab fused attention kernel on/off``.
+- **splitrope** (``--rope-attention``): lmlab's default with only RoPE inside the fused
+  attention off (``torch.ops.lmlab.rope_causal_attention_bf16``,
+  ``lmlab.nn.attention.TRAIN_ROPE_ATTENTION``): the RoPE split kernel, then the fused
+  attention: ``lmlab rope in attention on/off``.
 - **torchnorm** (``--norm-kernel``): lmlab's default with only the C++ norm-to-bf16 kernel
   (:func:`lmlab.nn.train_kernel.norm_bf16`) off, the pre-norm blocks' norms as torch's float32
   norm then autocast's cast: ``lmlab norm kernel on/off``.
@@ -227,6 +232,12 @@ def main(argv: list[str] | None = None) -> None:
         "instead (bmmattn)",
     )
     ap.add_argument(
+        "--rope-attention",
+        action="store_true",
+        help="also lmlab with only RoPE inside the fused attention off: the split kernel, "
+        "then the attention (splitrope)",
+    )
+    ap.add_argument(
         "--norm-kernel",
         action="store_true",
         help="also lmlab with only its C++ norm-to-bf16 kernel off (torchnorm)",
@@ -387,6 +398,7 @@ OFF_CONTENDERS = (
     ("torchrope", "rope_kernel", "rope_kernel", "rope kernel"),
     ("torchsoftmax", "softmax_kernel", "softmax_kernel", "softmax kernel"),
     ("bmmattn", "attention_kernel", "attention_kernel", "fused attention kernel"),
+    ("splitrope", "rope_attention", "rope_attention", "rope in attention"),
     ("torchnorm", "norm_kernel", "norm_kernel", "norm kernel"),
     ("torchgelu", "gelu_kernel", "gelu_kernel", "gelu kernel"),
     ("biasedproj", "bias_add_kernel", "bias_add_kernel", "residual bias add"),
@@ -748,6 +760,7 @@ PATH_FLAGS = {
     "rope_kernel": ("nn.position", "TRAIN_ROPE_KERNEL"),
     "softmax_kernel": ("nn.attention_core", "TRAIN_SOFTMAX_KERNEL"),
     "attention_kernel": ("nn.attention_core", "TRAIN_FUSED_ATTENTION"),
+    "rope_attention": ("nn.attention", "TRAIN_ROPE_ATTENTION"),
     "norm_kernel": ("nn.norm", "TRAIN_NORM_KERNEL"),
     "add_kernel": ("nn.train_kernel", "TRAIN_ADD_KERNEL"),
     "gelu_kernel": ("nn.train_kernel", "TRAIN_GELU_KERNEL"),
@@ -769,6 +782,7 @@ def trainer_step(
     :data:`PATH_FLAGS`) False switch one off: ``rope_kernel`` the C++ RoPE kernel (RoPE as
     torch ops, as before it); ``softmax_kernel`` the causal softmax kernel (masked_fill +
     softmax); ``attention_kernel`` the fused bf16 attention (the batched matmuls instead);
+    ``rope_attention`` RoPE inside it (the split kernel first);
     ``norm_kernel`` the norm-to-bf16 kernel (torch's norm, then a cast); ``add_kernel`` the
     one-pass residual add (torch's x + y); ``gelu_kernel`` the MLP's bias + GELU operator
     (addmm and torch's gelu); ``bias_add_kernel`` the residual add's bias (the down

@@ -39,7 +39,7 @@ from lmlab.nn.attention_core import (  # noqa: F401  (re-exported from their old
 from lmlab.nn.fused import fusable_linears, fused_linear, global_hooks, linear
 from lmlab.nn.hooks import HookPoint
 from lmlab.nn.kv_cache import LayerCache, LayerKVCache, LinearAttentionState, SlidingWindowKVCache
-from lmlab.nn.masks import MASKS, MaskFn
+from lmlab.nn.masks import MASKS, MaskFn, causal_mask
 from lmlab.nn.norm import RMSNorm
 from lmlab.nn.position import PositionEncoding as PositionEncodingBase
 from lmlab.nn.position import RotaryPosition
@@ -52,6 +52,11 @@ if TYPE_CHECKING:
 # Training (gradients on): q, k and v as one matmul over their weights concatenated in the graph
 # (Attention.train_fused_qkv_weights); False runs the three projections (for A/B benchmarks).
 TRAIN_FUSED_QKV = True
+# bf16 CPU training with RoPE: the fused causal attention reads that matmul's output as it is and
+# rotates q and k itself (SoftmaxAttention.fused_rope_attention); False splits and rotates
+# first (lmlab.nn.rope_kernel.rope_split), then attends (A/B benchmarks: train_step_ab.py
+# --rope-attention).
+TRAIN_ROPE_ATTENTION = True
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 ATTENTION: Registry[type[nn.Module]] = Registry("attention", "model.attention.kind")
@@ -429,11 +434,73 @@ class SoftmaxAttention(Attention):
         outputs 0. ``cache`` (if given) holds the keys/values of earlier tokens and is extended in
         place.
         """
-        q, k, v = self.project(x, position, positions)
-        c = self.cached_keys(k, v, positions, key_mask, cache)  # k, v (B, K, S, hd)
-        bias = position.score_bias(positions, c.k.shape[2])  # (H, T, S) or None
-        y, _ = self.attend(q, c.k, c.v, c.mask_fn, c.key_mask, bias)
+        y = None
+        if cache is None and key_mask is None:
+            y = self.fused_rope_attention(x, position, positions)
+        if y is None:
+            q, k, v = self.project(x, position, positions)
+            c = self.cached_keys(k, v, positions, key_mask, cache)  # k, v (B, K, S, hd)
+            bias = position.score_bias(positions, c.k.shape[2])  # (H, T, S) or None
+            y, _ = self.attend(q, c.k, c.v, c.mask_fn, c.key_mask, bias)
         return AttentionOutput(self.merge_heads(y))
+
+    def fused_rope_attention(
+        self, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor
+    ) -> torch.Tensor | None:
+        """x (B, T, D) -> y (B, H, T, hd) (a view of a (B, T, H, hd) tensor) in one operator
+        call after the fused q/k/v matmul: torch.ops.lmlab.rope_causal_attention_bf16 rotates q
+        and k of the matmul's output (B, T, H + 2 K, hd) in one pass into one tensor (v copied),
+        attends over its strided heads, and its backward writes the gradient of that output
+        itself, dq and dk rotated back as they are written: what :meth:`project`'s RoPE split
+        kernel and :meth:`attend`'s fused causal attention compute, the same bits, without the
+        split's three tensors and its own pass backward (step 1.03x at nanoGPT's CPU shape,
+        1.00x at the Mini-GPT shape: benchmarks/README.md). None where it does not apply (the
+        caller projects and attends): it takes bf16 CPU training with the ``sdpa`` backend (the
+        fused attention preferred here, :func:`~lmlab.nn.attention_core.fused_attention_applies`),
+        the causal mask without padding or a cache, no dropout, 1 < T <= BMM_CAUSAL_MAX_T, RoPE
+        over every channel in the half-split layout with positions shared by the batch,
+        head_dim a multiple of 32, no q/k/v bias or head norms, no hook on q, k, v, the scores or
+        the pattern, and a class that keeps this module's projection and attention
+        (:data:`TRAIN_ROPE_ATTENTION` switches it off)."""
+        if not TRAIN_ROPE_ATTENTION or self.dropout_p or self.backend_fn is not attention_sdpa:
+            return None
+        if self.mask_fn is not causal_mask or not isinstance(position, RotaryPosition):
+            return None
+        cls = type(self)
+        if not (
+            cls.project is Attention.project
+            and cls.attend is Attention.attend
+            and cls.cached_keys is Attention.cached_keys
+            and type(position).score_bias is PositionEncodingBase.score_bias
+        ):
+            return None
+        from lmlab.nn import attention_core, train_kernel
+
+        points = (self.hook_q, self.hook_k, self.hook_v, self.hook_scores, self.hook_pattern)
+        b, t, _ = x.shape
+        hd = self.head_dim
+        if any(p.fns for p in points) or not (1 < t <= attention_core.BMM_CAUSAL_MAX_T):
+            return None
+        if hd % 32 or not attention_core.fused_attention_takes(hd, hd):
+            return None
+        if x.device.type != "cpu" or not position.split_kernel_ready():
+            return None
+        amp = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        if not (x.dtype == torch.bfloat16 or (amp and x.dtype == torch.float32)):
+            return None  # the matmul's output would not be bf16
+        if not self.joint_rotation(position) or not train_kernel.attention_bf16_preferred():
+            return None
+        tables = position.shared_tables(positions, torch.bfloat16)
+        fused = self.train_fused_qkv_weights(x)
+        if tables is None or fused is None or fused[1] is not None:
+            return None
+        if not (fused[0].requires_grad or x.requires_grad):
+            return None  # nothing to train: the kernel's backward would never run
+        h, kv = self.n_heads, self.n_kv_heads
+        qkv = F.linear(x, fused[0]).view(b, t, h + 2 * kv, hd)
+        if qkv.dtype != torch.bfloat16:
+            return None  # not what autocast was expected to give: the caller's path
+        return torch.ops.lmlab.rope_causal_attention_bf16(qkv, *tables, h, kv, self.scale)
 
     # ------------------------------------------------------------------ declared costs
     # What the module cannot show by its weights: per layer, for a ModelConfig (see

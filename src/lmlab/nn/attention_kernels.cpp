@@ -24,6 +24,15 @@
 // bf16 in each word), the layout P^T dO reads; the softmax backward reads row i from it by a
 // shift or a mask. dS goes the same way through a per-head scratch.
 //
+// RoPE with the kernel (torch.ops.lmlab.rope_causal_attention_bf16): lmlab_rope_qkv_bf16
+// rotates q and k of the fused q/k/v projection's output (B, T, H + 2 K, hd) row by row and
+// copies v, into one tensor the forward reads as strided q, k and v (the RoPE split's
+// arithmetic, rope_kernels.cpp: each product and the sum rounded to bf16, the same bits); the
+// backward writes dQ, dK and dV into the projection's gradient (B, T, H + 2 K, hd) itself, dQ
+// and dK rotated back per head while they are in cache (rope_split's backward, the same bits).
+// So the split's three tensors each way and its own backward pass are gone. Head dims that are
+// multiples of 32 (both halves whole vectors).
+//
 // Only built where the compiler targets AVX512-BF16 (lmlab.nn.train_kernel builds it with
 // -mavx512bf16 on CPUs that list avx512_bf16); elsewhere lmlab_causal_attention_bf16_available
 // returns 0 and the batched-matmul path runs.
@@ -35,6 +44,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #if defined(LMLAB_TRAIN_AVX512) && defined(__AVX512BF16__)
@@ -325,11 +335,11 @@ struct BackwardScratch {
 };
 
 // One (b, h) backward with its kv head packed in w.vt (v transposed) and w.kp (k in row pairs):
-// dq (t rows of hd, contiguous); dK / s and dV of this head into dk_acc and dv_acc (float32, t
-// rows of hd and hdv; stored when first, else added).
+// dq (t rows of hd, row i at dq + i ldq); dK / s and dV of this head into dk_acc and dv_acc
+// (float32, t rows of hd and hdv; stored when first, else added).
 void backward_head(const Rows& q, const Rows& g, const uint32_t* pairs, uint16_t* dq,
-                   float* dk_acc, float* dv_acc, const Shape& sh, float scale, bool first,
-                   BackwardScratch& w) {
+                   int64_t ldq, float* dk_acc, float* dv_acc, const Shape& sh, float scale,
+                   bool first, BackwardScratch& w) {
   const int64_t t = sh.t, hd = sh.hd, hdv = sh.hdv, tc = sh.tc, tr = sh.tr;
   pack_row_pairs(g, t, hdv, w.gp.data());
   pack_row_pairs(q, t, hd, w.qp.data());
@@ -353,7 +363,7 @@ void backward_head(const Rows& q, const Rows& g, const uint32_t* pairs, uint16_t
     // dQ rows = scale dS k over the pairs of keys j < i_end
     const uint32_t* d32 = reinterpret_cast<const uint32_t*>(w.dsl.data());
     row_block(m, d32, tc / 2, 1, w.kp.data(), hd, (i_end + 1) / 2, hd / kVec,
-              StoreBf16{dq + i0 * hd, hd, vs});
+              StoreBf16{dq + i0 * ldq, ldq, vs});
     for (int64_t r = 0; r < m; r += 2)
       interleave_rows<false>(w.dsl.data() + r * tc, w.dsl.data() + (r + 1) * tc, wr,
                              w.ds_pairs.data() + (i0 / 2 + r / 2) * tc);
@@ -376,6 +386,89 @@ void store_scaled(const float* x, int64_t n, float scale, uint16_t* y) {
 
 Rows head(const void* base, const int64_t* strides, int64_t b, int64_t h) {
   return Rows{static_cast<const uint16_t*>(base) + b * strides[0] + h * strides[1], strides[2]};
+}
+
+// The first row of head h of batch b in a writable (B, heads, T rows) tensor of those strides.
+uint16_t* head_rows(void* base, const int64_t* strides, int64_t b, int64_t h) {
+  return static_cast<uint16_t*>(base) + b * strides[0] + h * strides[1];
+}
+
+// ---- RoPE with the kernel -------------------------------------------------------------------
+
+// v rounded to bf16 (nearest even) and widened back, lane by lane, in integer arithmetic:
+// rope_kernels.cpp's round16 (no subnormal flush, unlike the AVX512-BF16 conversion), so the
+// rotation's bits are rope_split's.
+inline __m512 round_bf16x16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  return _mm512_castsi512_ps(
+      _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// v, already bf16-exact, stored as bf16 (its high halves: no second rounding, no flush).
+inline void store_exact16(__m512 v, uint16_t* p) {
+  const __m256i w = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), w);
+}
+
+// One row's tables as float32 (hd each, widened exactly from the bf16 tables): c = cos, and s
+// = sgn (the forward: sin with its first half negated) or, inverse, sgn[(i + hd/2) mod hd] (the
+// rotation back, rope_split's backward). hd a multiple of 32.
+inline void widen_row(const uint16_t* cos, const uint16_t* sgn, int64_t hd, bool inverse,
+                      float* c, float* s) {
+  const int64_t half = hd / 2;
+  for (int64_t i = 0; i < hd; i += kVec) {
+    const int64_t j = !inverse ? i : i < half ? i + half : i - half;
+    _mm512_storeu_ps(c + i, load16(cos + i));
+    _mm512_storeu_ps(s + i, load16(sgn + j));
+  }
+}
+
+// One head's row rotated: y[i] = x[i] c[i] + x[j] s[i], j = (i + hd/2) mod hd, each product and
+// the sum rounded to bf16 (rope_kernels.cpp's head16: the same operations in the same order).
+inline void rotate_row(const uint16_t* x, const float* c, const float* s, uint16_t* y,
+                       int64_t hd) {
+  const int64_t h = hd / 2;
+  for (int64_t i = 0; i < h; i += kVec) {
+    const __m512 lo = load16(x + i), hi = load16(x + h + i);
+    const __m512 a = round_bf16x16(_mm512_mul_ps(lo, _mm512_loadu_ps(c + i)));
+    const __m512 b = round_bf16x16(_mm512_mul_ps(hi, _mm512_loadu_ps(s + i)));
+    const __m512 a2 = round_bf16x16(_mm512_mul_ps(hi, _mm512_loadu_ps(c + h + i)));
+    const __m512 b2 = round_bf16x16(_mm512_mul_ps(lo, _mm512_loadu_ps(s + h + i)));
+    store_exact16(round_bf16x16(_mm512_add_ps(a, b)), y + i);
+    store_exact16(round_bf16x16(_mm512_add_ps(a2, b2)), y + h + i);
+  }
+}
+
+// n bf16 (a multiple of 32) copied, 64 bytes at a time.
+inline void copy_bf16(const uint16_t* x, int64_t n, uint16_t* y) {
+  for (int64_t i = 0; i < n; i += 32)
+    _mm512_storeu_si512(static_cast<void*>(y + i),
+                        _mm512_loadu_si512(static_cast<const void*>(x + i)));
+}
+
+// The backward's rotation back: the (T, hd) tables widened for the inverse, once a call.
+struct InverseTables {
+  int64_t hd;
+  std::vector<float> c, s;
+  InverseTables(const uint16_t* cos, const uint16_t* sgn, int64_t t, int64_t hd_)
+      : hd(hd_), c(t * hd_), s(t * hd_) {
+    for (int64_t r = 0; r < t; ++r)
+      widen_row(cos + r * hd, sgn + r * hd, hd, true, c.data() + r * hd, s.data() + r * hd);
+  }
+};
+
+// Rows [0, t) of src (hd contiguous bf16 each) written to dst (row r at dst + r ld): rotated
+// back (rope's inverse, row r by token r's tables) when rt is not null, else copied (hd a
+// multiple of 32 with rt, of 16 without).
+void put_rows(const uint16_t* src, int64_t t, int64_t hd, const InverseTables* rt, uint16_t* dst,
+              int64_t ld) {
+  for (int64_t r = 0; r < t; ++r) {
+    const uint16_t* x = src + r * hd;
+    if (rt) rotate_row(x, rt->c.data() + r * hd, rt->s.data() + r * hd, dst + r * ld, hd);
+    else std::copy(x, x + hd, dst + r * ld);
+  }
 }
 
 }  // namespace
@@ -429,31 +522,92 @@ extern "C" int lmlab_causal_attention_bf16_forward(const void* q, const int64_t*
 #endif
 }
 
+// RoPE of the fused q/k/v projection's output before the forward above: qkv (R = B T rows of
+// `heads` heads of hd, contiguous), the first rot_heads heads of each row (q and k) rotated by
+// the tables of its token (row % t; cos and sgn (T, hd) bf16), the others (v) copied, into out
+// (the same layout): rope_split's arithmetic (each product and the sum rounded to bf16, the
+// same bits) row by row, as that kernel runs, with the row's tables widened once for all its
+// heads. hd a multiple of 32. Returns 0, or -1 where not built.
+extern "C" int lmlab_rope_qkv_bf16(const void* qkv, int64_t rows, int64_t t, int64_t heads,
+                                   int64_t rot_heads, int64_t hd, const void* cos,
+                                   const void* sgn, void* out) {
+#ifdef LMLAB_ATTENTION_BF16
+  const auto* x = static_cast<const uint16_t*>(qkv);
+  auto* y = static_cast<uint16_t*>(out);
+  const auto* c16 = static_cast<const uint16_t*>(cos);
+  const auto* s16 = static_cast<const uint16_t*>(sgn);
+  at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+    std::vector<float> c(hd), s(hd);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t tt = r % t;
+      widen_row(c16 + tt * hd, s16 + tt * hd, hd, false, c.data(), s.data());
+      const uint16_t* xr = x + r * heads * hd;
+      uint16_t* yr = y + r * heads * hd;
+      for (int64_t n = 0; n < rot_heads; ++n)
+        rotate_row(xr + n * hd, c.data(), s.data(), yr + n * hd, hd);
+      copy_bf16(xr + rot_heads * hd, (heads - rot_heads) * hd, yr + rot_heads * hd);
+    }
+  });
+  return 0;
+#else
+  (void)qkv, (void)rows, (void)t, (void)heads, (void)rot_heads, (void)hd, (void)cos, (void)sgn;
+  (void)out;
+  return -1;
+#endif
+}
+
 // The backward of the forward above: g = dL/dout (B, H, T, hdv) with strides gs as q's; probs
-// what the forward wrote; dq (B, H, T, hd), dk (B, K, T, hd) and dv (B, K, T, hdv) contiguous,
-// dK and dV summed over the query heads of each kv head in float32, rounded once. Tasks: the
-// query heads of each (b, kv head) in `chunks` runs of consecutive heads (one run unless there
-// are fewer (b, kv head) pairs than threads: MQA at batch 1), each run summing its heads into
-// its own float32 buffer, the runs then summed in order. Returns 0, or -1 where not built.
-extern "C" int lmlab_causal_attention_bf16_backward(const void* q, const int64_t* qs,
-                                                    const void* k, const int64_t* ks,
-                                                    const void* v, const int64_t* vs,
-                                                    const void* g, const int64_t* gs,
-                                                    const void* probs, void* dq, void* dk, void* dv,
-                                                    int64_t b, int64_t h, int64_t kv, int64_t t,
-                                                    int64_t hd, int64_t hdv, float scale) {
+// what the forward wrote; dq (B, H, T, hd), dk (B, K, T, hd) and dv (B, K, T, hdv) with element
+// strides dqs, dks, dvs ({B, heads, T}, rows contiguous: the q/k/v projection's gradient
+// (B, T, H + 2 K, hd) itself under RoPE), dK and dV summed over the query heads of each kv head
+// in float32, rounded once. rope_cos / rope_sgn: null, or the (T, hd) bf16 tables by which
+// lmlab_rope_qkv_bf16 rotated q and k before the forward (hd a multiple of 32): dQ and dK are
+// rotated back as they are written (rope_split's backward, the same bits). Tasks: the query
+// heads of each (b, kv head) in `chunks` runs of consecutive heads (one run unless there are
+// fewer (b, kv head) pairs than threads: MQA at batch 1), each run summing its heads into its
+// own float32 buffer, the runs then summed in order. Returns 0, or -1 where not built.
+extern "C" int lmlab_causal_attention_bf16_backward(
+    const void* q, const int64_t* qs, const void* k, const int64_t* ks, const void* v,
+    const int64_t* vs, const void* g, const int64_t* gs, const void* probs, void* dq,
+    const int64_t* dqs, void* dk, const int64_t* dks, void* dv, const int64_t* dvs, int64_t b,
+    int64_t h, int64_t kv, int64_t t, int64_t hd, int64_t hdv, float scale, const void* rope_cos,
+    const void* rope_sgn) {
 #ifdef LMLAB_ATTENTION_BF16
   const Shape sh(t, hd, hdv);
   const int64_t rep = h / kv, groups = b * kv;
   const int64_t threads = at::get_num_threads();
   const int64_t chunks = groups >= threads ? 1 : std::min(rep, (threads + groups - 1) / groups);
   const int64_t per = (rep + chunks - 1) / chunks;  // query heads per run
+  std::unique_ptr<InverseTables> rope;
+  if (rope_cos)
+    rope = std::make_unique<InverseTables>(static_cast<const uint16_t*>(rope_cos),
+                                           static_cast<const uint16_t*>(rope_sgn), t, hd);
+  const InverseTables* rt = rope.get();
+  // dK (times scale) and dV of kv head (bi, ki) from their float32 sums: rounded once to bf16,
+  // then dK rotated back when the forward rotated; `tmp` t max(hd, hdv) bf16
+  auto finish_kv = [&](const float* acc_k_, const float* acc_v_, int64_t bi, int64_t ki,
+                       uint16_t* tmp) {
+    uint16_t *dk_rows = head_rows(dk, dks, bi, ki), *dv_rows = head_rows(dv, dvs, bi, ki);
+    if (!rt && dks[2] == hd) {  // contiguous rows: rounded in place
+      store_scaled(acc_k_, t * hd, scale, dk_rows);
+    } else {
+      store_scaled(acc_k_, t * hd, scale, tmp);
+      put_rows(tmp, t, hd, rt, dk_rows, dks[2]);
+    }
+    if (dvs[2] == hdv) {
+      store_scaled(acc_v_, t * hdv, 1.0f, dv_rows);
+    } else {
+      store_scaled(acc_v_, t * hdv, 1.0f, tmp);
+      put_rows(tmp, t, hdv, nullptr, dv_rows, dvs[2]);
+    }
+  };
   // one run: each task's own buffers, rounded into dk and dv at its end; several: all of them
   const int64_t shared = chunks > 1 ? groups * chunks : 0;
   std::vector<float> acc_k(shared * t * hd), acc_v(shared * t * hdv);
   at::parallel_for(0, groups * chunks, 1, [&](int64_t n0, int64_t n1) {
     BackwardScratch w(sh);
     std::vector<float> own_k(chunks > 1 ? 0 : t * hd), own_v(chunks > 1 ? 0 : t * hdv);
+    std::vector<uint16_t> tmp(t * std::max(hd, hdv));  // dQ before its rotation; dK, dV rounded
     for (int64_t n = n0; n < n1; ++n) {
       const int64_t group = n / chunks, c = n % chunks, bi = group / kv, ki = group % kv;
       const int64_t h0 = ki * rep + c * per, h1 = std::min(ki * rep + rep, h0 + per);
@@ -468,19 +622,20 @@ extern "C" int lmlab_causal_attention_bf16_backward(const void* q, const int64_t
       pack_row_pairs(head(k, ks, bi, ki), t, hd, w.kp.data());
       for (int64_t hi = h0; hi < h1; ++hi) {
         const int64_t bh = bi * h + hi;
+        uint16_t* dq_rows = head_rows(dq, dqs, bi, hi);
+        // rotated back from a scratch when the forward rotated, else written in place
         backward_head(head(q, qs, bi, hi), head(g, gs, bi, hi),
                       static_cast<const uint32_t*>(probs) + bh * sh.tr * sh.tc,
-                      static_cast<uint16_t*>(dq) + bh * t * hd, dk_acc, dv_acc, sh, scale,
-                      hi == h0, w);
+                      rope ? tmp.data() : dq_rows, rope ? hd : dqs[2], dk_acc, dv_acc, sh,
+                      scale, hi == h0, w);
+        if (rope) put_rows(tmp.data(), t, hd, rt, dq_rows, dqs[2]);
       }
-      if (chunks == 1) {
-        store_scaled(dk_acc, t * hd, scale, static_cast<uint16_t*>(dk) + group * t * hd);
-        store_scaled(dv_acc, t * hdv, 1.0f, static_cast<uint16_t*>(dv) + group * t * hdv);
-      }
+      if (chunks == 1) finish_kv(dk_acc, dv_acc, bi, ki, tmp.data());
     }
   });
   if (chunks == 1) return 0;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<uint16_t> tmp(t * std::max(hd, hdv));
     for (int64_t group = g0; group < g1; ++group) {  // the runs in order, then one rounding
       float* k0 = acc_k.data() + group * chunks * t * hd;
       float* v0 = acc_v.data() + group * chunks * t * hdv;
@@ -488,15 +643,14 @@ extern "C" int lmlab_causal_attention_bf16_backward(const void* q, const int64_t
         for (int64_t i = 0; i < t * hd; ++i) k0[i] += k0[c * t * hd + i];
         for (int64_t i = 0; i < t * hdv; ++i) v0[i] += v0[c * t * hdv + i];
       }
-      store_scaled(k0, t * hd, scale, static_cast<uint16_t*>(dk) + group * t * hd);
-      store_scaled(v0, t * hdv, 1.0f, static_cast<uint16_t*>(dv) + group * t * hdv);
+      finish_kv(k0, v0, group / kv, group % kv, tmp.data());
     }
   });
   return 0;
 #else
   (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)g, (void)gs, (void)probs;
-  (void)dq, (void)dk, (void)dv, (void)b, (void)h, (void)kv, (void)t, (void)hd, (void)hdv;
-  (void)scale;
+  (void)dq, (void)dqs, (void)dk, (void)dks, (void)dv, (void)dvs, (void)b, (void)h, (void)kv;
+  (void)t, (void)hd, (void)hdv, (void)scale, (void)rope_cos, (void)rope_sgn;
   return -1;
 #endif
 }

@@ -531,6 +531,22 @@ class RotaryPosition(PositionEncoding):
         # an even head_dim; the bias dtype above; qkv is (B, T, H + 2 K, hd) by construction)
         return rope_split_op(qkv, cos, signed, h, kv, bias)
 
+    def shared_tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(cos, signed), each (T, hd) in ``dtype`` (signed: sin with its first half negated),
+        the tables a kernel that rotates q and k itself reads
+        (torch.ops.lmlab.rope_causal_attention_bf16, :meth:`lmlab.nn.attention.SoftmaxAttention.
+        fused_rope_attention`): positions (T,) shared by the batch, the half-split layout over
+        every channel, tables that record no gradient; None otherwise. Kept as
+        :meth:`rotation` keeps them."""
+        if self.interleaved or self.rotary_dim != self.head_dim or positions.dim() != 1:
+            return None
+        cos, _, signed = self._rotation(positions, dtype)
+        if signed is None or cos.requires_grad or cos.dim() != 2:
+            return None
+        return cos, signed
+
     def rotation(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:

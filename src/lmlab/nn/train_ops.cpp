@@ -36,6 +36,13 @@
 //                                                      have fewer heads (GQA); y is a
 //                                                      (B, H, T, hdv) view of a (B, T, H,
 //                                                      hdv) tensor (attention_kernels.cpp)
+//   rope_causal_attention_bf16(qkv, cos, signed,       the same of the fused q/k/v
+//                              h, kv, scale) -> y      projection's output (B, T, h + 2 kv,
+//                                                      hd), q and k rotated (RoPE) in one
+//                                                      pass into one tensor it keeps; its
+//                                                      backward writes that output's
+//                                                      gradient itself (rope_split's bits,
+//                                                      without its tensors and passes)
 //
 // Each computes what its Python twin computed (lmlab.nn.train_kernel.NormBf16Function until
 // the fifth session; lmlab.nn.attention_core._CausalAttentionBmm, still the fallback where the
@@ -352,10 +359,12 @@ struct CausalAttentionBf16 : public torch::autograd::Function<CausalAttentionBf1
     const int64_t ks[3] = {k.stride(0), k.stride(1), k.stride(2)};
     const int64_t vs[3] = {v.stride(0), v.stride(1), v.stride(2)};
     const int64_t gs[3] = {g.stride(0), g.stride(1), g.stride(2)};
+    const int64_t dqs[3] = {h * t * hd, t * hd, hd}, dks[3] = {kv * t * hd, t * hd, hd};
+    const int64_t dvs[3] = {kv * t * hdv, t * hdv, hdv};
     lmlab_causal_attention_bf16_backward(
         q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs, g.data_ptr(), gs, probs.data_ptr(),
-        dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), b, h, kv, t, hd, hdv,
-        static_cast<float>(ctx->saved_data["scale"].toDouble()));
+        dq.data_ptr(), dqs, dk.data_ptr(), dks, dv.data_ptr(), dvs, b, h, kv, t, hd, hdv,
+        static_cast<float>(ctx->saved_data["scale"].toDouble()), nullptr, nullptr);
     return {dq, dk, dv, at::Tensor()};
   }
 };
@@ -376,6 +385,106 @@ at::Tensor causal_attention_bf16(const at::Tensor& q, const at::Tensor& k, const
   TORCH_CHECK(lmlab_causal_attention_bf16_available() == 1,
               "lmlab.causal_attention_bf16: not built here (it needs a CPU with AVX512-BF16)");
   return CausalAttentionBf16::apply(q, k, v, scale);
+}
+
+// ---- rope_causal_attention_bf16 -------------------------------------------------------------
+
+// A (B, T, H + 2 K, hd) bf16 tensor (the rotated q/k/v projection, or its gradient) as the
+// kernel's q, k and v: its head ranges, element strides {B, heads, T} = {T W, hd, W}, W = (H +
+// 2 K) hd.
+struct QkvViews {
+  const uint16_t* base;
+  int64_t st[3];
+  const void* q() const { return base; }
+  const void* k(int64_t h) const { return base + h * st[1]; }
+  const void* v(int64_t h, int64_t kv) const { return base + (h + kv) * st[1]; }
+  QkvViews(const void* p, int64_t t, int64_t heads, int64_t hd)
+      : base(static_cast<const uint16_t*>(p)), st{t * heads * hd, hd, heads * hd} {}
+};
+
+constexpr const char* kRopeNoDoubleBackward =
+    "lmlab.rope_causal_attention_bf16: no second-order gradients (create_graph=True, e.g. a "
+    "gradient penalty): its saved tensors carry no graph back to qkv; use "
+    "model.attention.backend: math for them";
+
+struct RopeCausalAttentionBf16 : public torch::autograd::Function<RopeCausalAttentionBf16> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& qkv_in,
+                            const at::Tensor& cos_in, const at::Tensor& sgn_in, int64_t h,
+                            int64_t kv, double scale) {
+    const at::Tensor qkv = qkv_in.resolve_neg().contiguous();  // read row by row, not kept
+    const at::Tensor cos = cos_in.resolve_neg().contiguous();
+    const at::Tensor sgn = sgn_in.resolve_neg().contiguous();
+    const int64_t b = qkv.size(0), t = qkv.size(1), heads = qkv.size(2), hd = qkv.size(3);
+    const int64_t tr = (t + 1) / 2, tc = (t + 15) / 16 * 16;
+    at::Tensor out = at::empty({b, t, h, hd}, qkv.options());  // token-major, as above
+    at::Tensor probs = at::empty({b * h, tr, tc}, qkv.options().dtype(at::kInt));
+    // q and k rotated, v copied: what the attention and its backward read (the split's q, k
+    // and v in one tensor; qkv itself is not kept)
+    at::Tensor rotated = at::empty({b, t, heads, hd}, qkv.options());
+    lmlab_rope_qkv_bf16(qkv.data_ptr(), b * t, t, heads, h + kv, hd, cos.data_ptr(),
+                        sgn.data_ptr(), rotated.data_ptr());
+    const QkvViews r(rotated.data_ptr(), t, heads, hd);
+    lmlab_causal_attention_bf16_forward(r.q(), r.st, r.k(h), r.st, r.v(h, kv), r.st,
+                                        out.data_ptr(), probs.data_ptr(), b, h, kv, t, hd, hd,
+                                        static_cast<float>(scale));
+    ctx->save_for_backward({rotated, cos, sgn, probs});
+    ctx->saved_data["h"] = h;
+    ctx->saved_data["kv"] = kv;
+    ctx->saved_data["scale"] = scale;
+    return out.permute({0, 2, 1, 3});
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK(!at::GradMode::is_enabled(), kRopeNoDoubleBackward);
+    const auto saved = ctx->get_saved_variables();
+    // the forward's rotated q and k and its copy of v, (B, T, h + 2 kv, hd)
+    const at::Tensor &rotated = saved[0], &cos = saved[1], &sgn = saved[2], &probs = saved[3];
+    const int64_t h = ctx->saved_data["h"].toInt(), kv = ctx->saved_data["kv"].toInt();
+    const int64_t b = rotated.size(0), t = rotated.size(1), heads = rotated.size(2);
+    const int64_t hd = rotated.size(3);
+    variable_list result(6);  // dqkv; the tables, h, kv and scale have none
+    if (grads[0]._is_zerotensor()) {  // a gradient known to be 0 (it has no data to read)
+      result[0] = at::zeros_like(rotated);
+      return result;
+    }
+    check_cpu(grads[0], "rope_causal_attention_bf16", "the output's gradient");
+    const at::Tensor g = pair_readable(grads[0].to(at::kBFloat16));
+    at::Tensor dqkv = at::empty({b, t, heads, hd}, rotated.options());
+    const QkvViews x(rotated.data_ptr(), t, heads, hd);
+    const QkvViews dx(dqkv.data_ptr(), t, heads, hd);
+    auto* d = const_cast<uint16_t*>(dx.base);
+    const int64_t gs[3] = {g.stride(0), g.stride(1), g.stride(2)};
+    lmlab_causal_attention_bf16_backward(
+        x.q(), x.st, x.k(h), x.st, x.v(h, kv), x.st, g.data_ptr(), gs, probs.data_ptr(), d,
+        dx.st, d + h * hd, dx.st, d + (h + kv) * hd, dx.st, b, h, kv, t, hd, hd,
+        static_cast<float>(ctx->saved_data["scale"].toDouble()), cos.data_ptr(), sgn.data_ptr());
+    result[0] = dqkv;
+    return result;
+  }
+};
+
+at::Tensor rope_causal_attention_bf16(const at::Tensor& qkv, const at::Tensor& cos,
+                                      const at::Tensor& sgn, int64_t h, int64_t kv, double scale) {
+  check_cpu(qkv, "rope_causal_attention_bf16", "qkv");
+  TORCH_CHECK(qkv.dim() == 4 && qkv.scalar_type() == at::kBFloat16 && h >= 1 && kv >= 1 &&
+                  h % kv == 0 && qkv.size(2) == h + 2 * kv && qkv.size(1) >= 1,
+              "lmlab.rope_causal_attention_bf16: qkv must be bfloat16 (B, T, h + 2 kv, hd), T >= "
+              "1, kv dividing h");
+  const int64_t t = qkv.size(1), hd = qkv.size(3);
+  TORCH_CHECK(hd >= 32 && hd % 32 == 0,
+              "lmlab.rope_causal_attention_bf16: head_dim must be a multiple of 32, not ", hd);
+  for (const auto* table : {&cos, &sgn}) {
+    check_cpu(*table, "rope_causal_attention_bf16", "cos and signed");
+    TORCH_CHECK(table->scalar_type() == at::kBFloat16 && table->dim() == 2 &&
+                    table->size(0) == t && table->size(1) == hd,
+                "lmlab.rope_causal_attention_bf16: cos and signed must be (T, hd) bfloat16");
+  }
+  TORCH_CHECK(!at::GradMode::is_enabled() || !(cos.requires_grad() || sgn.requires_grad()),
+              "lmlab.rope_causal_attention_bf16: cos and signed must not require grad (their "
+              "gradient is not computed)");
+  TORCH_CHECK(lmlab_causal_attention_bf16_available() == 1,
+              "lmlab.rope_causal_attention_bf16: not built here (it needs a CPU with AVX512-BF16)");
+  return RopeCausalAttentionBf16::apply(qkv, cos, sgn, h, kv, scale);
 }
 
 // ---- add_f32_bf16 ---------------------------------------------------------------------------
@@ -686,6 +795,9 @@ TORCH_LIBRARY_FRAGMENT(lmlab, m) {
   m.def("causal_attention_bmm(Tensor q, Tensor k, Tensor v, float scale, bool kernel) -> Tensor");
   m.def("add_f32_bf16(Tensor x, Tensor y, Tensor? bias=None) -> Tensor");
   m.def("causal_attention_bf16(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def(
+      "rope_causal_attention_bf16(Tensor qkv, Tensor cos, Tensor signed, int h, int kv, "
+      "float scale) -> Tensor");
   m.def("gelu_bf16(Tensor u, Tensor? bias, bool tanh=False) -> Tensor");
   m.def("silu_mul_bf16(Tensor gate, Tensor up) -> Tensor");
   m.def(
@@ -700,6 +812,7 @@ TORCH_LIBRARY_IMPL(lmlab, CompositeImplicitAutograd, m) {
   m.impl("causal_attention_bmm", causal_attention_bmm);
   m.impl("add_f32_bf16", add_f32_bf16);
   m.impl("causal_attention_bf16", causal_attention_bf16);
+  m.impl("rope_causal_attention_bf16", rope_causal_attention_bf16);
   m.impl("gelu_bf16", gelu_bf16);
   m.impl("silu_mul_bf16", silu_mul_bf16);
   m.impl("adamw_step_", adamw_step_);
