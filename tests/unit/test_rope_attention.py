@@ -301,3 +301,69 @@ def test_rope_in_attention_keeps_the_default_models_training_losses(monkeypatch)
     on = losses(True)
     assert took and all(took)
     assert on == losses(False)
+
+
+@needs_fused
+def test_rope_in_attention_and_the_attention_take_an_empty_batch():
+    # B = 0 (an empty batch) gave a division by zero in the backward's share-out of heads
+    cos, sgn = _tables(8, 32)
+    x = torch.randn(0, 8, 6, 32).bfloat16().requires_grad_()
+    y = torch.ops.lmlab.rope_causal_attention_bf16(x, cos, sgn, 2, 2, 0.2)
+    y.sum().backward()
+    assert y.shape == (0, 2, 8, 32) and x.grad is not None and x.grad.shape == x.shape
+    q = torch.randn(0, 2, 8, 32).bfloat16().requires_grad_()
+    torch.ops.lmlab.causal_attention_bf16(q, q, q, 0.2).sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape
+
+
+@preferred
+def test_a_training_forward_through_rope_in_attention_makes_fused_inference_weights_stale(
+    monkeypatch,
+):
+    # the no_grad forwards' fused q/k/v copy (lmlab.nn.fused) goes stale after a training
+    # forward, which covers a hand-written update (p.data -= lr * p.grad) no counter sees
+    from lmlab.nn.fused import drop_fused
+
+    cfg = tiny_model_config(37, d_model=64, attention={"n_heads": 2})
+    torch.manual_seed(0)
+    m = build_model(cfg)
+    x = torch.randint(0, 37, (2, 16))
+    took = _took(monkeypatch)
+    m.eval()
+    with torch.no_grad():
+        m(x)  # builds the fused copy
+    m.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m(x, targets=x).loss.backward()
+    assert took and all(took[-cfg.n_layers :])
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.grad is not None:
+                p.data -= 0.5 * p.grad
+    m.eval()
+    with torch.no_grad():
+        got = m(x).logits
+        drop_fused(m)
+        assert torch.equal(got, m(x).logits)
+
+
+@preferred
+def test_rope_in_attention_steps_aside_for_a_rope_that_splits_its_own_way(monkeypatch):
+    from lmlab.nn.position import RotaryPosition
+
+    calls: list[int] = []
+
+    class OwnSplit(RotaryPosition):
+        def rotate_split(self, *args, **kwargs):
+            calls.append(1)
+            return None  # the caller splits and rotates with torch ops
+
+    cfg = tiny_model_config(37, d_model=64, attention={"n_heads": 2})
+    torch.manual_seed(0)
+    m = build_model(cfg)
+    m.position.__class__ = OwnSplit
+    took = _took(monkeypatch)
+    x = torch.randint(0, 37, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m(x, targets=x).loss.backward()
+    assert not any(took) and len(calls) == cfg.n_layers

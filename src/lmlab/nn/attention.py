@@ -36,7 +36,7 @@ from lmlab.nn.attention_core import (  # noqa: F401  (re-exported from their old
     attention_sdpa,
     repeat_kv,
 )
-from lmlab.nn.fused import fusable_linears, fused_linear, global_hooks, linear
+from lmlab.nn.fused import fusable_linears, fused_linear, global_hooks, linear, training_forward
 from lmlab.nn.hooks import HookPoint
 from lmlab.nn.kv_cache import LayerCache, LayerKVCache, LinearAttentionState, SlidingWindowKVCache
 from lmlab.nn.masks import MASKS, MaskFn, causal_mask
@@ -462,18 +462,23 @@ class SoftmaxAttention(Attention):
         head_dim a multiple of 32, no q/k/v bias or head norms, no hook on q, k, v, the scores or
         the pattern, and a class that keeps this module's projection and attention
         (:data:`TRAIN_ROPE_ATTENTION` switches it off)."""
-        if not TRAIN_ROPE_ATTENTION or self.dropout_p or self.backend_fn is not attention_sdpa:
+        if not (TRAIN_ROPE_ATTENTION and torch.is_grad_enabled()) or self.dropout_p:
+            return None  # training only (inference keeps torch's fused attention)
+        if self.backend_fn is not attention_sdpa:
             return None
         if self.mask_fn is not causal_mask or not isinstance(position, RotaryPosition):
             return None
-        cls = type(self)
+        cls, kind = type(self), type(position)
         if not (
             cls.project is Attention.project
             and cls.attend is Attention.attend
             and cls.cached_keys is Attention.cached_keys
-            and type(position).score_bias is PositionEncodingBase.score_bias
+            and kind.score_bias is PositionEncodingBase.score_bias
+            and kind.rotate_split is RotaryPosition.rotate_split  # what project would call
         ):
             return None
+        if getattr(self.q_proj, "bias", None) is not None or positions.dim() != 1:
+            return None  # a q/k/v bias, per-row positions: the split path
         from lmlab.nn import attention_core, train_kernel
 
         points = (self.hook_q, self.hook_k, self.hook_v, self.hook_scores, self.hook_pattern)
@@ -491,11 +496,14 @@ class SoftmaxAttention(Attention):
         if not self.joint_rotation(position) or not train_kernel.attention_bf16_preferred():
             return None
         tables = position.shared_tables(positions, torch.bfloat16)
+        if tables is None:
+            return None
         fused = self.train_fused_qkv_weights(x)
-        if tables is None or fused is None or fused[1] is not None:
+        if fused is None or fused[1] is not None:
             return None
         if not (fused[0].requires_grad or x.requires_grad):
             return None  # nothing to train: the kernel's backward would never run
+        training_forward()  # project's fused_linear would have noted it (stale no_grad copies)
         h, kv = self.n_heads, self.n_kv_heads
         qkv = F.linear(x, fused[0]).view(b, t, h + 2 * kv, hd)
         if qkv.dtype != torch.bfloat16:

@@ -573,6 +573,7 @@ extern "C" int lmlab_causal_attention_bf16_backward(
     int64_t h, int64_t kv, int64_t t, int64_t hd, int64_t hdv, float scale, const void* rope_cos,
     const void* rope_sgn) {
 #ifdef LMLAB_ATTENTION_BF16
+  if (b == 0 || t == 0) return 0;  // nothing to write (and no threads to share out: no groups)
   const Shape sh(t, hd, hdv);
   const int64_t rep = h / kv, groups = b * kv;
   const int64_t threads = at::get_num_threads();

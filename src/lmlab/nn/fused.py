@@ -195,6 +195,13 @@ def _bump(*_: object) -> None:
     _generation += 1
 
 
+def training_forward() -> None:
+    """Note a gradient-enabled forward of a fusable module that does not pass through
+    :func:`fused_weights` (lmlab.nn.attention.SoftmaxAttention.fused_rope_attention): every
+    fused copy goes stale, as one made by such a forward does (the module docstring)."""
+    _bump()
+
+
 def _watch_optimizers() -> None:
     """Register :func:`_bump` as a global ``torch.optim`` step post-hook, once."""
     global _step_hook
