@@ -266,6 +266,7 @@ def test_rope_in_attention_steps_aside_for_hooks_padding_eval_and_float32(monkey
         with torch.no_grad():
             m(x)  # no gradients: inference
         m(x[:, :1])  # one token
+        m(x, position_ids=torch.arange(16).expand(2, 16))  # per-row positions
     m(x, targets=x)  # float32
     assert not any(took)
 

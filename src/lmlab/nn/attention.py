@@ -477,8 +477,8 @@ class SoftmaxAttention(Attention):
             and kind.rotate_split is RotaryPosition.rotate_split  # what project would call
         ):
             return None
-        if getattr(self.q_proj, "bias", None) is not None or positions.dim() != 1:
-            return None  # a q/k/v bias, per-row positions: the split path
+        if getattr(self.q_proj, "bias", None) is not None:
+            return None  # a q/k/v bias: the split path (checked before any weight is joined)
         from lmlab.nn import attention_core, train_kernel
 
         points = (self.hook_q, self.hook_k, self.hook_v, self.hook_scores, self.hook_pattern)

@@ -451,8 +451,8 @@ struct RopeCausalAttentionBf16 : public torch::autograd::Function<RopeCausalAtte
     const at::Tensor g = pair_readable(grads[0].to(at::kBFloat16));
     at::Tensor dqkv = at::empty({b, t, heads, hd}, rotated.options());
     const QkvViews x(rotated.data_ptr(), t, heads, hd);
-    const QkvViews dx(dqkv.data_ptr(), t, heads, hd);
-    auto* d = const_cast<uint16_t*>(dx.base);
+    const QkvViews dx(dqkv.data_ptr(), t, heads, hd);  // its strides; written through d
+    auto* d = static_cast<uint16_t*>(dqkv.data_ptr());
     const int64_t gs[3] = {g.stride(0), g.stride(1), g.stride(2)};
     lmlab_causal_attention_bf16_backward(
         x.q(), x.st, x.k(h), x.st, x.v(h, kv), x.st, g.data_ptr(), gs, probs.data_ptr(), d,
